@@ -1,0 +1,37 @@
+"""Grimoire: post-training for LLMs — one training loop, pluggable methods."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .callbacks import ExactMatchCallback, TrainerCallback
+    from .config import TrainingConfig
+    from .trainer import GrimoireTrainer
+
+_LAZY = {
+    "GrimoireTrainer": "grimoire.trainer",
+    "TrainingConfig": "grimoire.config",
+    "TrainerCallback": "grimoire.callbacks",
+    "ExactMatchCallback": "grimoire.callbacks",
+}
+
+__all__ = [
+    "ExactMatchCallback",
+    "GrimoireTrainer",
+    "TrainerCallback",
+    "TrainingConfig",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # Lazy so `import grimoire` (and the CLI's --help) stays fast; accelerate/transformers load
+    # on first use of the trainer.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'grimoire' has no attribute {name!r}")

@@ -1,0 +1,8 @@
+"""``python -m grimoire [train|validate] ...``: the same entry point as the ``grimoire`` script."""
+
+import sys
+
+from .train import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""Atomic checkpoints: an HF-format model plus optimizer / scheduler / RNG / data-position state.
+
+Layout of ``output_dir/checkpoint-<step>/``:
+``model.safetensors`` + ``config.json`` (or ``adapter_model.safetensors`` for LoRA), tokenizer
+files, ``optimizer.pt``, ``scheduler.pt``, ``rng_state_<rank>.pt`` and ``trainer_state.json``.
+Everything is written into ``.tmp-checkpoint-<step>`` first and renamed when complete, so a crash
+mid-save never leaves a checkpoint that looks valid but is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PREFIX = "checkpoint-"
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    """Where training is: enough to resume exactly."""
+
+    global_step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0  # optimizer steps already done in ``epoch``
+    tokens_seen: int = 0  # input tokens, all ranks
+    loss_tokens_seen: float = 0.0  # loss units (e.g. trained tokens), all ranks
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``output_dir``, oldest first."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = re.fullmatch(rf"{PREFIX}(\d+)", p.name)
+        if m and p.is_dir() and (p / STATE_FILE).exists():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume_path(spec: str, output_dir: str | Path) -> Path | None:
+    """``"latest"`` -> newest checkpoint in ``output_dir`` (None if there is none); else the path."""
+    if spec == "latest":
+        ckpts = list_checkpoints(output_dir)
+        return ckpts[-1] if ckpts else None
+    path = Path(spec)
+    if not (path / STATE_FILE).exists():
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={spec!r}: no {STATE_FILE} there; pass a checkpoint-<step> "
+            f"folder or 'latest'"
+        )
+    return path
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_state(folder: Path, state: TrainerState, extra: dict[str, Any] | None = None) -> None:
+    data = {**asdict(state), **(extra or {})}
+    (folder / STATE_FILE).write_text(json.dumps(data, indent=2))
+
+
+def read_state(folder: Path) -> TrainerState:
+    data = json.loads((folder / STATE_FILE).read_text())
+    fields = TrainerState.__dataclass_fields__
+    return TrainerState(**{k: v for k, v in data.items() if k in fields})
+
+
+def torch_load(path: Path) -> Any:
+    """``torch.load`` restricted to tensors and plain containers (never arbitrary pickles)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def begin(output_dir: Path, step: int) -> tuple[Path, Path]:
+    """(temporary folder to write into, final folder) for checkpoint ``step``."""
+    final = output_dir / f"{PREFIX}{step}"
+    tmp = output_dir / f".tmp-{PREFIX}{step}"
+    return tmp, final
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Atomically publish a fully written checkpoint folder."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def rotate(output_dir: Path, limit: int | None) -> list[Path]:
+    """Delete the oldest checkpoints beyond ``limit``; returns the deleted folders."""
+    if limit is None:
+        return []
+    ckpts = list_checkpoints(output_dir)
+    doomed = ckpts[: max(0, len(ckpts) - limit)]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load HF-format weights (full model, sharded or not, or a peft adapter) into ``model``."""
+    from safetensors.torch import load_file
+
+    if (folder / "adapter_model.safetensors").exists():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
+        return
+    index = folder / "model.safetensors.index.json"
+    files = (
+        sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        if index.exists()
+        else [folder / "model.safetensors"]
+    )
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    result = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or {})
+    missing = [k for k in result.missing_keys if k not in tied and not k.endswith("lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(
+            f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
+            f"unexpected {result.unexpected_keys[:5]}"
+        )

@@ -1,0 +1,516 @@
+"""The YAML/CLI schema of ``grimoire train``: loading, overrides, mini_trainer flags, validation.
+
+Nothing here loads a model or a dataset: :func:`validate_config` only reads the config (and
+imports the loss/tokenizer/callback classes it names, to check their arguments), so every
+problem in every section is reported in one :class:`ConfigError` before anything expensive runs.
+See ``docs/cli.md`` for the schema and the flag mapping.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import inspect
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import registry
+from .config import TrainingConfig, check_type
+from .data.sources import source_problems
+from .errors import ConfigError, did_you_mean
+
+#: The embedded default run (``python -m grimoire.train`` with no ``--config``).
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "assets" / "quickstart.yaml"
+
+TOP_KEYS = (
+    "model",
+    "dataset",
+    "eval_dataset",
+    "loss",
+    "peft",
+    "training",
+    "callbacks",
+    "save_to",
+    "wandb",
+)
+MODEL_KEYS: dict[str, Any] = {
+    "name_or_path": str,
+    "dtype": str,
+    "trust_remote_code": bool,
+    "attn_implementation": str | None,
+    "tokenizer": str | None,
+    "quantization": dict | None,
+}
+QUANT_KEYS: dict[str, Any] = {
+    "load_in_4bit": bool,
+    "load_in_8bit": bool,
+    "bnb_4bit_compute_dtype": str,
+    "bnb_4bit_quant_type": str,
+    "bnb_4bit_use_double_quant": bool,
+}
+WANDB_KEYS: dict[str, Any] = {"project": str | None, "entity": str | None}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+TINY_PREFIX = "tiny:"
+TINY_ARCHS = ("llama", "qwen2", "gemma2")
+#: Arguments the CLI supplies itself to every tokenize function.
+TOKENIZE_RESERVED = ("tokenizer",)
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads ``2e-5`` as a float and rejects duplicate keys.
+
+    PyYAML implements YAML 1.1, whose float pattern requires a dot (``2.0e-5``), so ``2e-5``
+    would silently become the string ``"2e-5"``; learning rates are written that way all the time.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        # A repeated key silently keeps the last value in plain PyYAML, hiding typos in
+        # long configs; flag it instead.
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable key: let the base class report it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
+    """Parse a config document with :class:`ConfigLoader`; the top level must be a mapping."""
+    try:
+        data = yaml.load(text, Loader=ConfigLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{source}: invalid YAML: {exc}"]) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: the top level must be a mapping, got {type(data).__name__}"])
+    return data
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    flags: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The raw config: the YAML file (or the embedded default), then flags, then ``--set``.
+
+    With no ``path`` and mini_trainer ``flags`` the base is :data:`MINI_TRAINER_BASE` instead of
+    the embedded quickstart, so flags alone describe a complete run.
+    """
+    if path is None and flags:
+        raw = copy.deepcopy(MINI_TRAINER_BASE)
+    else:
+        path = Path(path) if path is not None else DEFAULT_CONFIG
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([f"cannot read config {path}: {exc}"]) from exc
+        raw = parse_yaml(text, str(path))
+    if flags:
+        raw = apply_mini_trainer_flags(raw, flags)
+    return apply_overrides(raw, overrides)
+
+
+# --------------------------------------------------------------------------- --set
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"a.b=VALUE"`` -> ``(["a", "b"], value)``; VALUE is JSON, else kept as the raw string."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError([f"--set {item!r}: expected dotted.key=VALUE (VALUE is JSON)"])
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text  # not JSON: a bare string such as --set training.run_name=my-run
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``raw`` with each ``--set`` applied in order (creating nested mappings)."""
+    raw = copy.deepcopy(raw)
+    problems = []
+    for item in overrides:
+        try:
+            parts, value = parse_override(item)
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
+        node = raw
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                dotted = ".".join(parts[: depth + 1])
+                problems.append(
+                    f"--set {item!r}: {dotted} is a {type(child).__name__}, not a mapping"
+                )
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems, title="invalid --set")
+    return raw
+
+
+# --------------------------------------------------------------------------- mini_trainer flags
+
+#: The base config when only mini_trainer flags are given: mini_trainer's own defaults
+#: (one epoch, no per-epoch checkpoints, no warmup unless asked) on pre-tokenized data.
+MINI_TRAINER_BASE: dict[str, Any] = {
+    "loss": {"type": "sft"},
+    "training": {"num_epochs": 1, "save_on_epoch_end": False, "warmup_ratio": 0.0},
+}
+
+#: flag (argparse dest) -> dotted config key, for flags that map one-to-one.
+MINI_TRAINER_DIRECT = {
+    "model_name_or_path": "model.name_or_path",
+    "output_dir": "training.output_dir",
+    "max_tokens_per_gpu": "training.max_tokens_per_device",
+    "learning_rate": "training.learning_rate",
+    "num_warmup_steps": "training.warmup_steps",
+    "lr_scheduler": "training.lr_scheduler",
+    "seed": "training.seed",
+    "max_epochs": "training.num_epochs",
+    "use_liger_kernels": "training.use_liger",
+    "osft": "training.osft",
+    "osft_unfreeze_rank_ratio": "training.osft_unfreeze_rank_ratio",
+    "checkpoint_at_epoch": "training.save_on_epoch_end",
+    "wandb_project": "wandb.project",
+    "wandb_entity": "wandb.entity",
+    "wandb_run_name": "training.run_name",
+}
+
+
+def apply_mini_trainer_flags(
+    raw: dict[str, Any], flags: Mapping[str, Any], world_size: int | None = None
+) -> dict[str, Any]:
+    """A copy of ``raw`` with mini_trainer-style flags mapped onto the schema.
+
+    ``flags`` maps argparse dests (``batch_size``, ``data_path``, ...) to values; ``None``
+    means "not given". ``--batch-size`` is mini_trainer's *global* batch (samples per optimizer
+    step): it becomes ``training.batch_size = N / (world_size * gradient_accumulation_steps)``
+    with ``world_size`` from ``$WORLD_SIZE`` (default 1). See docs/cli.md for the full table.
+    """
+    raw = copy.deepcopy(raw)
+    given = {k: v for k, v in flags.items() if v is not None}
+
+    def put(dotted: str, value: Any) -> None:
+        *parents, leaf = dotted.split(".")
+        node = raw
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[leaf] = value
+
+    for dest, dotted in MINI_TRAINER_DIRECT.items():
+        if dest in given:
+            put(dotted, given[dest])
+    if "max_steps" in given:
+        # mini_trainer uses 0 for "no step limit".
+        put("training.max_steps", given["max_steps"] or None)
+    if "data_path" in given:
+        # mini_trainer reads pre-tokenized JSONL (input_ids/labels[/len]).
+        raw["dataset"] = {"jsonl": given["data_path"], "tokenize": {"type": "pretokenized"}}
+    if "wandb_project" in given or "wandb_entity" in given or "wandb_run_name" in given:
+        put("training.log_with", "wandb")
+    if given.get("save_final_checkpoint"):
+        out = raw.get("training", {}).get("output_dir", TrainingConfig.output_dir)
+        put("save_to", str(Path(out) / "final"))
+    if "batch_size" in given:
+        world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+        accum = raw.get("training", {}).get("gradient_accumulation_steps", 1)
+        per_step = world * accum if isinstance(accum, int) and accum > 0 else world
+        global_batch = given["batch_size"]
+        if global_batch % per_step:
+            raise ConfigError(
+                [
+                    f"--batch-size {global_batch} (global) is not divisible by world_size {world} x "
+                    f"gradient_accumulation_steps {accum}"
+                ]
+            )
+        put("training.batch_size", global_batch // per_step)
+    return raw
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_config(raw: Any) -> list[str]:
+    """Every problem in the config, as dotted-key messages; ``[]`` when it is valid."""
+    if not isinstance(raw, Mapping):
+        return [f"the config must be a mapping, got {type(raw).__name__}"]
+    p: list[str] = _unknown(raw, TOP_KEYS, "")
+    p += _model_problems(raw.get("model"))
+    # An empty YAML section (``training:``) parses as None: treat it as absent.
+    p += _training_problems(raw.get("training") or {})
+    loss_type, loss_problems = _loss_problems(raw.get("loss") or {"type": "sft"})
+    p += loss_problems
+    if "dataset" not in raw:
+        p.append("dataset: required (e.g. dataset: {jsonl: train.jsonl, tokenize: {type: sft}})")
+    for where in ("dataset", "eval_dataset"):
+        if where in raw:
+            p += source_problems(raw[where], where, extra_keys=("tokenize",))
+            inherited = where == "eval_dataset" and "tokenize" not in (raw[where] or {})
+            if isinstance(raw[where], Mapping) and not (inherited and "dataset" in raw):
+                # An eval_dataset without its own tokenize reuses dataset's (checked once).
+                p += _tokenize_problems(tokenize_section(raw, where), where, loss_type)
+    if raw.get("peft") is not None:
+        p += _peft_problems(raw["peft"])
+    p += _callback_problems(raw.get("callbacks"), has_eval="eval_dataset" in raw)
+    if (msg := check_type("save_to", raw.get("save_to"), str | None)) is not None:
+        p.append(msg)
+    p += _section(raw.get("wandb"), "wandb", WANDB_KEYS)
+    return p
+
+
+def _unknown(section: Mapping[str, Any], known: Sequence[str], where: str) -> list[str]:
+    prefix = f"{where}." if where else ""
+    return [
+        f"{prefix}{k}: unknown key{did_you_mean(str(k), known)}" for k in section if k not in known
+    ]
+
+
+def _section(section: Any, where: str, keys: Mapping[str, Any]) -> list[str]:
+    """Unknown keys and type errors of a flat section (``None`` = absent)."""
+    if section is None:
+        return []
+    if not isinstance(section, Mapping):
+        return [f"{where}: expected a mapping, got {type(section).__name__} {section!r}"]
+    p = _unknown(section, list(keys), where)
+    for key, hint in keys.items():
+        if key in section and (msg := check_type(f"{where}.{key}", section[key], hint)):
+            p.append(msg)
+    return p
+
+
+def _model_problems(model: Any) -> list[str]:
+    if model is None:
+        return ["model.name_or_path: required (a hub name, a local folder, or tiny:llama)"]
+    p = _section(model, "model", MODEL_KEYS)
+    if p or not isinstance(model, Mapping):
+        return p
+    name = model.get("name_or_path")
+    if not name:
+        p.append("model.name_or_path: required (a hub name, a local folder, or tiny:llama)")
+    elif name.startswith(TINY_PREFIX) and name[len(TINY_PREFIX) :] not in TINY_ARCHS:
+        arch = name[len(TINY_PREFIX) :]
+        p.append(
+            f"model.name_or_path: unknown tiny architecture {arch!r}{did_you_mean(arch, TINY_ARCHS)};"
+            f" known: {', '.join(TINY_PREFIX + a for a in TINY_ARCHS)}"
+        )
+    if model.get("dtype", "auto") not in DTYPES:
+        p.append(
+            f"model.dtype: {model['dtype']!r} is not one of {list(DTYPES)}"
+            f"{did_you_mean(model['dtype'], DTYPES)}"
+        )
+    quant = model.get("quantization")
+    if quant:
+        p += _section(quant, "model.quantization", QUANT_KEYS)
+        if quant.get("load_in_4bit") and quant.get("load_in_8bit"):
+            p.append("model.quantization: load_in_4bit and load_in_8bit are exclusive")
+        if quant.get("bnb_4bit_compute_dtype", "bfloat16") not in DTYPES[1:]:
+            p.append(
+                f"model.quantization.bnb_4bit_compute_dtype: must be one of {list(DTYPES[1:])}"
+            )
+        if quant.get("bnb_4bit_quant_type", "nf4") not in ("nf4", "fp4"):
+            p.append("model.quantization.bnb_4bit_quant_type: must be 'nf4' or 'fp4'")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            p.append(
+                "model.quantization: needs bitsandbytes, which is not installed "
+                "(pip install 'grimoire[quantization]')"
+            )
+    return p
+
+
+def _training_problems(training: Any) -> list[str]:
+    if not isinstance(training, Mapping):
+        return [f"training: expected a mapping, got {type(training).__name__} {training!r}"]
+    names = [f.name for f in dataclasses.fields(TrainingConfig)]
+    p = _unknown(training, names, "training")
+    try:
+        TrainingConfig(**{k: v for k, v in training.items() if k in names})
+    except ConfigError as exc:
+        p += [m if m.startswith("training.") else f"training.{m}" for m in exc.problems]
+    return p
+
+
+def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
+    p = _section(loss, "loss", {"type": str, "args": dict | None})
+    if p:
+        return None, p
+    if "type" not in loss:
+        return None, ["loss.type: required (e.g. sft, or package.module:MyLoss)"]
+    p = _resolve_and_check(
+        loss["type"], registry.LOSSES, "loss.type", loss.get("args") or {}, "loss.args"
+    )
+    return loss["type"], p
+
+
+def _tokenize_problems(tok: Any, where: str, loss_type: str | None) -> list[str]:
+    if tok is None:
+        if loss_type in registry.TOKENIZERS:
+            return []  # defaults to the tokenizer registered under the loss's name
+        return [
+            f"{where}.tokenize.type: required because loss.type {loss_type!r} has no "
+            f"same-named tokenizer; known: {', '.join(sorted(registry.TOKENIZERS))}"
+        ]
+    if not isinstance(tok, Mapping):
+        return [f"{where}.tokenize: expected a mapping like {{type: sft}}, got {tok!r}"]
+    kwargs = {k: v for k, v in tok.items() if k != "type"}
+    name = tok.get("type", loss_type)
+    if name is None:
+        return [f"{where}.tokenize.type: required"]
+    return _resolve_and_check(
+        name,
+        registry.TOKENIZERS,
+        f"{where}.tokenize.type",
+        kwargs,
+        f"{where}.tokenize",
+        skip_first=True,
+        reserved=TOKENIZE_RESERVED,
+    )
+
+
+def _peft_problems(peft: Any) -> list[str]:
+    if not isinstance(peft, Mapping):
+        return [f"peft: expected a mapping of LoraConfig arguments, got {peft!r}"]
+    try:
+        from peft import LoraConfig
+    except ImportError as exc:
+        return [f"peft: cannot import peft.LoraConfig: {exc}"]
+    names = [f.name for f in dataclasses.fields(LoraConfig)]
+    return _unknown(peft, names, "peft")
+
+
+def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, list):
+        return [f"callbacks: expected a list of {{type, args}} mappings, got {callbacks!r}"]
+    p: list[str] = []
+    for i, cb in enumerate(callbacks):
+        where = f"callbacks[{i}]"
+        errs = _section(cb, where, {"type": str, "args": dict | None})
+        if errs or "type" not in cb:
+            p += errs or [f"{where}.type: required (e.g. exact_match)"]
+            continue
+        args = dict(cb.get("args") or {})
+        for key, value in args.items():
+            if is_dataset_ref(value):
+                p += source_problems(value["dataset"], f"{where}.args.{key}.dataset")
+        if cb["type"] == "exact_match" and "rows" not in args:
+            if not has_eval:
+                p.append(
+                    f"{where}.args.rows: required when there is no eval_dataset "
+                    "(give rows: {dataset: {jsonl: ...}})"
+                )
+            args["rows"] = []  # filled from eval_dataset's raw rows at build time
+        p += _resolve_and_check(
+            cb["type"], registry.CALLBACKS, f"{where}.type", args, f"{where}.args"
+        )
+    return p
+
+
+def tokenize_section(raw: Mapping[str, Any], where: str) -> Any:
+    """The ``tokenize`` mapping for ``where``; ``eval_dataset`` inherits ``dataset``'s."""
+    section = raw.get(where) or {}
+    tok = section.get("tokenize") if isinstance(section, Mapping) else None
+    if tok is None and where == "eval_dataset" and isinstance(raw.get("dataset"), Mapping):
+        tok = raw["dataset"].get("tokenize")
+    return tok
+
+
+def is_dataset_ref(value: Any) -> bool:
+    """True for a callback argument written as ``{dataset: <source section>}``."""
+    return isinstance(value, Mapping) and set(value) == {"dataset"}
+
+
+def _resolve_and_check(
+    name: str,
+    table: Mapping[str, str],
+    kind: str,
+    kwargs: Mapping[str, Any],
+    where: str,
+    skip_first: bool = False,
+    reserved: Sequence[str] = (),
+) -> list[str]:
+    """Resolve ``name`` and check ``kwargs`` against its signature (unknown/missing args)."""
+    try:
+        target = registry.resolve(name, table, kind)
+    except ConfigError as exc:
+        return exc.problems
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return []  # builtins without a signature: nothing to check
+    if skip_first and params:
+        params = params[1:]  # the row passed positionally
+    p = [f"{where}.{k}: set by grimoire, do not give it" for k in kwargs if k in reserved]
+    if not any(q.kind is q.VAR_KEYWORD for q in params):
+        names = [q.name for q in params if q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+        p += _unknown({k: None for k in kwargs if k not in reserved}, names, where)
+    required = [
+        q.name
+        for q in params
+        if q.default is q.empty
+        and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)
+        and q.name not in kwargs
+        and q.name not in reserved
+        and q.name != "max_length"
+    ]
+    p += [f"{where}.{r}: required by {name}" for r in required]
+    return p
+
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "MINI_TRAINER_BASE",
+    "ConfigLoader",
+    "apply_mini_trainer_flags",
+    "apply_overrides",
+    "is_dataset_ref",
+    "load_config",
+    "parse_override",
+    "parse_yaml",
+    "tokenize_section",
+    "validate_config",
+]

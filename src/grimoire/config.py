@@ -1,0 +1,251 @@
+"""``TrainingConfig``: every knob of the training loop, validated once at construction.
+
+The YAML ``training:`` section maps onto this dataclass one-to-one (same names, same types); the
+trainer reads it and never rewrites it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import ConfigError, did_you_mean
+
+OPTIMIZERS = (
+    "adamw",
+    "adamw_torch",
+    "adamw_hf",
+    "adamw_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    "adafactor",
+    "sgd",
+)
+LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+MIXED_PRECISION = ("no", "fp16", "bf16")
+TRACKERS = ("wandb", "tensorboard")
+
+
+@dataclass
+class TrainingConfig:
+    """Training-loop settings. Defaults follow the grimoire-rl README's configuration table."""
+
+    output_dir: str = "./output"
+    num_epochs: int = 3
+    max_steps: int | None = None
+    batch_size: int = 4
+    eval_batch_size: int | None = None
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 2e-5
+    weight_decay: float = 0.01
+    warmup_ratio: float = 0.1
+    warmup_steps: int = 0
+    max_grad_norm: float | None = 1.0
+    max_length: int = 2048
+    mixed_precision: Literal["no", "fp16", "bf16"] = "bf16"
+    gradient_checkpointing: bool = True
+    optimizer: str = "adamw"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    lr_scheduler: str = "cosine"
+    disable_dropout: bool = False
+    logging_steps: int = 10
+    eval_steps: int | None = None
+    eval_on_start: bool = False
+    save_steps: int | None = None
+    save_total_limit: int | None = 2
+    save_on_epoch_end: bool = True
+    resume_from_checkpoint: str | None = None
+    seed: int = 42
+    log_with: str | list[str] | None = None
+    run_name: str | None = None
+    dataloader_num_workers: int = 0
+    progress_bar: bool = True
+    # Padding-free packing and token budgets (see docs/packing.md).
+    padding_free: bool = False
+    max_tokens_per_device: int | None = None
+    max_tokens: int | None = None
+    truncate_long_samples: bool = False
+    # Optional Liger kernels (GPU only).
+    use_liger: bool = False
+    # OSFT: orthogonal subspace fine-tuning (see docs/osft.md).
+    osft: bool = False
+    osft_unfreeze_rank_ratio: float = 0.25
+    osft_target_modules: list[str] | None = None
+    osft_upcast_dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        problems = _type_problems(self)
+        # Value checks run on a copy where wrongly-typed fields hold their defaults, so one error
+        # reports type and value problems together without tripping over a bad type.
+        shadow = object.__new__(type(self))
+        defaults = type(self)() if problems else None
+        for f in dataclasses.fields(self):
+            bad = any(msg.startswith(f"{f.name} ") for msg in problems)
+            setattr(shadow, f.name, getattr(defaults if bad else self, f.name))
+        problems += shadow._value_problems()
+        if problems:
+            raise ConfigError(problems, title="invalid TrainingConfig")
+
+    @property
+    def effective_eval_batch_size(self) -> int:
+        return self.eval_batch_size or self.batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: str = "training") -> TrainingConfig:
+        """Build from a mapping, rejecting unknown keys with a "did you mean" hint."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [
+            f"{where}.{k}: unknown key{did_you_mean(k, names)}" for k in values if k not in names
+        ]
+        if unknown:
+            raise ConfigError(unknown, title="invalid TrainingConfig")
+        return cls(**values)
+
+    def _value_problems(self) -> list[str]:
+        p: list[str] = []
+
+        def positive(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if v is None or v <= 0:
+                p.append(f"{name} must be > 0, got {v!r}")
+
+        for name in ("num_epochs", "batch_size", "gradient_accumulation_steps", "max_length"):
+            positive(name)
+        for name in ("logging_steps",):
+            positive(name)
+        for name in (
+            "max_steps",
+            "eval_batch_size",
+            "eval_steps",
+            "save_steps",
+            "save_total_limit",
+            "max_tokens_per_device",
+            "max_tokens",
+        ):
+            positive(name, allow_none=True)
+        if self.learning_rate < 0:
+            p.append(f"learning_rate must be >= 0, got {self.learning_rate}")
+        if self.weight_decay < 0:
+            p.append(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0.0 <= self.warmup_ratio <= 1.0:
+            p.append(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if self.warmup_steps < 0:
+            p.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            p.append(f"max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
+        if self.dataloader_num_workers < 0:
+            p.append(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        for name, value, allowed in (
+            ("mixed_precision", self.mixed_precision, MIXED_PRECISION),
+            ("optimizer", self.optimizer, OPTIMIZERS),
+            ("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS),
+        ):
+            if value not in allowed:
+                p.append(
+                    f"{name}={value!r} is not one of {list(allowed)}{did_you_mean(value, allowed)}"
+                )
+        for tracker in [self.log_with] if isinstance(self.log_with, str) else self.log_with or []:
+            if tracker not in TRACKERS:
+                p.append(f"log_with={tracker!r} is not one of {list(TRACKERS)} (or null)")
+        for name, (lo, hi) in {"adam_beta1": (0, 1), "adam_beta2": (0, 1)}.items():
+            if not lo <= getattr(self, name) < hi:
+                p.append(f"{name} must be in [{lo}, {hi}), got {getattr(self, name)}")
+        if self.adam_epsilon <= 0:
+            p.append(f"adam_epsilon must be > 0, got {self.adam_epsilon}")
+        if not 0.0 <= self.osft_unfreeze_rank_ratio <= 1.0:
+            p.append(
+                f"osft_unfreeze_rank_ratio must be in [0, 1], got {self.osft_unfreeze_rank_ratio}"
+            )
+        if self.osft_upcast_dtype not in ("float32", "float64", "bfloat16"):
+            p.append(
+                f"osft_upcast_dtype must be float32, float64 or bfloat16, got {self.osft_upcast_dtype!r}"
+            )
+        return p
+
+
+def _type_problems(cfg: Any) -> list[str]:
+    hints = typing.get_type_hints(type(cfg))
+    return [
+        msg
+        for f in dataclasses.fields(cfg)
+        if (msg := check_type(f.name, getattr(cfg, f.name), hints[f.name])) is not None
+    ]
+
+
+def check_type(name: str, value: Any, hint: Any) -> str | None:
+    """A message when ``value`` does not match the type ``hint`` (None when it does).
+
+    Ints are accepted for float fields (YAML writes ``1`` for ``1.0``) but bools never pass as
+    numbers, and numeric strings are rejected rather than silently converted.
+    """
+    if _matches(value, hint):
+        return None
+    shown = _type_name(hint)
+    extra = ""
+    if isinstance(value, str) and _looks_numeric(value):
+        extra = " (a number written as a string; in YAML write e.g. 2.0e-5, not 2e-5 quoted)"
+    return f"{name} must be {shown}, got {type(value).__name__} {value!r}{extra}"
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(hint))
+    if origin is Literal:
+        return isinstance(value, str)  # the value check names the allowed literals
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple):
+        (item,) = typing.get_args(hint)[:1] or (Any,)
+        return isinstance(value, list | tuple) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    if origin is not None:
+        return f"a {origin.__name__} of {_type_name(typing.get_args(hint)[0])}"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def config_fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(TrainingConfig))
+
+
+__all__ = ["LR_SCHEDULERS", "MIXED_PRECISION", "OPTIMIZERS", "TrainingConfig", "check_type"]

@@ -1,0 +1,74 @@
+"""The loss protocol: ``loss_fn(model, batch, training) -> (loss, metrics)`` plus capabilities.
+
+The trainer only ever talks to a method through this interface; behaviour that differs between
+methods (reference models, generation, how a micro-batch is weighted) lives here as properties
+and hooks, never as branches in the loop. Any object with ``__call__`` and ``create_collator``
+works; subclassing :class:`GrimoireLoss` just supplies sensible defaults for the optional hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class GrimoireLoss:
+    """Base class for training methods.
+
+    Optional hooks the trainer calls when present (all have defaults here):
+
+    - ``loss_weight(batch) -> float``: how many loss units (tokens, pairs, ...) the batch holds.
+      The loss returned by ``__call__`` is a mean over those units; the trainer rescales each
+      micro-batch by ``weight / total_weight_of_the_optimizer_step`` (summed over ranks) so that
+      gradient accumulation, token-budget micro-batches and N ranks optimise the same objective as
+      one big batch.
+    - ``setup(trainer)``: called once after the model is prepared (move a reference model to the
+      device, build a rollout engine, ...).
+    - ``validate_dataset(dataset, split) -> list[str]``: problems with the tokenized data, named by
+      row, collected before training starts.
+    - ``prepare_step(trainer, micro_batches) -> micro_batches``: a method's own phase before the
+      optimizer step (e.g. online generation + scoring); default: unchanged.
+    """
+
+    #: Columns a tokenized example must have (checked before training).
+    required_columns: tuple[str, ...] = ()
+    #: Needs a frozen reference policy (DPO, IPO, KTO, online methods with KL).
+    needs_reference_model: bool = False
+    #: Generates completions from the current policy during training (online RL).
+    needs_generation: bool = False
+
+    def __call__(
+        self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
+    ) -> tuple[Tensor, dict[str, float | Tensor]]:
+        raise NotImplementedError
+
+    def create_collator(self, pad_token_id: int):
+        raise NotImplementedError
+
+    def loss_weight(self, batch: dict[str, Any]) -> float:
+        """Loss units in ``batch``; default: one per row (rows equally weighted)."""
+        for key, value in batch.items():
+            if key.endswith("input_ids") and isinstance(value, Tensor):
+                return float(value.shape[0])
+        return 1.0
+
+    def setup(self, trainer: Any) -> None:
+        """Called once by the trainer after ``accelerator.prepare``."""
+
+    def validate_dataset(self, dataset: Any, split: str = "train") -> list[str]:
+        """Problems with ``dataset`` (missing columns); subclasses add method-specific checks."""
+        names = set(getattr(dataset, "column_names", None) or [])
+        if not names and len(dataset):
+            names = set(dataset[0].keys())
+        missing = [c for c in self.required_columns if c not in names]
+        if missing:
+            return [
+                f"{split} dataset: missing column(s) {missing} needed by {type(self).__name__}; "
+                f"it has {sorted(names)} (tokenize it with the matching grimoire.data function)"
+            ]
+        return []
+
+    def prepare_step(self, trainer: Any, micro_batches: list[dict[str, Any]]) -> list[dict]:
+        return micro_batches

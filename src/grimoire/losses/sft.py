@@ -1,0 +1,56 @@
+"""Supervised fine-tuning: token-mean negative log-likelihood on the unmasked labels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..data.sft import SFTCollator
+from ..logprobs import IGNORE_INDEX, compute_token_logps
+from .base import GrimoireLoss
+
+
+class SFTLoss(GrimoireLoss):
+    """``loss = -sum_t log p(y_t) / N_tokens`` over the micro-batch's trained tokens.
+
+    Under gradient accumulation / several ranks the trainer weights each micro-batch by its
+    token count (``loss_weight``), so the optimizer step sees the mean over *all* tokens of the
+    global batch, exactly as one big batch would.
+    """
+
+    required_columns = ("input_ids", "labels")
+
+    def __init__(self, fused: bool = True, fused_chunk_size: int = 1024):
+        if fused_chunk_size <= 0:
+            raise ValueError(f"fused_chunk_size must be > 0, got {fused_chunk_size}")
+        self.fused = fused
+        self.fused_chunk_size = fused_chunk_size
+
+    def __call__(
+        self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        out = compute_token_logps(
+            model,
+            batch["input_ids"],
+            batch["labels"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+            fused=self.fused,
+            chunk_size=self.fused_chunk_size,
+        )
+        n_tokens = out.mask.sum()
+        loss = -out.logps.sum() / n_tokens.clamp(min=1)
+        return loss, {"nll": loss.detach(), "num_loss_tokens": n_tokens.detach().float()}
+
+    def loss_weight(self, batch: dict[str, Any]) -> float:
+        labels = batch["labels"]
+        # Trained targets after the shift: every label except the first column (and, in packed
+        # rows, each sample's first token) — mirrors logprobs.shift_labels without the model.
+        if "position_ids" in batch:
+            return float(((labels != IGNORE_INDEX) & (batch["position_ids"] != 0)).sum())
+        return float((labels[:, 1:] != IGNORE_INDEX).sum())
+
+    def create_collator(self, pad_token_id: int) -> SFTCollator:
+        return SFTCollator(pad_token_id=pad_token_id)

@@ -1,0 +1,106 @@
+"""Optimizers, parameter groups and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import TrainingConfig
+from .errors import ConfigError
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    # Catches nn.LayerNorm / GroupNorm and every architecture's own RMSNorm class (LlamaRMSNorm,
+    # Gemma2RMSNorm, ...), which are not subclasses of any torch norm type.
+    return isinstance(module, torch.nn.modules.normalization.LayerNorm | torch.nn.GroupNorm) or (
+        "norm" in type(module).__name__.lower()
+    )
+
+
+def no_decay_names(model: torch.nn.Module) -> set[str]:
+    """Names of parameters exempt from weight decay: biases and every norm layer's weights."""
+    names: set[str] = set()
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if _is_norm(module) or p_name == "bias" or p_name.endswith("_bias"):
+                names.add(full)
+    return names
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matrices/embeddings, and undecayed biases + norm weights."""
+    skip = no_decay_names(model)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if name in skip else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainingConfig) -> torch.optim.Optimizer:
+    """The optimizer named by ``config.optimizer`` over ``param_groups(model)``."""
+    groups = param_groups(model, config.weight_decay)
+    lr, betas, eps = (
+        config.learning_rate,
+        (config.adam_beta1, config.adam_beta2),
+        config.adam_epsilon,
+    )
+    name = config.optimizer
+    if name in ("adamw", "adamw_torch", "adamw_hf"):
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=lr)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # Fixed learning rate driven by our scheduler, not Adafactor's relative step sizes.
+        return Adafactor(
+            groups, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
+        )
+    if name in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"):
+        try:
+            import bitsandbytes as bnb
+        except ImportError as exc:
+            raise ConfigError(
+                [f"optimizer={name!r} needs bitsandbytes: pip install 'grimoire[quantization]'"]
+            ) from exc
+        cls = {
+            "adamw_8bit": bnb.optim.AdamW8bit,
+            "paged_adamw_8bit": bnb.optim.PagedAdamW8bit,
+            "paged_adamw_32bit": bnb.optim.PagedAdamW32bit,
+        }[name]
+        return cls(groups, lr=lr, betas=betas, eps=eps)
+    raise ConfigError([f"unknown optimizer {name!r}"])  # unreachable after config validation
+
+
+def num_warmup_steps(config: TrainingConfig, total_steps: int) -> int:
+    """``warmup_steps`` when > 0, else ``ceil(warmup_ratio * total_steps)``."""
+    if config.warmup_steps > 0:
+        return config.warmup_steps
+    return math.ceil(config.warmup_ratio * total_steps)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: TrainingConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """linear / cosine decay to 0 after linear warmup; constant (no warmup); constant_with_warmup."""
+    warmup = num_warmup_steps(config, total_steps) if config.lr_scheduler != "constant" else 0
+    kind = config.lr_scheduler
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)  # never exactly 0: the first step already moves
+        if kind in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        progress = min(progress, 1.0)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,72 @@
+"""Text generation helpers shared by evaluation callbacks and online methods."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
+    """Token ids for a plain prompt, or a chat message list with the generation prompt."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    ids = tokenizer.apply_chat_template(
+        list(prompt), tokenize=True, add_generation_prompt=True, return_dict=False
+    )
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+@contextmanager
+def generation_mode(model: torch.nn.Module):
+    """Eval mode with the KV cache on for generation; restores training state afterwards.
+
+    Gradient checkpointing forces ``use_cache=False`` in training; generation wants the cache.
+    """
+    was_training = model.training
+    config = getattr(model, "config", None)
+    old_cache = getattr(config, "use_cache", None)
+    model.eval()
+    if config is not None:
+        config.use_cache = True
+    try:
+        yield model
+    finally:
+        if config is not None:
+            config.use_cache = old_cache
+        model.train(was_training)
+
+
+@torch.no_grad()
+def greedy_generate_texts(
+    model: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[Any],
+    max_new_tokens: int,
+    batch_size: int = 32,
+) -> list[str]:
+    """Greedy completions (decoded, special tokens skipped) for ``prompts``, left-padded batches."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out: list[str] = []
+    with generation_mode(model):
+        for start in range(0, len(prompts), batch_size):
+            encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+            width = max(len(e) for e in encoded)
+            ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, e in enumerate(encoded):
+                ids[i, width - len(e) :] = torch.tensor(e)
+                mask[i, width - len(e) :] = 1
+            gen = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            out.extend(tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True))
+    return out

@@ -1,0 +1,177 @@
+"""Tiny models, a character-level tokenizer and toy tasks, all built in code (no downloads).
+
+They back the quickstart demo, the tests and the benchmarks: the real ``from_pretrained`` /
+``save_pretrained`` paths are exercised on them, so nothing here is a mock.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<unk>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+]
+CHARS = string.ascii_lowercase + string.digits + " \n+-=*?:.,>!()'\"_/"
+#: A minimal chat template: every turn is ``<|role|>content<|end|>``; the generation prompt is
+#: ``<|assistant|>``. Prefix-stable, which is what assistant-only loss masking relies on.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+ASSETS = Path(__file__).parent / "assets"
+
+
+def build_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` with BOS/EOS/PAD and a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def tiny_config(
+    arch: str = "llama",
+    vocab_size: int = 64,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    tie_word_embeddings: bool = True,
+    **overrides: Any,
+):
+    """A small random-init config of ``arch`` ("llama", "qwen2" or "gemma2")."""
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "gemma2":
+        common.update(
+            head_dim=hidden_size // 4, final_logit_softcapping=30.0, query_pre_attn_scalar=16
+        )
+        common.update(sliding_window=64)
+    common.update(overrides)
+    return AutoConfig.for_model(arch, **common)
+
+
+def build_model(arch: str = "llama", seed: int = 0, **config_kwargs: Any):
+    """A random-init tiny causal LM (fp32, sdpa attention)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **config_kwargs)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def save_tiny(path: str | Path, arch: str = "llama", seed: int = 0, **config_kwargs: Any) -> Path:
+    """Write a tiny model and its tokenizer with ``save_pretrained`` so ``from_pretrained`` works."""
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    config_kwargs.setdefault("vocab_size", _round_up(len(tokenizer), 8))
+    build_model(arch, seed=seed, **config_kwargs).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+# --------------------------------------------------------------------------- toy tasks
+
+
+def reverse_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
+    """``reverse: abc`` -> ``cba``. Exact-match checkable; chance accuracy is ~0."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(min_len, max_len)))
+        rows.append({"prompt": f"reverse {word}=", "response": word[::-1], "answer": word[::-1]})
+    return rows
+
+
+def corrupt(text: str, rng: random.Random) -> str:
+    """A wrong answer close to the right one (a swapped or replaced character)."""
+    chars = list(text)
+    i = rng.randrange(len(chars))
+    choices = [c for c in string.ascii_lowercase[:12] if c != chars[i]]
+    chars[i] = rng.choice(choices)
+    return "".join(chars)
+
+
+def preference_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """Prompt / chosen (correct) / rejected (corrupted) triples on the reverse task."""
+    rng = random.Random(seed + 1)
+    return [
+        {"prompt": r["prompt"], "chosen": r["response"], "rejected": corrupt(r["response"], rng)}
+        for r in reverse_rows(n, seed)
+    ]
+
+
+def kto_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Unpaired prompt / completion / label rows: half correct (True), half corrupted (False)."""
+    rng = random.Random(seed + 2)
+    out = []
+    for i, r in enumerate(reverse_rows(n, seed)):
+        good = i % 2 == 0
+        completion = r["response"] if good else corrupt(r["response"], rng)
+        out.append({"prompt": r["prompt"], "completion": completion, "label": good})
+    return out
+
+
+def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def write_assets(folder: Path = ASSETS) -> None:
+    """Regenerate the bundled toy datasets (deterministic)."""
+    write_jsonl(reverse_rows(2000, seed=0), folder / "reverse_train.jsonl")
+    write_jsonl(reverse_rows(200, seed=1), folder / "reverse_eval.jsonl")
+
+
+if __name__ == "__main__":
+    write_assets()

@@ -1,0 +1,432 @@
+"""``grimoire train`` / ``python -m grimoire.train``: train from a YAML config, flags, or both.
+
+Usage::
+
+    grimoire train --config run.yaml [--set training.learning_rate=1e-4 ...]
+    grimoire validate --config run.yaml        # check the config only; exit 0 or 1
+    python -m grimoire.train                   # the embedded quickstart (tiny model, ~minutes)
+    grimoire train --model-name-or-path M --data-path data.jsonl --output-dir out ...
+
+The schema (see ``docs/cli.md``) mirrors the Python API: ``model`` -> ``from_pretrained``,
+``dataset``/``eval_dataset`` -> :func:`grimoire.data.sources.load_source` +
+:func:`~grimoire.data.sources.tokenize_dataset`, ``loss`` -> ``registry.LOSSES``, ``peft`` ->
+``LoraConfig``, ``training`` -> :class:`TrainingConfig`, ``callbacks`` -> ``registry.CALLBACKS``.
+
+Order of failure: every config problem is reported at once before anything is loaded; then
+every data problem (all rows of both datasets) before the model is loaded or a step is run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import registry
+from .cli_schema import (
+    TINY_PREFIX,
+    is_dataset_ref,
+    load_config,
+    tokenize_section,
+    validate_config,
+)
+from .config import TrainingConfig
+from .data.sources import load_source, tokenize_dataset
+from .errors import ConfigError, DataError, GrimoireError
+
+COMMANDS = ("train", "validate")
+
+
+@dataclass
+class Run:
+    """Everything :func:`build_run` produced; ``trainer.train()`` is the only step left."""
+
+    trainer: Any
+    config: TrainingConfig
+    save_to: str | None
+
+
+# --------------------------------------------------------------------------- building
+
+
+def check_config(raw: Mapping[str, Any]) -> TrainingConfig:
+    """Raise one :class:`ConfigError` with every problem; return the TrainingConfig if valid."""
+    problems = validate_config(raw)
+    if problems:
+        raise ConfigError(problems)
+    return TrainingConfig.from_dict(dict(raw.get("training") or {}))
+
+
+def build_run(raw: Mapping[str, Any]) -> Run:
+    """Validate ``raw``, then load tokenizer, data, callbacks, loss and model into a trainer.
+
+    Data is loaded and tokenized before the model so bad rows fail fast and cheaply.
+    """
+    config = check_config(raw)
+    model_cfg = raw["model"]
+    model_path = _materialize_model(model_cfg["name_or_path"], config.output_dir)
+    tokenizer = load_tokenizer(model_cfg, model_path)
+
+    raw_eval_rows: list[dict[str, Any]] | None = None
+    datasets: dict[str, Any] = {}
+    problems: list[str] = []
+    for where in ("dataset", "eval_dataset"):
+        if where not in raw:
+            continue
+        try:
+            source = {k: v for k, v in raw[where].items() if k != "tokenize"}
+            rows = load_source(source, where)
+            if where == "eval_dataset":
+                raw_eval_rows = [dict(r) for r in rows]
+            datasets[where] = tokenize(rows, raw, where, tokenizer, config.max_length)
+        except DataError as exc:
+            problems += exc.problems
+    callbacks = build_callbacks(raw.get("callbacks") or [], raw_eval_rows, problems)
+    if problems:
+        raise DataError(problems, title="invalid data (nothing was loaded or trained)")
+
+    loss_cfg = raw.get("loss") or {"type": "sft"}
+    loss_cls = registry.resolve(loss_cfg["type"], registry.LOSSES, "loss.type")
+    try:
+        loss_fn = loss_cls(**(loss_cfg.get("args") or {}))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError([f"loss: {loss_cfg['type']}: {exc}"]) from exc
+
+    model = load_model(model_cfg, model_path)
+    peft_config = build_peft(raw.get("peft"))
+    _export_wandb_env(raw.get("wandb") or {})
+
+    from .trainer import GrimoireTrainer
+
+    trainer = GrimoireTrainer(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        loss_fn=loss_fn,
+        train_dataset=datasets["dataset"],
+        eval_dataset=datasets.get("eval_dataset"),
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
+    return Run(trainer=trainer, config=config, save_to=raw.get("save_to"))
+
+
+def tokenize(rows: Any, raw: Mapping[str, Any], where: str, tokenizer: Any, max_length: int):
+    """Tokenize a loaded source with its ``tokenize`` section (default: the loss's tokenizer)."""
+    tok = dict(tokenize_section(raw, where) or {})
+    loss_type = (raw.get("loss") or {"type": "sft"})["type"]
+    name = tok.pop("type", loss_type)
+    fn = registry.resolve(name, registry.TOKENIZERS, f"{where}.tokenize.type")
+    tok.setdefault("max_length", max_length)
+    kwargs = {"tokenizer": tokenizer, **tok}
+    return tokenize_dataset(rows, fn, source_name=where, **_accepted(fn, kwargs))
+
+
+def _accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Drop the CLI-supplied ``tokenizer``/``max_length`` when ``fn`` does not take them.
+
+    A pre-tokenized loader, say, needs no tokenizer; user-given kwargs were already checked
+    against the signature during validation.
+    """
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def build_callbacks(
+    specs: Sequence[Mapping[str, Any]],
+    eval_rows: list[dict[str, Any]] | None,
+    problems: list[str],
+) -> list[Any]:
+    """Instantiate ``callbacks:`` entries; ``{dataset: ...}`` args become lists of raw rows.
+
+    ``exact_match`` without ``rows`` scores the raw (untokenized) ``eval_dataset`` rows. Data
+    problems are appended to ``problems`` so they are reported with the datasets' own.
+    """
+    out = []
+    for i, spec in enumerate(specs):
+        args = dict(spec.get("args") or {})
+        for key, value in args.items():
+            if is_dataset_ref(value):
+                try:
+                    ds = load_source(value["dataset"], f"callbacks[{i}].args.{key}.dataset")
+                    args[key] = [dict(r) for r in ds]
+                except DataError as exc:
+                    problems += exc.problems
+        if spec["type"] == "exact_match" and "rows" not in args:
+            args["rows"] = eval_rows or []
+        cls = registry.resolve(spec["type"], registry.CALLBACKS, f"callbacks[{i}].type")
+        try:
+            out.append(cls(**args))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"callbacks[{i}] ({spec['type']}): {exc}")
+    return out
+
+
+def _materialize_model(name_or_path: str, output_dir: str) -> str:
+    """``tiny:<arch>`` -> build the tiny model into ``<output_dir>/tiny-model``; else as given."""
+    if not name_or_path.startswith(TINY_PREFIX):
+        return name_or_path
+    from .tiny import save_tiny
+
+    # Saved and reloaded (not used in memory) so the run exercises the real from_pretrained path.
+    return str(save_tiny(Path(output_dir) / "tiny-model", arch=name_or_path[len(TINY_PREFIX) :]))
+
+
+def load_tokenizer(model_cfg: Mapping[str, Any], model_path: str):
+    """``AutoTokenizer`` from ``model.tokenizer`` (default: the model's own folder/name)."""
+    from transformers import AutoTokenizer
+
+    path = model_cfg.get("tokenizer") or model_path
+    return AutoTokenizer.from_pretrained(
+        path, trust_remote_code=bool(model_cfg.get("trust_remote_code", False))
+    )
+
+
+def load_model(model_cfg: Mapping[str, Any], model_path: str):
+    """``AutoModelForCausalLM.from_pretrained`` with dtype, attention and quantization options."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = model_cfg.get("dtype", "auto")
+    kwargs: dict[str, Any] = {
+        "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
+        "trust_remote_code": bool(model_cfg.get("trust_remote_code", False)),
+    }
+    if model_cfg.get("attn_implementation"):
+        kwargs["attn_implementation"] = model_cfg["attn_implementation"]
+    if model_cfg.get("quantization"):
+        kwargs["quantization_config"] = build_quantization(model_cfg["quantization"])
+    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+
+
+def build_quantization(quant: Mapping[str, Any]):
+    """A ``BitsAndBytesConfig``; a clear error naming the extra when bitsandbytes is missing."""
+    import importlib.util
+
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            ["model.quantization needs bitsandbytes: pip install 'grimoire[quantization]'"]
+        )
+    kwargs = dict(quant)
+    if "bnb_4bit_compute_dtype" in kwargs:
+        kwargs["bnb_4bit_compute_dtype"] = getattr(torch, kwargs["bnb_4bit_compute_dtype"])
+    elif kwargs.get("load_in_4bit"):
+        kwargs["bnb_4bit_compute_dtype"] = torch.bfloat16
+    return BitsAndBytesConfig(**kwargs)
+
+
+def build_peft(section: Mapping[str, Any] | None):
+    """A peft ``LoraConfig`` from the ``peft:`` kwargs (``task_type`` defaults to CAUSAL_LM)."""
+    if not section:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(**{"task_type": "CAUSAL_LM", **section})
+
+
+def _export_wandb_env(section: Mapping[str, Any]) -> None:
+    # wandb reads WANDB_PROJECT / WANDB_ENTITY itself; an explicit environment wins.
+    for key, env in (("project", "WANDB_PROJECT"), ("entity", "WANDB_ENTITY")):
+        if section.get(key):
+            os.environ.setdefault(env, str(section[key]))
+
+
+# --------------------------------------------------------------------------- summary
+
+SPARK = "_.:-=+*#%@"
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    """Records of ``<output_dir>/metrics.jsonl`` (skipping unreadable lines)."""
+    path = Path(output_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def sparkline(values: Sequence[float], width: int = 60) -> str:
+    """An ASCII sparkline of ``values`` (down-sampled to ``width``; higher = denser glyph)."""
+    vals = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    if not vals:
+        return ""
+    if len(vals) > width:
+        vals = [vals[int(i * len(vals) / width)] for i in range(width)]
+    lo, hi = min(vals), max(vals)
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[round((v - lo) / span * (len(SPARK) - 1))] for v in vals)
+
+
+def summarize(output_dir: str | Path, save_to: str | None) -> str:
+    """A short text summary: loss curve, a few rows, final eval metrics, where the model is."""
+    records = read_metrics(output_dir)
+    train = [r for r in records if r.get("split") == "train" and "loss" in r]
+    evals = [r for r in records if r.get("split") == "eval"]
+    lines = ["", "== grimoire: training finished =="]
+    if train:
+        losses = [r["loss"] for r in train]
+        lines.append(
+            f"train loss  {losses[0]:.4f} -> {losses[-1]:.4f}  "
+            f"[{sparkline(losses)}]  (high {max(losses):.3f}, low {min(losses):.3f})"
+        )
+        picks = sorted({0, len(train) // 3, 2 * len(train) // 3, len(train) - 1})
+        lines += [f"  step {train[i]['step']:>6}  loss {train[i]['loss']:.4f}" for i in picks]
+    if evals:
+        last = evals[-1]
+        shown = [
+            f"{k.removeprefix('eval/')} {v:.4f}"
+            for k, v in last.items()
+            if k.startswith("eval/")
+            and not k.startswith("eval/num_")  # counts, not quality metrics
+            and isinstance(v, int | float)
+        ]
+        lines.append(f"eval @ step {last.get('step')}: " + ", ".join(shown))
+        if "eval/exact_match" in last:
+            lines.append(f"held-out exact match: {100 * last['eval/exact_match']:.1f}%")
+    lines.append(f"metrics: {Path(output_dir) / 'metrics.jsonl'}")
+    lines.append(
+        f"model saved to: {save_to}"
+        if save_to
+        else f"no save_to given; checkpoints (if any) are in {output_dir}"
+    )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- argument parsing
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser shared by ``train`` and ``validate`` (mini_trainer flags included)."""
+    p = argparse.ArgumentParser(
+        prog="grimoire",
+        description="Train (or validate) a Grimoire run from a YAML config and/or flags. "
+        "Commands: train (default), validate. See docs/cli.md.",
+    )
+    p.add_argument("--config", help="YAML config; default: the embedded quickstart")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override a dotted key, e.g. training.learning_rate=1e-4 (JSON-decoded; "
+        "a value that is not valid JSON is kept as a string)",
+    )
+    p.add_argument(
+        "--dry-run",
+        "--validate",
+        dest="dry_run",
+        action="store_true",
+        help="validate the config and exit (same as the validate command)",
+    )
+    m = p.add_argument_group("mini_trainer-compatible flags (applied after the YAML, before --set)")
+    for flag, kind in (
+        ("--model-name-or-path", str),
+        ("--data-path", str),
+        ("--output-dir", str),
+        ("--batch-size", int),
+        ("--max-tokens-per-gpu", int),
+        ("--learning-rate", float),
+        ("--num-warmup-steps", int),
+        ("--lr-scheduler", str),
+        ("--seed", int),
+        ("--max-epochs", int),
+        ("--max-steps", int),
+        ("--osft-unfreeze-rank-ratio", float),
+        ("--wandb-project", str),
+        ("--wandb-entity", str),
+        ("--wandb-run-name", str),
+    ):
+        m.add_argument(flag, type=kind, default=None)
+    for flag in (
+        "--use-liger-kernels",
+        "--osft",
+        "--save-final-checkpoint",
+        "--checkpoint-at-epoch",
+    ):
+        m.add_argument(flag, action="store_true", default=None)
+    return p
+
+
+MINI_TRAINER_DESTS = (
+    "model_name_or_path",
+    "data_path",
+    "output_dir",
+    "batch_size",
+    "max_tokens_per_gpu",
+    "learning_rate",
+    "num_warmup_steps",
+    "lr_scheduler",
+    "seed",
+    "max_epochs",
+    "max_steps",
+    "osft_unfreeze_rank_ratio",
+    "wandb_project",
+    "wandb_entity",
+    "wandb_run_name",
+    "use_liger_kernels",
+    "osft",
+    "save_final_checkpoint",
+    "checkpoint_at_epoch",
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[str, argparse.Namespace]:
+    """``(command, args)``; the command word (``train``/``validate``) is optional."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
+    args = build_parser().parse_args(argv)
+    if args.dry_run:
+        command = "validate"
+    return command, args
+
+
+def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The raw config for parsed arguments: YAML (or default), then flags, then ``--set``."""
+    flags = {d: getattr(args, d) for d in MINI_TRAINER_DESTS if getattr(args, d) is not None}
+    return load_config(args.config, args.overrides, flags)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``grimoire``); returns the process exit code."""
+    command, args = parse_args(argv)
+    try:
+        raw = config_from_args(args)
+        if command == "validate":
+            check_config(raw)
+            print(f"OK: {args.config or 'embedded default config'} is valid")
+            return 0
+        run = build_run(raw)
+        run.trainer.train()
+        if run.save_to:
+            run.trainer.save_model(run.save_to)
+        if getattr(run.trainer.accelerator, "is_main_process", True):
+            print(summarize(run.config.output_dir, run.save_to))
+        return 0
+    except GrimoireError as exc:
+        print(f"grimoire {command}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
