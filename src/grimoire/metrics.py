@@ -73,6 +73,10 @@ class JsonlLogger:
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
 
+    def reset(self) -> None:
+        if self.enabled and self.path.exists():
+            self.path.unlink()
+
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
             with self.path.open("a") as f:

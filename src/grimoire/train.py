@@ -176,10 +176,18 @@ def _materialize_model(name_or_path: str, output_dir: str) -> str:
     """``tiny:<arch>`` -> build the tiny model into ``<output_dir>/tiny-model``; else as given."""
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
+    from accelerate import PartialState
+
     from .tiny import save_tiny
 
     # Saved and reloaded (not used in memory) so the run exercises the real from_pretrained path.
-    return str(save_tiny(Path(output_dir) / "tiny-model", arch=name_or_path[len(TINY_PREFIX) :]))
+    # Under a multi-process launch one process per node writes it while the others wait.
+    path = Path(output_dir) / "tiny-model"
+    state = PartialState()
+    with state.local_main_process_first():
+        if state.is_local_main_process:
+            save_tiny(path, arch=name_or_path[len(TINY_PREFIX) :])
+    return str(path)
 
 
 def load_tokenizer(model_cfg: Mapping[str, Any], model_path: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -89,6 +90,7 @@ class GrimoireTrainer:
             seed=config.seed,
             lengths=self._lengths if budget else None,
             max_tokens_per_device=budget,
+            repeat=int(getattr(loss_fn, "steps_per_batch", 1)),
         )
         self.max_steps = config.max_steps or self.planner.steps_per_epoch * config.num_epochs
         optimizer = build_optimizer(model, config)
@@ -125,8 +127,15 @@ class GrimoireTrainer:
         """Run until ``max_steps`` (or ``num_epochs``), a stop request, or ``max_tokens``."""
         cfg = self.config
         self._maybe_resume()
-        if self.accelerator.is_main_process and cfg.log_with:
-            self.accelerator.init_trackers(cfg.run_name or "grimoire", config=cfg.to_dict())
+        if not cfg.resume_from_checkpoint:
+            self.metrics_log.reset()  # a fresh run into an old output_dir starts a fresh log
+        if cfg.log_with:
+            # The tracker project comes from WANDB_PROJECT (the wandb convention); run_name names
+            # the run inside it.
+            init = {"wandb": {"name": cfg.run_name}} if cfg.run_name else {}
+            self.accelerator.init_trackers(
+                os.environ.get("WANDB_PROJECT", "grimoire"), config=cfg.to_dict(), init_kwargs=init
+            )
         self.callbacks("on_train_begin", self)
         if cfg.eval_on_start and self.eval_dataset is not None:
             self.evaluate()

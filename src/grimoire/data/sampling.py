@@ -36,6 +36,9 @@ class StepPlanner:
     lengths: Sequence[int] | None = None
     max_tokens_per_device: int | None = None
     shuffle: bool = True
+    #: Optimizer steps per global batch (>1 for online methods that take several policy updates
+    #: on one rollout batch, e.g. GRPO's num_iterations): step ``s`` uses batch ``s // repeat``.
+    repeat: int = 1
 
     @property
     def global_batch(self) -> int:
@@ -43,7 +46,7 @@ class StepPlanner:
 
     @property
     def steps_per_epoch(self) -> int:
-        return max(1, math.ceil(self.num_samples / self.global_batch))
+        return max(1, math.ceil(self.num_samples / self.global_batch)) * self.repeat
 
     def permutation(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -52,7 +55,7 @@ class StepPlanner:
 
     def step_indices(self, epoch: int, step: int) -> np.ndarray:
         """Dataset indices of the global batch of ``step`` (0-based within ``epoch``)."""
-        start = step * self.global_batch
+        start = (step // self.repeat) * self.global_batch
         return self.permutation(epoch)[start : start + self.global_batch]
 
     def plan(self, epoch: int, step: int) -> list[list[int]]:
