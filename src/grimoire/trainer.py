@@ -63,6 +63,7 @@ class GrimoireTrainer:
         if not isinstance(config, TrainingConfig):
             raise ConfigError([f"config must be a TrainingConfig, got {type(config).__name__}"])
         self.config = config
+        _reset_accelerate_state()
         self.accelerator = Accelerator(
             mixed_precision=self._mixed_precision(config),
             log_with=config.log_with,
@@ -427,12 +428,8 @@ class GrimoireTrainer:
                     gradient_checkpointing_kwargs={"use_reentrant": False},
                 )
             model = get_peft_model(model, peft_config)
-        if cfg.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            # Non-reentrant checkpointing needs no input grads, so it also works with frozen
-            # embeddings under LoRA.
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+        if cfg.gradient_checkpointing:
+            enable_checkpointing(model)
         if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
             model.config.use_cache = False
         if cfg.disable_dropout:
@@ -504,6 +501,29 @@ class _StepDataset(torch.utils.data.Dataset):
             int(t.planner.step_indices(self.epoch, 0)[0])
         ]
         return [t._collate(t.train_dataset, m or fallback[:1], bool(m)) for m in plan]
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Activation checkpointing, non-reentrant: it needs no input grads, so it also works with
+    frozen embeddings under LoRA. transformers 5 renamed the API; accept both names."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _reset_accelerate_state() -> None:
+    """Let a process build several trainers with different precision (notebooks, sweeps, tests).
+
+    accelerate keeps a process-wide singleton that refuses a second mixed-precision setting; the
+    per-process distributed part (PartialState) is kept, only the per-run part is cleared.
+    """
+    from accelerate.state import AcceleratorState, GradientState
+
+    if AcceleratorState._shared_state:
+        AcceleratorState._reset_state(reset_partial_state=False)
+        GradientState._reset_state()
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

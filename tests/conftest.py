@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny models and tokenizers built in code, saved with save_pretrained."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama + char tokenizer on disk, loaded through the real from_pretrained path."""
+    from grimoire.tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+@pytest.fixture
+def tiny_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def sft_rows(tokenizer):
+    """Tokenized toy SFT rows of varied lengths (so token normalisation matters)."""
+    from grimoire.data import tokenize_sft
+    from grimoire.tiny import reverse_rows
+
+    return [tokenize_sft(r, tokenizer, max_length=64) for r in reverse_rows(64, seed=3, max_len=9)]

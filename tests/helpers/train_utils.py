@@ -1,0 +1,57 @@
+"""Small helpers for tests that run the trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
+
+
+def quiet_config(output_dir, **overrides: Any) -> TrainingConfig:
+    """Deterministic, fast settings: fp32, no checkpointing, no progress bar, no saving."""
+    values: dict[str, Any] = dict(
+        output_dir=str(output_dir),
+        num_epochs=1,
+        batch_size=4,
+        learning_rate=1e-3,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        warmup_ratio=0.0,
+        lr_scheduler="constant",
+    )
+    values.update(overrides)
+    return TrainingConfig(**values)
+
+
+class RecordLosses(TrainerCallback):
+    """Collects the logged loss of every step (logging_steps=1)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.records: list[dict] = []
+
+    def on_log(self, trainer, metrics):
+        self.losses.append(metrics["loss"])
+        self.records.append(dict(metrics))
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def train(model, tokenizer, rows, loss_fn, config, **kwargs) -> GrimoireTrainer:
+    trainer = GrimoireTrainer(
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        loss_fn=loss_fn,
+        train_dataset=rows,
+        **kwargs,
+    )
+    trainer.train()
+    return trainer
