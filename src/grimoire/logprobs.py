@@ -6,14 +6,34 @@ here, so every tensor returned is indexed by the *predicting* position:
 target. In padding-free (packed) rows, a position whose *next* token starts a new sample
 (``position_ids[b, t + 1] == 0``) gets no target either, so the last token of one sample is never
 trained to predict the first token of the next.
+
+Two ways to get there (see ``docs/fused-logprobs.md``):
+
+* **fused** (default): the model runs with ``logits_to_keep=1`` (so it never builds
+  ``[B, T, V]`` logits), a forward hook on its decoder captures the final hidden states, and only
+  the positions with a target go through the LM head, ``chunk_size`` rows at a time, each chunk
+  recomputed in backward (non-reentrant activation checkpointing). Peak logits memory is
+  ``chunk_size x V`` instead of ``B x T x V``.
+* **full**: the model's own ``[B, T, V]`` logits, then log-softmax. Used with ``fused=False``,
+  and as the automatic fallback for models the fused path cannot serve exactly.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import logging
+import warnings
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 
@@ -25,10 +45,13 @@ class TokenLogps:
     Attributes:
         logps: ``[B, T]`` float32, ``log p(target_t)``; exactly 0 where ``mask`` is False.
         mask: ``[B, T]`` bool, True where position ``t`` has a trained target.
+        entropy: ``[B, T]`` float32 entropy (nats) of the predictive distribution at position
+            ``t``, exactly 0 where ``mask`` is False; ``None`` unless ``return_entropy=True``.
     """
 
     logps: Tensor
     mask: Tensor
+    entropy: Tensor | None = None
 
     def sum(self) -> Tensor:
         """Summed log-prob of each row's targets, ``[B]``."""
@@ -68,6 +91,58 @@ def logps_from_logits(logits: Tensor, targets: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def _logps_and_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """Target log-probs and entropy of ``softmax(logits)``, both fp32.
+
+    Shapes: ``logits [..., V]``, ``targets [...]`` -> ``([...], [...])``.
+    """
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    picked = torch.gather(logits, -1, targets.unsqueeze(-1))
+    probs = torch.exp(logits - lse)
+    # H = logsumexp(z) - sum_v p_v z_v: one pass over the vocab, no log(p) of tiny probabilities.
+    entropy = lse.squeeze(-1) - (probs * logits).sum(-1)
+    return (picked - lse).squeeze(-1), entropy
+
+
+# --------------------------------------------------------------------------- post-head transforms
+
+
+def _softcap(logits: Tensor, cap: float) -> Tensor:
+    # Same op order as Gemma-2/3's forward (divide, tanh, multiply) so values match bit for bit.
+    return torch.tanh(logits / cap) * cap
+
+
+#: Transforms some architectures apply to the LM head's output inside their forward, keyed by the
+#: config attribute that enables them. The fused path calls the head itself, so it must replay
+#: them (in this order, in the head's output dtype, exactly as the models do).
+POST_HEAD_TRANSFORMS: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "final_logit_softcapping": _softcap,  # Gemma-2 / Gemma-3: tanh(z / c) * c
+    "logit_scale": lambda z, s: z * s,  # Cohere / Cohere-2
+    "logits_scaling": lambda z, s: z / s,  # Granite family
+}
+
+
+def post_head_transforms(config: Any) -> list[tuple[Callable[[Tensor, float], Tensor], float]]:
+    """The declared post-head transforms of a model config, as ``(fn, value)`` pairs."""
+    if config is None:
+        return []
+    # Multimodal wrappers (e.g. Gemma-3) keep the LM settings on the text sub-config.
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config
+    out = []
+    for attr, fn in POST_HEAD_TRANSFORMS.items():
+        value = getattr(text, attr, None)
+        if value is None:
+            value = getattr(config, attr, None)
+        if value is not None:
+            out.append((fn, float(value)))
+    return out
+
+
+# --------------------------------------------------------------------------- public entry point
+
+
 def compute_token_logps(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -77,21 +152,340 @@ def compute_token_logps(
     *,
     fused: bool = True,
     chunk_size: int = 1024,
+    return_entropy: bool = False,
 ) -> TokenLogps:
     """Run ``model`` and return the log-probs of ``labels`` (HF convention: labels aligned with
     ``input_ids``, ``-100`` = not trained; the shift happens here).
 
     Shapes: ``input_ids, labels, attention_mask, position_ids: [B, T]``.
-    ``fused`` selects the memory-lean chunked LM-head path where the model supports it.
+
+    Args:
+        fused: use the memory-lean chunked LM-head path where the model supports it (it falls
+            back to the full-logits path by itself otherwise; see the module docstring).
+        chunk_size: rows pushed through the LM head at once on the fused path; peak logits
+            memory is ``chunk_size x vocab``. Must be > 0 (checked on both paths).
+        return_entropy: also return the per-token entropy (fp32) of the predictive distribution,
+            differentiable, e.g. for online-RL metrics or an entropy bonus.
+
+    Call it inside the caller's autocast context: the head chunks run in the same context as the
+    model (and are recomputed in it during backward).
     """
-    del fused, chunk_size  # the fused path plugs in here (see the fused log-probs module)
-    kwargs: dict[str, Tensor | bool] = {"input_ids": input_ids, "use_cache": False}
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    targets = shift_labels(labels, position_ids)
+    mask = targets != IGNORE_INDEX
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
+    if fused:
+        parts = _fused_parts(model)
+        if parts is not None:
+            out = _fused_token_logps(
+                model, parts, kwargs, targets, mask, chunk_size, return_entropy
+            )
+            if out is not None:
+                return out
+    return _full_token_logps(model, kwargs, targets, mask, return_entropy)
+
+
+def _full_token_logps(
+    model: torch.nn.Module,
+    kwargs: dict[str, Any],
+    targets: Tensor,
+    mask: Tensor,
+    return_entropy: bool,
+) -> TokenLogps:
+    """The reference path: the model's own ``[B, T, V]`` logits, log-softmax in fp32."""
     logits = model(**kwargs).logits
-    targets = shift_labels(labels, position_ids)
-    mask = targets != IGNORE_INDEX
-    logps = logps_from_logits(logits, targets.clamp(min=0))
-    return TokenLogps(logps=logps.masked_fill(~mask, 0.0), mask=mask)
+    safe = targets.clamp(min=0)
+    if return_entropy:
+        logps, entropy = _logps_and_entropy(logits, safe)
+        entropy = entropy.masked_fill(~mask, 0.0)
+    else:
+        logps, entropy = logps_from_logits(logits, safe), None
+    return TokenLogps(logps=logps.masked_fill(~mask, 0.0), mask=mask, entropy=entropy)
+
+
+# --------------------------------------------------------------------------- fused path
+
+
+@dataclass
+class _FusedState:
+    """What we learned about one model: set once, kept for the model's lifetime."""
+
+    checked: bool = False  # the self-check passed
+    disabled: str | None = None  # why the fused path is off for good (None: it is on)
+
+
+# Keyed by the unwrapped CausalLM, so DDP / PEFT wrappers of one model share the verdict; weak so
+# a deleted model takes its entry with it.
+_STATE: weakref.WeakKeyDictionary[torch.nn.Module, _FusedState] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Parts:
+    base: torch.nn.Module  # the CausalLM (under any DDP / PEFT wrappers)
+    decoder: torch.nn.Module  # whose output (last_hidden_state) feeds the head
+    head: torch.nn.Module  # get_output_embeddings(): nn.Linear, LoRA-wrapped Linear, ...
+    state: _FusedState
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The CausalLM inside DDP / DataParallel / DeepSpeed / torch.compile / PEFT wrappers."""
+    for _ in range(8):  # wrappers nest a few levels at most; never loop forever
+        if isinstance(
+            model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel
+        ) or type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine"):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile
+            model = model._orig_mod
+        elif type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+            inner = model.get_base_model()
+            if inner is model:
+                break
+            model = inner
+        else:
+            break
+    return model
+
+
+def _is_sharded(param: Tensor) -> bool:
+    """FSDP2 DTensor, a DeepSpeed ZeRO-3 partitioned param, or an FSDP1 flat-param stub."""
+    if hasattr(param, "ds_numel") or hasattr(param, "ds_id"):
+        return True
+    if param.numel() == 0:
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - builds without torch.distributed
+        return False
+    return isinstance(param, DTensor)
+
+
+def _unsupported_reason(model: torch.nn.Module, base: torch.nn.Module) -> str | None:
+    """Why the fused path cannot serve ``model`` (``None``: it can)."""
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Module):
+        return "the model has no output embeddings (get_output_embeddings() is None)"
+    if any(_is_sharded(p) for p in head.parameters()):
+        return "the LM head's weight is sharded (FSDP / DeepSpeed ZeRO-3)"
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        FullyShardedDataParallel = ()
+    if FullyShardedDataParallel and any(
+        isinstance(m, FullyShardedDataParallel) for m in model.modules()
+    ):
+        return "the model is wrapped in FSDP (the head can't be called outside its forward)"
+    get_decoder = getattr(base, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except Exception:  # some exotic models raise instead of returning nothing
+        decoder = None
+    if not isinstance(decoder, torch.nn.Module) or decoder is base:
+        return "the model is not a CausalLM with a reachable decoder (get_decoder())"
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "logits_to_keep" not in params:
+        return "the model's forward does not accept logits_to_keep"
+    return None
+
+
+def _fused_parts(model: torch.nn.Module) -> _Parts | None:
+    """Decoder and head for the fused path, or ``None`` to use the full path (logged once)."""
+    base = _unwrap(model)
+    state = _STATE.get(base)
+    if state is None:
+        state = _STATE[base] = _FusedState()
+        reason = _unsupported_reason(model, base)
+        if reason is not None:
+            _disable(state, base, reason)
+    if state.disabled is not None:
+        return None
+    return _Parts(
+        base=base, decoder=base.get_decoder(), head=base.get_output_embeddings(), state=state
+    )
+
+
+def _disable(state: _FusedState, base: torch.nn.Module, reason: str) -> None:
+    state.disabled = reason
+    logger.info("fused log-probs off for %s: %s; using full logits", type(base).__name__, reason)
+
+
+def _head_autocast(hidden: Tensor, head: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """Autocast for the head chunks when the model ran under one that is no longer active.
+
+    The normal case is the caller's autocast (the trainer's ``accelerator.autocast()``), which is
+    still active here, so this is a no-op. But a model whose ``forward`` was wrapped in autocast
+    (accelerate's ``prepare`` does that) hands back half-precision hidden states while the
+    caller's context may be plain fp32: run the head in that same half precision, as the model's
+    own head call did, instead of failing on a dtype mismatch or silently upcasting.
+    """
+    weight = getattr(head, "weight", None)
+    device = hidden.device.type
+    if (
+        hidden.dtype in (torch.float16, torch.bfloat16)
+        and isinstance(weight, Tensor)
+        and weight.dtype != hidden.dtype
+        and not torch.is_autocast_enabled(device)
+    ):
+        return torch.autocast(device, dtype=hidden.dtype)
+    return contextlib.nullcontext()
+
+
+def _head_logits(head: torch.nn.Module, transforms: list, hidden: Tensor) -> Tensor:
+    """``transforms(head(hidden))`` in the head's output dtype: ``[N, H] -> [N, V]``."""
+    logits = head(hidden)
+    for fn, value in transforms:
+        logits = fn(logits, value)
+    return logits
+
+
+def _chunk_logps(
+    head: torch.nn.Module,
+    transforms: list,
+    hidden: Tensor,
+    targets: Tensor,
+    return_entropy: bool,
+) -> tuple[Tensor, ...]:
+    """One chunk: ``hidden [C, H]``, ``targets [C]`` -> ``(logps [C],)`` or ``(logps, entropy)``.
+
+    Runs inside activation checkpointing: nothing ``[C, V]``-sized outlives the call; backward
+    re-runs it (same autocast state, restored by ``checkpoint``) to get the gradients.
+    """
+    logits = _head_logits(head, transforms, hidden)
+    if return_entropy:
+        return _logps_and_entropy(logits, targets)
+    return (logps_from_logits(logits, targets),)
+
+
+def _self_check(
+    head: torch.nn.Module, transforms: list, hidden: Tensor, model_logits: Tensor
+) -> bool | None:
+    """Does our head + declared transforms reproduce the model's own logits?
+
+    Shapes: ``hidden [B, 1, H]`` (the final position, sliced exactly as the model's
+    ``logits_to_keep=1`` forward slices it, so the head runs the same kernel on the same input),
+    ``model_logits [B, 1, V]`` (what that forward returned). ``None`` when no row is finite
+    (e.g. every row is padding): inconclusive, check again on the next batch.
+    """
+    with torch.no_grad():
+        ours = _head_logits(head, transforms, hidden)
+        # The rounding unit of the coarser of the two dtypes (accelerate may have upcast the
+        # model's half-precision logits to fp32 after the fact).
+        eps = max(torch.finfo(ours.dtype).eps, torch.finfo(model_logits.dtype).eps)
+        ours, theirs = ours.float().flatten(0, -2), model_logits.float().flatten(0, -2)
+        rows = torch.isfinite(ours).all(-1) & torch.isfinite(theirs).all(-1)
+        if not bool(rows.any()):
+            return None
+        ours, theirs = ours[rows], theirs[rows]
+        # Same op, same input, same shape: equal in practice; a few ulps of slack for kernels
+        # that are not bitwise reproducible. Any real transform (scale, cap, bias) is far larger,
+        # unless it moves logits by less than the dtype's own rounding (see the docs).
+        tol = 4 * eps * (theirs.abs() + theirs.abs().mean())
+        return bool(((ours - theirs).abs() <= tol).all())
+
+
+def _fused_token_logps(
+    model: torch.nn.Module,
+    parts: _Parts,
+    kwargs: dict[str, Any],
+    targets: Tensor,
+    mask: Tensor,
+    chunk_size: int,
+    return_entropy: bool,
+) -> TokenLogps | None:
+    """The fused path; ``None`` when it turned itself off (the caller then runs the full path)."""
+    captured: list[Tensor] = []
+
+    def grab(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        captured.append(hidden if hidden is not None else output[0])
+
+    # A hook on the decoder keeps only the *last* hidden state alive, unlike
+    # output_hidden_states=True which would pin every layer's output until the forward returns.
+    handle = parts.decoder.register_forward_hook(grab)
+    try:
+        # Through the outermost wrapper (DDP / PEFT / accelerate) so its forward logic still runs;
+        # logits_to_keep=1 keeps the model from building [B, T, V] logits.
+        out = model(**kwargs, logits_to_keep=1)
+    finally:
+        handle.remove()
+    batch, seq = targets.shape
+    hidden = captured[-1] if captured else None
+    if hidden is None or tuple(hidden.shape[:2]) != (batch, seq):
+        _disable(parts.state, parts.base, "its decoder output does not line up with input_ids")
+        return None
+    transforms = post_head_transforms(getattr(parts.base, "config", None))
+    head = parts.head
+    autocast = _head_autocast(hidden, head)
+
+    if not parts.state.checked:
+        with autocast:
+            ok = _self_check(head, transforms, hidden[:, -1:].detach(), out.logits[:, -1:])
+        if ok is False:
+            msg = (
+                f"fused log-probs: {type(parts.base).__name__}'s own logits differ from its "
+                "get_output_embeddings() output plus the config's declared post-head transforms "
+                f"({', '.join(POST_HEAD_TRANSFORMS)}); it must transform logits in a way the "
+                "fused path can't replay. Using the full-logits path for this model from now on."
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            _disable(parts.state, parts.base, "self-check mismatch")
+            return None
+        parts.state.checked = ok is True
+    del out  # the [B, 1, V] logits: only needed for the self-check
+
+    flat_targets = targets.reshape(-1)
+    index = mask.reshape(-1).nonzero().squeeze(-1)
+    scale = 1.0
+    if index.numel() == 0:
+        # No targets at all: still route one row through the head (times 0) so the result has a
+        # graph and every parameter gets a (zero) gradient, as on the full path (DDP needs it).
+        index, scale = index.new_zeros(1), 0.0
+    rows = hidden.reshape(batch * seq, -1).index_select(0, index)
+    rows_targets = flat_targets.index_select(0, index).clamp(min=0)
+
+    use_ckpt = torch.is_grad_enabled() and (
+        rows.requires_grad or any(p.requires_grad for p in head.parameters())
+    )
+    pieces: list[tuple[Tensor, ...]] = []
+    with autocast:
+        for start in range(0, rows.shape[0], chunk_size):
+            args = (
+                head,
+                transforms,
+                rows[start : start + chunk_size],
+                rows_targets[start : start + chunk_size],
+                return_entropy,
+            )
+            if use_ckpt:
+                # Non-reentrant: works with frozen inputs (LoRA), restores autocast on recompute.
+                pieces.append(checkpoint(_chunk_logps, *args, use_reentrant=False))
+            else:
+                pieces.append(_chunk_logps(*args))
+
+    def scatter(i: int) -> Tensor:
+        values = torch.cat([p[i] for p in pieces])
+        if scale != 1.0:
+            values = values * scale
+        zeros = values.new_zeros(batch * seq)
+        return zeros.index_copy(0, index, values).view(batch, seq)
+
+    return TokenLogps(logps=scatter(0), mask=mask, entropy=scatter(1) if return_entropy else None)
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "POST_HEAD_TRANSFORMS",
+    "TokenLogps",
+    "compute_token_logps",
+    "logps_from_logits",
+    "post_head_transforms",
+    "shift_labels",
+]

@@ -65,6 +65,9 @@ class GrimoireTrainer:
         self.config = config
         _reset_accelerate_state()
         self.accelerator = Accelerator(
+            # On a machine with no accelerator, torchrun/accelerate-launched processes must be told
+            # to form a CPU (gloo) group; otherwise each would silently train alone.
+            cpu=not _has_accelerator(),
             mixed_precision=self._mixed_precision(config),
             log_with=config.log_with,
             project_dir=config.output_dir,
@@ -511,6 +514,12 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _has_accelerator() -> bool:
+    if hasattr(torch, "accelerator"):
+        return torch.accelerator.is_available()
+    return torch.cuda.is_available()
 
 
 def _reset_accelerate_state() -> None:

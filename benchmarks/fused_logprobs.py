@@ -1,0 +1,197 @@
+"""Fused (chunked LM head) vs full-logits log-probs: peak memory and fwd+bwd step time.
+
+Each (vocab, path) configuration runs in a fresh subprocess, so the numbers of one cannot leak
+into another (allocator caches, high-water marks). Memory:
+
+* CPU: the process's peak resident set size (``VmHWM``), reset just before the timed steps via
+  ``/proc/self/clear_refs`` so model construction does not count. We report the peak *above*
+  the baseline (weights, inputs, interpreter) and the total.
+* CUDA: ``torch.cuda.max_memory_allocated`` (reset before the steps), minus the allocated
+  baseline, and the total.
+
+Step time: median over ``--repeats`` forward+backward steps after one warm-up step, under bf16
+autocast (CPU: AMX bf16 matmuls; CUDA: the usual). Ratios are fused / full from the same run.
+
+    python benchmarks/fused_logprobs.py                     # CPU, vocab 32k / 128k / 256k
+    python benchmarks/fused_logprobs.py --device cuda --batch 4 --hidden 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _rss_peak_mb() -> float:
+    """Peak RSS since the last reset (``VmHWM``), in MiB; falls back to ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_now_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _reset_rss_peak() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0). False where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """Build the model, run the steps, return the measurements (one configuration)."""
+    import torch
+
+    from grimoire.logprobs import compute_token_logps
+    from grimoire.tiny import build_model
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model = build_model(
+        "llama",
+        seed=0,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        tie_word_embeddings=False,
+        max_position_embeddings=max(args.seq_len, 512),
+    ).to(device)
+    model.config.use_cache = False
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, args.vocab, (args.batch, args.seq_len), generator=gen).to(device)
+    labels = ids.clone()
+    # Prompt tokens (the first 1 - trained_frac of each row) get no loss, as in SFT / DPO.
+    labels[:, : int(args.seq_len * (1 - args.trained_frac))] = -100
+    fused = args.path == "fused"
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = compute_token_logps(
+                model, ids, labels, fused=fused, chunk_size=args.chunk_size
+            )
+            loss = -out.logps.sum() / out.mask.sum()
+        loss.backward()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up: allocator, oneDNN / cuBLAS kernel selection, the fused self-check
+    sync()
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        import gc
+
+        gc.collect()
+        base = _rss_now_mb()
+        if not _reset_rss_peak():
+            print("warning: cannot reset peak RSS; it includes model construction", file=sys.stderr)
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _rss_peak_mb()
+    return {
+        "vocab": args.vocab,
+        "path": args.path,
+        "step_s": statistics.median(times),
+        "base_mb": base,
+        "peak_mb": peak,
+        "delta_mb": peak - base,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vocabs", default="32000,128000,256000")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--chunk-size", type=int, default=1024)
+    p.add_argument("--trained-frac", type=float, default=1.0, help="share of tokens with a loss")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=max(1, min(2, os.cpu_count() or 1)))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    # internal: one configuration in this process
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, default=32000, help=argparse.SUPPRESS)
+    p.add_argument("--path", default="fused", choices=["fused", "full"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    common = [
+        f"--seq-len={args.seq_len}",
+        f"--batch={args.batch}",
+        f"--hidden={args.hidden}",
+        f"--layers={args.layers}",
+        f"--chunk-size={args.chunk_size}",
+        f"--trained-frac={args.trained_frac}",
+        f"--repeats={args.repeats}",
+        f"--threads={args.threads}",
+        f"--device={args.device}",
+    ]
+    mem = "peak RSS" if args.device == "cpu" else "max allocated"
+    print(
+        f"# device={args.device} batch={args.batch} seq={args.seq_len} hidden={args.hidden} "
+        f"layers={args.layers} chunk={args.chunk_size} trained_frac={args.trained_frac} "
+        f"threads={args.threads} repeats={args.repeats} bf16 autocast; memory = {mem}, "
+        "'+' = above the post-warm-up baseline (weights, inputs)"
+    )
+    header = (
+        "| vocab | full peak MiB (+) | fused peak MiB (+) | mem ratio total (+) "
+        "| full step s | fused step s | time ratio |"
+    )
+    print(header)
+    print("|" + "---|" * 7)
+    for vocab in [int(v) for v in args.vocabs.split(",")]:
+        res = {}
+        for path in ("full", "fused"):
+            cmd = [sys.executable, __file__, "--worker", f"--vocab={vocab}", f"--path={path}"]
+            out = subprocess.run(cmd + common, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                sys.exit(f"vocab={vocab} path={path} failed:\n{out.stderr}")
+            res[path] = json.loads(out.stdout.strip().splitlines()[-1])
+        full, fused = res["full"], res["fused"]
+        print(
+            f"| {vocab // 1000}k | {full['peak_mb']:.0f} (+{full['delta_mb']:.0f}) "
+            f"| {fused['peak_mb']:.0f} (+{fused['delta_mb']:.0f}) "
+            f"| {fused['peak_mb'] / full['peak_mb']:.2f} "
+            f"({fused['delta_mb'] / max(full['delta_mb'], 1e-9):.2f}) "
+            f"| {full['step_s']:.2f} | {fused['step_s']:.2f} "
+            f"| {fused['step_s'] / full['step_s']:.2f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

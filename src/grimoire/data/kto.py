@@ -1,0 +1,187 @@
+"""KTO data: unpaired ``(prompt, completion, label)`` rows, and mismatched pairs for the KL term.
+
+KTO's reference point ``z0`` estimates ``KL(pi || pi_ref)`` on MISMATCHED pairs: each prompt
+with another row's completion (Ethayarajh et al., arXiv 2402.01306, section 4.1). The
+``KTOCollator`` builds them inside each batch, pairing prompt ``i`` with completion
+``(i + 1) mod B``; when the rows already carry ``kl_*`` columns (written by
+:func:`grimoire.data.cache.cache_reference_log_probs`, which fixes the pairs at dataset level so
+their reference log-probs can be cached) it uses those instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import DataError
+from ..logprobs import IGNORE_INDEX
+from .common import collate_prefixed
+from .preference import (
+    _check_lengths,
+    _is_conversational,
+    _missing_or_empty,
+    encode_prompt_response,
+    truncate_prompt_responses,
+)
+
+#: Columns produced by :func:`tokenize_kto`.
+KTO_COLUMNS: tuple[str, ...] = ("input_ids", "attention_mask", "labels", "label")
+
+
+def _as_label(value: Any, field: str, fn: str) -> bool:
+    # Accept bools and 0/1 ints (common in JSONL exports); anything else is ambiguous.
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise DataError(
+        [
+            f"{fn}: field {field!r} must be a bool (True = desirable, False = undesirable) or "
+            f"0/1, got {value!r}"
+        ]
+    )
+
+
+def tokenize_kto(
+    example: Mapping[str, Any],
+    tokenizer,
+    max_length: int = 2048,
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+    label_field: str = "label",
+    max_prompt_length: int | None = None,
+) -> dict[str, Any]:
+    """Tokenize one unpaired KTO example: ``input_ids``, ``attention_mask``, ``labels``, ``label``.
+
+    ``prompt``/``completion`` are strings or chat messages exactly as in
+    :func:`grimoire.data.preference.tokenize_preference` (EOS appended to the completion and
+    trained; the same truncation: prompt end first, then completion start). ``label`` is a bool
+    (True = desirable); 0/1 integers are accepted.
+
+    Raises:
+        DataError: a missing/empty prompt or completion, a missing or non-boolean label, or no
+            trainable token left after truncation.
+    """
+    fn = "tokenize_kto"
+    _check_lengths(max_length, max_prompt_length, fn)
+    problems = [
+        p
+        for f, kwarg in (
+            (prompt_field, "prompt_field"),
+            (completion_field, "completion_field"),
+        )
+        if (p := _missing_or_empty(example, f, fn, kwarg))
+    ]
+    if label_field not in example or example[label_field] is None:
+        problems.append(
+            f"{fn}: missing field {label_field!r} (True = desirable, False = undesirable); the "
+            f"row has {sorted(example)} (pass {fn}(..., label_field=...) to use another column)"
+        )
+    if problems:
+        raise DataError(problems)
+    label = _as_label(example[label_field], label_field, fn)
+    prompt, completion = example[prompt_field], example[completion_field]
+    prompt_ids, ids, labels = encode_prompt_response(
+        tokenizer,
+        prompt,
+        completion,
+        prompt_field=prompt_field,
+        response_field=completion_field,
+        fn=fn,
+        conversational=_is_conversational(prompt, completion),
+    )
+    prompt_ids, [(ids, labels)] = truncate_prompt_responses(
+        prompt_ids, [(ids, labels)], max_length, max_prompt_length, tokenizer.bos_token_id
+    )
+    if all(x == IGNORE_INDEX for x in labels):
+        raise DataError(
+            [
+                f"{fn}: field {completion_field!r} has no trainable token left after truncation "
+                f"to max_length={max_length} (raise max_length or lower max_prompt_length)"
+            ]
+        )
+    input_ids = prompt_ids + ids
+    return {
+        "input_ids": input_ids,
+        "attention_mask": [1] * len(input_ids),
+        "labels": [IGNORE_INDEX] * len(prompt_ids) + labels,
+        "label": label,
+    }
+
+
+def split_prompt_completion(
+    input_ids: Sequence[int], labels: Sequence[int]
+) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt_ids, completion_ids, completion_labels)``: the prompt ends at the first trained
+    label (what :func:`tokenize_kto` produces)."""
+    start = next((i for i, x in enumerate(labels) if x != IGNORE_INDEX), len(labels))
+    return list(input_ids[:start]), list(input_ids[start:]), list(labels[start:])
+
+
+def mismatched_pair(
+    prompt_row: Mapping[str, Any], completion_row: Mapping[str, Any]
+) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of ``prompt_row``'s prompt followed by ``completion_row``'s
+    completion.
+
+    The completion is cut at the end so the pair is no longer than the longer of the two rows:
+    both already fit the tokenizer's ``max_length``, so the pair does too, without the collator
+    having to know it.
+    """
+    p_ids, _, _ = split_prompt_completion(prompt_row["input_ids"], prompt_row["labels"])
+    _, c_ids, c_labels = split_prompt_completion(
+        completion_row["input_ids"], completion_row["labels"]
+    )
+    limit = max(len(prompt_row["input_ids"]), len(completion_row["input_ids"]))
+    room = max(limit - len(p_ids), 1)
+    return p_ids + c_ids[:room], [IGNORE_INDEX] * len(p_ids) + c_labels[:room]
+
+
+@dataclass
+class KTOCollator:
+    """Pads KTO rows and adds the mismatched KL pairs ``kl_input_ids/kl_attention_mask/kl_labels``.
+
+    In-batch pairs join prompt ``i`` with completion ``(i + 1) mod B``. With ``B == 1`` that is
+    the row's own completion (the KL estimate then equals the implied reward): train KTO with a
+    per-device batch size of at least 2, or cache the pairs at dataset level. Rows that already
+    hold ``kl_input_ids``/``kl_labels`` (cached pairs) keep them.
+    """
+
+    pad_token_id: int
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        if not features:
+            raise ValueError("KTOCollator got an empty batch")
+        if "kl_input_ids" in features[0]:
+            rows = [dict(f) for f in features]
+            for r in rows:
+                r.setdefault("kl_attention_mask", [1] * len(r["kl_input_ids"]))
+        else:
+            n = len(features)
+            rows = []
+            for i, f in enumerate(features):
+                kl_ids, kl_labels = mismatched_pair(f, features[(i + 1) % n])
+                rows.append(
+                    {
+                        **f,
+                        "kl_input_ids": kl_ids,
+                        "kl_attention_mask": [1] * len(kl_ids),
+                        "kl_labels": kl_labels,
+                    }
+                )
+        batch = collate_prefixed(rows, self.pad_token_id, ("", "kl_"))
+        if "label" in batch:
+            batch["label"] = torch.as_tensor(batch["label"]).bool()
+        return batch
+
+
+__all__ = [
+    "KTO_COLUMNS",
+    "KTOCollator",
+    "mismatched_pair",
+    "split_prompt_completion",
+    "tokenize_kto",
+]

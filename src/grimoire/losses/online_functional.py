@@ -1,0 +1,261 @@
+"""Pure math of the online RL methods (GRPO / DAPO / Dr. GRPO, RLOO, Online DPO, RAFT).
+
+No models here: rewards, per-token log-probs and masks in, advantages / losses / selections
+out, so each piece is unit-tested against a naive Python reference.
+
+Layout conventions (from :class:`grimoire.rollout.engine.Rollout`): ``N = num_prompts * G``
+completions, **prompt-major** (rows ``g*G .. g*G+G-1`` are group ``g``); per-token tensors are
+``[N, C]`` over completion tokens with a ``mask [N, C]`` (1 = real completion token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+#: GRPO loss normalisations accepted by :func:`reduce_token_loss`.
+LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo")
+#: Advantage scalings accepted by :func:`group_advantages`.
+SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
+
+
+def _groups(rewards: Tensor, group_size: int) -> Tensor:
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"rewards must be [N] with N a multiple of group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    return rewards.float().view(-1, group_size)
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_size: int,
+    scale_rewards: str = "group",
+    eps: float = 1e-4,
+    batch_std: Tensor | float | None = None,
+) -> Tensor:
+    r"""GRPO's group-relative advantages.
+
+    Paper: Shao et al., "DeepSeekMath", arXiv 2402.03300 (sec. 4.1.2, outcome supervision)::
+
+        A_i = (r_i - mean_group(r)) / (std + eps)
+
+    ``scale_rewards`` picks ``std``: ``"group"`` (the paper: the group's std), ``"batch"`` (the
+    std of all rewards of the batch, as TRL/PPO-style whitening; ``batch_std`` lets the caller
+    pass a cross-rank value) or ``"none"`` (no division; Liu et al., "Understanding R1-Zero-Like
+    Training: A Critical Perspective" (Dr. GRPO), arXiv 2503.20783, who show the std division
+    up-weights too-easy / too-hard prompts). Stds are unbiased (Bessel, ``torch.std``), as TRL.
+    A group whose rewards are all equal gets ``A = 0`` whatever the scaling.
+
+    Shapes: ``rewards [N]`` -> ``[N]`` float32.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    r = _groups(rewards, group_size)
+    centered = r - r.mean(dim=1, keepdim=True)
+    if scale_rewards == "group":
+        centered = centered / (r.std(dim=1, keepdim=True) + eps) if group_size > 1 else centered
+    elif scale_rewards == "batch":
+        std = r.flatten().std() if batch_std is None else torch.as_tensor(batch_std).float()
+        centered = centered / (std.to(centered.device) + eps)
+    return centered.flatten()
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    r"""REINFORCE leave-one-out advantages.
+
+    Paper: Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
+    from Human Feedback in LLMs", arXiv 2402.14740 (eq. 4; baseline from Kool et al. 2019)::
+
+        A_i = r_i - 1/(G-1) * sum_{j != i} r_j  =  G/(G-1) * (r_i - mean_group(r))
+
+    Shapes: ``rewards [N]`` -> ``[N]`` float32. Needs ``G >= 2``.
+    """
+    if group_size < 2:
+        raise ValueError(
+            f"RLOO needs group_size >= 2 for a leave-one-out baseline, got {group_size}"
+        )
+    r = _groups(rewards, group_size)
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - baseline).flatten()
+
+
+def equal_reward_groups(rewards: Tensor, group_size: int, atol: float = 1e-6) -> Tensor:
+    """``[N / G]`` bool: groups whose rewards are all equal (zero advantage, no signal).
+
+    DAPO's dynamic sampling (Yu et al., "DAPO", arXiv 2503.14476, sec. 3.2) drops them.
+    """
+    r = _groups(rewards, group_size)
+    return (r.max(dim=1).values - r.min(dim=1).values) <= atol
+
+
+def clipped_surrogate(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""PPO's clipped surrogate per token, with DAPO's decoupled (asymmetric) clip range.
+
+    Papers: Schulman et al., "Proximal Policy Optimization Algorithms", arXiv 1707.06347 (eq. 7);
+    clip-higher from Yu et al., "DAPO", arXiv 2503.14476 (eq. 10, ``eps_high = 0.28``)::
+
+        ratio = exp(logp - old_logp)
+        loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+
+    A token whose ratio is already past the clip edge in the direction the advantage pushes
+    (``ratio > 1 + eps_high`` with ``A > 0``, or ``ratio < 1 - eps_low`` with ``A < 0``) takes the
+    constant clipped branch, so it contributes NO gradient.
+
+    Shapes: ``logps, old_logps [N, C]``, ``advantages [N]`` -> per-token loss ``[N, C]`` (not
+    masked) and detached ``[N, C]`` tensors ``ratio``, ``clipped_low``, ``clipped_high`` (bool:
+    exactly the zero-gradient tokens).
+    """
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    a = advantages.float().unsqueeze(1)
+    ratio = torch.exp(logps.float() - old_logps.float())
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
+    loss = -torch.min(ratio * a, clipped * a)
+    r = ratio.detach()
+    info = {
+        "ratio": r,
+        "clipped_low": (r < 1 - epsilon_low) & (a < 0),
+        "clipped_high": (r > 1 + eps_high) & (a > 0),
+    }
+    return loss, info
+
+
+def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    r"""Per-token ``KL(pi || pi_ref)`` estimator "k3" (unbiased, always >= 0).
+
+    Schulman, "Approximating KL Divergence" (blog, 2020); used by DeepSeekMath eq. 4::
+
+        d = ref_logp - logp;   kl = exp(d) - d - 1
+
+    Shapes: ``[N, C]`` -> ``[N, C]`` float32 (differentiable in ``logps``).
+    """
+    d = ref_logps.float() - logps.float()
+    return torch.exp(d) - d - 1
+
+
+def reduce_token_loss(
+    per_token: Tensor, mask: Tensor, loss_type: str, max_completion_length: int | None = None
+) -> Tensor:
+    r"""Reduce a per-token loss of ONE micro-batch; pair with :func:`loss_units`.
+
+    The trainer multiplies each micro-batch's loss by ``units / sum(units over the global step,
+    all ranks)``; with these pairs the optimizer step minimises (``M`` = mask, sums over the
+    global batch, ``n`` = sequences with at least one token, ``L`` = max_completion_length)::
+
+        loss_type   micro-batch loss                 units        global objective
+        "dapo"      sum(l M) / sum(M)                sum(M)       sum(l M) / sum(M)   (token mean)
+        "grpo"      mean_i[sum_t(l M)_i / |o_i|]     n            mean over sequences of
+                                                                   the per-sequence token mean
+        "bnpo"      sum(l M) / sum(M)                1            mean over micro-batches of
+                                                                   their token means (TRL)
+        "dr_grpo"   sum(l M) / (n * L)               n            sum(l M) / (N * L)
+
+    "grpo" is DeepSeekMath eq. 3; "dapo" is DAPO's token-level loss (arXiv 2503.14476 eq. 12),
+    normalised over the *global* batch; "dr_grpo" is Dr. GRPO's constant normaliser
+    (arXiv 2503.20783), which removes the length bias of the per-sequence mean; "bnpo" is TRL's
+    local-batch token mean.
+
+    Shapes: ``per_token, mask [N, C]`` -> scalar. Rows with an all-zero mask (dropped groups /
+    padding rows) count in no normaliser.
+    """
+    m = mask.to(per_token.dtype)
+    total = (per_token * m).sum()
+    if loss_type in ("dapo", "bnpo"):
+        return total / m.sum().clamp(min=1.0)
+    n_seq = (m.sum(-1) > 0).sum().clamp(min=1)
+    if loss_type == "grpo":
+        per_seq = (per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+        return per_seq.sum() / n_seq
+    if loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        return total / (n_seq * max_completion_length)
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def loss_units(mask: Tensor, loss_type: str) -> float:
+    """The micro-batch's weight for the trainer's global normalisation (see
+    :func:`reduce_token_loss`): tokens ("dapo"), sequences ("grpo", "dr_grpo") or 1 ("bnpo";
+    0 for a micro-batch without any token)."""
+    tokens = float(mask.sum())
+    if loss_type == "dapo":
+        return tokens
+    if loss_type in ("grpo", "dr_grpo"):
+        return float((mask.sum(-1) > 0).sum())
+    if loss_type == "bnpo":
+        return 1.0 if tokens > 0 else 0.0
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def best_worst_pairs(rewards: Tensor, group_size: int, atol: float = 0.0) -> list[tuple[int, int]]:
+    """Online DPO pairs: per group, (index of the best, index of the worst) completion.
+
+    Paper: Guo et al., "Direct Language Model Alignment from Online AI Feedback" (OAIF),
+    arXiv 2402.04792, with G > 2 samples paired best-vs-worst as in Xu et al. / Llama-3's
+    rejection-sampled preference data. Ties (``best - worst <= atol``) carry no preference and
+    are skipped. The first index wins among equal maxima / minima. Indices are global rows of
+    ``rewards [N]``.
+    """
+    r = _groups(rewards, group_size)
+    pairs = []
+    for g in range(r.shape[0]):
+        best, worst = int(r[g].argmax()), int(r[g].argmin())
+        if float(r[g, best] - r[g, worst]) > atol:
+            pairs.append((g * group_size + best, g * group_size + worst))
+    return pairs
+
+
+def best_of_n(rewards: Tensor, group_size: int, reward_threshold: float | None = None) -> list[int]:
+    """RAFT winners: per group, the highest-reward completion, kept if ``>= reward_threshold``.
+
+    Paper: Dong et al., "RAFT: Reward rAnked FineTuning for Generative Foundation Model
+    Alignment", arXiv 2304.06767 (best-of-K per prompt, then SFT on the winners). Returns global
+    row indices; the first index wins among equal maxima.
+    """
+    r = _groups(rewards, group_size)
+    out = []
+    for g in range(r.shape[0]):
+        best = int(r[g].argmax())
+        if reward_threshold is None or float(r[g, best]) >= reward_threshold:
+            out.append(g * group_size + best)
+    return out
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over ``mask`` (0 when the mask is empty), detached float32."""
+    m = mask.to(torch.float32)
+    return ((values.detach().float() * m).sum() / m.sum().clamp(min=1.0)).detach()
+
+
+def reward_std(values: list[float]) -> float:
+    """Population std (a metric; no Bessel correction so a single value gives 0)."""
+    if not values:
+        return 0.0
+    mu = sum(values) / len(values)
+    return math.sqrt(sum((v - mu) ** 2 for v in values) / len(values))
+
+
+__all__ = [
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
+    "best_of_n",
+    "best_worst_pairs",
+    "clipped_surrogate",
+    "equal_reward_groups",
+    "group_advantages",
+    "k3_kl",
+    "loss_units",
+    "masked_mean",
+    "reduce_token_loss",
+    "reward_std",
+    "rloo_advantages",
+]

@@ -1,0 +1,342 @@
+"""Rollout engines: sample G completions per prompt from the current policy, with old log-probs.
+
+The interface online methods use is one call::
+
+    rollout = engine.generate(prompts, n)      # prompts: list[list[int]] (token ids, no padding)
+
+returning a :class:`Rollout` of ``N = len(prompts) * n`` rows, **prompt-major** (rows
+``i*n .. i*n+n-1`` are prompt ``i``'s group). Methods never see the backend.
+
+Adding a backend (e.g. vLLM): subclass :class:`RolloutEngine` and implement
+
+- ``_sample(prompts, n, greedy) -> list[list[int]]``: the completion token ids per row (any
+  length up to ``max_new_tokens``; an EOS, if produced, ends the completion and is kept);
+- ``sync_weights()`` (optional): push the trained weights to the backend's copy. The methods
+  call it once before every rollout batch. The HF backend samples from the training model
+  itself, so it is a no-op there.
+
+The base class pads and masks the completions and computes the *old* log-probs with the training
+policy (a no-grad forward in the trainer's autocast), so every backend yields the same
+log-probs the loss will be compared with, whatever precision the sampler used.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..logprobs import logps_from_logits
+from .generation import generation_mode
+
+
+@dataclass
+class Rollout:
+    """``N`` sampled completions of ``N / group_size`` prompts, prompt-major.
+
+    Attributes:
+        prompt_ids: ``[N, P]`` long, LEFT-padded prompts (each repeated ``group_size`` times).
+        prompt_mask: ``[N, P]`` long, 1 on real prompt tokens.
+        completion_ids: ``[N, C]`` long, RIGHT-padded completions (pad after the first EOS).
+        completion_mask: ``[N, C]`` long, 1 on completion tokens up to and including the first
+            EOS; ``C`` is the longest completion of the batch (``<= max_new_tokens``).
+        old_logps: ``[N, C]`` float32 per-token log-probs of the completion under the policy
+            that sampled it (temperature-scaled), 0 on padding; ``None`` if not requested.
+        group_size: ``G``, completions per prompt.
+        truncated: ``[N]`` bool, True where no EOS was produced within ``max_new_tokens``.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    completion_ids: Tensor
+    completion_mask: Tensor
+    old_logps: Tensor | None
+    group_size: int
+    truncated: Tensor
+
+    @property
+    def input_ids(self) -> Tensor:
+        """``[N, P + C]`` prompt then completion."""
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        """``[N, P + C]``: left pads and completion padding are 0."""
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+
+    @property
+    def num_groups(self) -> int:
+        return self.prompt_ids.shape[0] // self.group_size
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """``cumsum(mask) - 1`` clamped at 0: left-padded rows get the positions HF ``generate`` used.
+
+    Without it a left-padded prompt would be scored at positions shifted by its padding, so the
+    training log-probs would not be those of the sampled sequence.
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logps(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_width: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs of the last ``C = completion_width`` tokens of each row.
+
+    One forward with ``logits_to_keep = C + 1`` (the LM head runs only over the completion),
+    logits divided by ``temperature`` so the log-probs are those of the distribution that was
+    sampled (PPO's ratio must compare like with like; TRL does the same)::
+
+        logps[b, t] = log softmax(logits[b, P - 1 + t] / T)[input_ids[b, P + t]]
+
+    Shapes: ``input_ids, attention_mask [N, P + C]`` -> ``logps [N, C]`` float32 (NOT masked:
+    the caller multiplies by its completion mask) and, if ``with_entropy``, the detached
+    per-token entropy ``[N, C]`` of the same distribution (a metric only, no gradient).
+    """
+    c = completion_width
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=c + 1,
+    ).logits
+    logits = logits[:, -(c + 1) : -1]  # position P-1+t predicts completion token t
+    if temperature != 1.0:
+        logits = logits / temperature
+    logps = logps_from_logits(logits, input_ids[:, -c:])
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            lp = torch.log_softmax(logits.detach().float(), dim=-1)
+            entropy = -(lp.exp() * lp).sum(-1)
+    return logps, entropy
+
+
+class RolloutEngine:
+    """Backend-independent part of a rollout engine (see the module docstring).
+
+    Call :meth:`bind` once (the methods do it in ``setup``) with the training model; then
+    :meth:`generate`. ``generation_batch_size`` caps how many sequences one sampling call and
+    one log-prob forward process at a time (memory), never the results.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        generation_batch_size: int | None = None,
+    ):
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if not temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0 (online RL needs diverse samples), got {temperature}"
+            )
+        if generation_batch_size is not None and generation_batch_size <= 0:
+            raise ValueError(f"generation_batch_size must be > 0, got {generation_batch_size}")
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.generation_batch_size = generation_batch_size
+        self.model: torch.nn.Module | None = None
+        self.pad_token_id = 0
+        self.eos_token_ids: list[int] = []
+        self.autocast: Any = nullcontext
+
+    def bind(
+        self,
+        model: torch.nn.Module,
+        pad_token_id: int,
+        eos_token_id: int | list[int] | None,
+        autocast: Any = nullcontext,
+    ) -> None:
+        """Attach the (unwrapped) training model, the special ids and the autocast factory."""
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+        eos = eos_token_id if isinstance(eos_token_id, list | tuple) else [eos_token_id]
+        self.eos_token_ids = [int(e) for e in eos if e is not None]
+        self.autocast = autocast
+
+    def sync_weights(self) -> None:
+        """Make the sampler use the current weights; no-op when it shares the training model."""
+
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        assert self.model is not None, "call bind() first"
+        return next(self.model.parameters()).device
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        with_old_logps: bool = True,
+        greedy: bool = False,
+    ) -> Rollout:
+        """Sample ``n`` completions for each prompt (see :class:`Rollout` for the layout).
+
+        ``with_old_logps=False`` skips the extra forward when the loss does not need it (e.g.
+        a single policy update per rollout, where old == current log-probs in value).
+        """
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}.bind(model, ...) must be called first")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate() needs a non-empty list of non-empty prompts")
+        completions = self._sample(prompts, n, greedy)
+        rows = [self._cut_at_eos(c[: self.max_new_tokens]) for c in completions]
+        repeated = [p for p in prompts for _ in range(n)]
+        if len(rows) != len(repeated):
+            raise RuntimeError(
+                f"{type(self).__name__}._sample returned {len(rows)} completions for "
+                f"{len(prompts)} prompts x {n}"
+            )
+        device = self.device
+        prompt_ids, prompt_mask = _pad(repeated, self.pad_token_id, left=True)
+        # Empty completions (a sampler that stopped at once) still get one slot so C >= 1.
+        completion_ids, completion_mask = _pad(rows, self.pad_token_id, left=False, min_width=1)
+        truncated = torch.tensor(
+            [not (r and r[-1] in self.eos_token_ids) for r in rows], dtype=torch.bool
+        )
+        rollout = Rollout(
+            prompt_ids=prompt_ids.to(device),
+            prompt_mask=prompt_mask.to(device),
+            completion_ids=completion_ids.to(device),
+            completion_mask=completion_mask.to(device),
+            old_logps=None,
+            group_size=n,
+            truncated=truncated.to(device),
+        )
+        if with_old_logps:
+            rollout.old_logps = self.score(rollout.input_ids, rollout.attention_mask, rollout)
+        return rollout
+
+    @torch.no_grad()
+    def score(self, input_ids: Tensor, attention_mask: Tensor, rollout: Rollout) -> Tensor:
+        """Old log-probs ``[N, C]`` of the rollout's completions under the bound model.
+
+        Runs in the model's current train/eval mode, so it matches the training forward (with
+        dropout on, ratio noise remains: disable dropout for online RL).
+        """
+        c = rollout.completion_ids.shape[1]
+        chunk = self.generation_batch_size or input_ids.shape[0]
+        out = []
+        for s in range(0, input_ids.shape[0], chunk):
+            with self.autocast():
+                logps, _ = completion_logps(
+                    self.model,
+                    input_ids[s : s + chunk],
+                    attention_mask[s : s + chunk],
+                    c,
+                    self.temperature,
+                )
+            out.append(logps)
+        return torch.cat(out) * rollout.completion_mask
+
+    def _cut_at_eos(self, ids: list[int]) -> list[int]:
+        for i, t in enumerate(ids):
+            if t in self.eos_token_ids:
+                return list(ids[: i + 1])
+        return list(ids)
+
+
+class HFGenerateEngine(RolloutEngine):
+    """Samples with ``model.generate`` from the training model itself (no weight copy).
+
+    Sampling is exactly ``softmax(logits / temperature)`` restricted by ``top_k`` (0 = off) and
+    ``top_p`` (1.0 = off): a fresh ``GenerationConfig`` is used, so processors from the model's
+    own ``generation_config`` (repetition penalties, a default top-k of 50, ...) cannot make the
+    sampled distribution differ from the one the log-probs describe. Prompts are left-padded;
+    generation stops at EOS; eval mode + KV cache are set around it (:func:`generation_mode`),
+    which also keeps gradient checkpointing and dropout out of sampling.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        generation_batch_size: int | None = None,
+    ):
+        super().__init__(max_new_tokens, temperature, generation_batch_size)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        self.top_p = top_p
+        self.top_k = top_k
+
+    def _generation_config(self, greedy: bool):
+        from transformers import GenerationConfig
+
+        common = dict(
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_ids or None,
+        )
+        if greedy:
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            **common,
+        )
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
+        model = self.model
+        assert model is not None
+        config = self._generation_config(greedy)
+        device = self.device
+        # Whole prompts per call (a group is never split), at most generation_batch_size rows.
+        per_call = max(1, (self.generation_batch_size or len(prompts) * n) // n)
+        out: list[list[int]] = []
+        with generation_mode(model):
+            for s in range(0, len(prompts), per_call):
+                chunk = [p for p in prompts[s : s + per_call] for _ in range(n)]
+                ids, mask = _pad(chunk, self.pad_token_id, left=True)
+                with self.autocast():
+                    gen = model.generate(
+                        input_ids=ids.to(device),
+                        attention_mask=mask.to(device),
+                        generation_config=config,
+                    )
+                out.extend(gen[:, ids.shape[1] :].tolist())
+        return out
+
+
+def _pad(
+    seqs: list[list[int]], pad: int, left: bool, min_width: int = 0
+) -> tuple[Tensor, Tensor]:
+    width = max(min_width, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if not s:
+            continue
+        sl = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, sl] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+__all__ = [
+    "HFGenerateEngine",
+    "Rollout",
+    "RolloutEngine",
+    "completion_logps",
+    "position_ids_from_mask",
+]

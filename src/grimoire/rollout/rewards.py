@@ -1,0 +1,224 @@
+"""Reward functions for online RL: plain callables, resolvable from YAML, scored with checks.
+
+A reward function is any callable
+
+    reward_fn(prompts: list[str], completions: list[str], **columns) -> list[float]
+
+called once per rollout batch with one entry per *completion* (a prompt sampled G times appears
+G times). ``columns`` are the dataset's other fields (e.g. ``answer``), repeated the same way, so
+``columns["answer"][i]`` belongs to ``completions[i]``. Extra, unused columns arrive too: accept
+``**kwargs``. Several functions may be combined with weights; the method trains on
+``sum_k w_k * r_k`` and logs each ``r_k`` as ``rewards/<name>/mean``.
+
+From YAML a reward function is named by a built-in short name (:data:`REWARD_FUNCS`) or a
+``package.module:function`` spec. **Resolving a spec imports that module, which runs its code**:
+only use configs you trust (see :mod:`grimoire.registry`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+
+RewardFn = Callable[..., Sequence[float]]
+
+#: Built-in reward functions by short name (``loss.args.reward_funcs: [char_match]`` in YAML).
+REWARD_FUNCS: dict[str, str] = {
+    "exact_match": "grimoire.rollout.rewards:exact_match_reward",
+    "char_match": "grimoire.rollout.rewards:char_match_reward",
+}
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something that is not one number per completion."""
+
+
+# --------------------------------------------------------------------------------------------
+# built-in rewards for the toy reverse task (and any task with a reference ``answer`` column)
+# --------------------------------------------------------------------------------------------
+
+
+def exact_match_reward(
+    prompts: list[str], completions: list[str], answer: list[Any], **kwargs: Any
+) -> list[float]:
+    """1.0 where ``completion.strip() == str(answer).strip()``, else 0.0."""
+    del prompts, kwargs
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def char_match_reward(
+    prompts: list[str], completions: list[str], answer: list[Any], **kwargs: Any
+) -> list[float]:
+    """Partial credit: matching characters at equal positions / ``max(len(c), len(a))``.
+
+    In ``[0, 1]``; 1.0 only for an exact match (after ``strip``), and extra or missing characters
+    cost credit, so it is a dense version of :func:`exact_match_reward` that a small policy can
+    climb in few steps.
+    """
+    del prompts, kwargs
+    out = []
+    for c, a in zip(completions, answer):
+        c, a = c.strip(), str(a).strip()
+        width = max(len(c), len(a))
+        out.append(sum(x == y for x, y in zip(c, a)) / width if width else 1.0)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# resolution and scoring
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RewardFunction:
+    """A reward callable with the name it is logged under and its weight in the total."""
+
+    fn: RewardFn
+    name: str
+    weight: float = 1.0
+
+    def required_columns(self) -> list[str]:
+        """Keyword parameters without a default besides ``prompts``/``completions``.
+
+        These must be dataset columns; checked before training. Unknown for ``*args``-style
+        callables (returns what can be seen).
+        """
+        try:
+            params = list(inspect.signature(self.fn).parameters.values())
+        except (TypeError, ValueError):
+            return []
+        named = [
+            p
+            for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+        ]
+        # The first two positional parameters receive prompts and completions, whatever named.
+        positional = [p for p in named if p.kind is p.POSITIONAL_OR_KEYWORD]
+        skip = {p.name for p in positional[:2]}
+        return [p.name for p in named if p.name not in skip]
+
+
+def resolve_reward_funcs(
+    reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+    reward_weights: Sequence[float] | None = None,
+) -> list[RewardFunction]:
+    """Callables, short names or ``package.module:function`` specs -> :class:`RewardFunction` s.
+
+    Names are the function's ``__name__`` (a spec's attribute name), made unique with a ``_2``
+    suffix. Raises :class:`ConfigError` listing every unimportable spec, non-callable and bad
+    weight, so a config is fixed in one pass, before any model is loaded.
+    """
+    from ..registry import resolve
+
+    if callable(reward_funcs) or isinstance(reward_funcs, str):
+        reward_funcs = [reward_funcs]
+    funcs = list(reward_funcs)
+    problems: list[str] = []
+    if not funcs:
+        problems.append("reward_funcs: at least one reward function is needed")
+    if reward_weights is not None and len(reward_weights) != len(funcs):
+        problems.append(
+            f"reward_weights has {len(reward_weights)} entries but there are {len(funcs)} "
+            "reward functions"
+        )
+    weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
+    for i, w in enumerate(weights):
+        if not isinstance(w, int | float) or not math.isfinite(w):
+            problems.append(f"reward_weights[{i}] must be a finite number, got {w!r}")
+    out: list[RewardFunction] = []
+    seen: dict[str, int] = {}
+    for i, (spec, w) in enumerate(zip(funcs, weights)):
+        fn: Any = spec
+        if isinstance(spec, str):
+            try:
+                fn = resolve(spec, REWARD_FUNCS, f"reward_funcs[{i}]")
+            except ConfigError as exc:
+                problems += exc.problems
+                continue
+        if not callable(fn):
+            problems.append(f"reward_funcs[{i}]: {spec!r} is not callable")
+            continue
+        base = getattr(fn, "__name__", None) or type(fn).__name__
+        seen[base] = seen.get(base, 0) + 1
+        name = base if seen[base] == 1 else f"{base}_{seen[base]}"
+        out.append(RewardFunction(fn=fn, name=name, weight=float(w) if isinstance(w, int | float) else 1.0))
+    if problems:
+        raise ConfigError(problems, title="invalid reward functions")
+    return out
+
+
+def score_completions(
+    reward_funcs: Sequence[RewardFunction],
+    prompts: list[str],
+    completions: list[str],
+    columns: Mapping[str, list[Any]],
+    device: torch.device | str = "cpu",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Run every reward function and combine them: ``total = sum_k w_k * r_k``.
+
+    Shapes: ``prompts``, ``completions`` and every ``columns`` list have length ``N`` ->
+    ``total [N]`` float32 and ``{name: r_k [N]}``. A function that raises, returns a non-sequence,
+    the wrong length, or a non-finite / non-numeric entry raises :class:`RewardFunctionError`
+    naming it (and the first bad entry), instead of a shape error deep in the loss.
+    """
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"{len(prompts)} prompts for {n} completions")
+    per_func: dict[str, Tensor] = {}
+    total = torch.zeros(n, dtype=torch.float32)
+    for rf in reward_funcs:
+        try:
+            values = rf.fn(list(prompts), list(completions), **dict(columns))
+        except Exception as exc:
+            raise RewardFunctionError(
+                f"reward function {rf.name!r} raised {type(exc).__name__}: {exc} "
+                f"(called with {n} completions and columns {sorted(columns)})"
+            ) from exc
+        per_func[rf.name] = _as_rewards(values, n, rf.name)
+        total += rf.weight * per_func[rf.name]
+    return total.to(device), {k: v.to(device) for k, v in per_func.items()}
+
+
+def _as_rewards(values: Any, n: int, name: str) -> Tensor:
+    if isinstance(values, Tensor):
+        values = values.detach().cpu().flatten().tolist()
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {type(values).__name__}; expected a list of "
+            f"{n} floats (one per completion)"
+        )
+    if len(values) != n:
+        raise RewardFunctionError(
+            f"reward function {name!r} returned {len(values)} rewards for {n} completions "
+            "(it must return one float per completion)"
+        )
+    out = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, int | float) or not math.isfinite(v):
+            raise RewardFunctionError(
+                f"reward function {name!r} returned {v!r} at index {i}; rewards must be finite "
+                "numbers"
+            )
+        out.append(float(v))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+__all__ = [
+    "REWARD_FUNCS",
+    "RewardFunction",
+    "RewardFunctionError",
+    "char_match_reward",
+    "exact_match_reward",
+    "resolve_reward_funcs",
+    "score_completions",
+]
