@@ -122,22 +122,21 @@ def split_prompt_completion(
 
 
 def mismatched_pair(
-    prompt_row: Mapping[str, Any], completion_row: Mapping[str, Any]
+    prompt_row: Mapping[str, Any], completion_row: Mapping[str, Any], max_length: int | None = None
 ) -> tuple[list[int], list[int]]:
-    """``(input_ids, labels)`` of ``prompt_row``'s prompt followed by ``completion_row``'s
-    completion.
+    """``(input_ids, labels)``: ``prompt_row``'s prompt followed by ``completion_row``'s completion.
 
-    The completion is cut at the end so the pair is no longer than the longer of the two rows:
-    both already fit the tokenizer's ``max_length``, so the pair does too, without the collator
-    having to know it.
+    With ``max_length``, an over-long pair keeps the whole prompt and cuts the completion's end
+    (at least one completion token is kept).
     """
     p_ids, _, _ = split_prompt_completion(prompt_row["input_ids"], prompt_row["labels"])
     _, c_ids, c_labels = split_prompt_completion(
         completion_row["input_ids"], completion_row["labels"]
     )
-    limit = max(len(prompt_row["input_ids"]), len(completion_row["input_ids"]))
-    room = max(limit - len(p_ids), 1)
-    return p_ids + c_ids[:room], [IGNORE_INDEX] * len(p_ids) + c_labels[:room]
+    if max_length is not None:
+        room = max(max_length - len(p_ids), 1)
+        c_ids, c_labels = c_ids[:room], c_labels[:room]
+    return p_ids + c_ids, [IGNORE_INDEX] * len(p_ids) + c_labels
 
 
 @dataclass
@@ -147,10 +146,12 @@ class KTOCollator:
     In-batch pairs join prompt ``i`` with completion ``(i + 1) mod B``. With ``B == 1`` that is
     the row's own completion (the KL estimate then equals the implied reward): train KTO with a
     per-device batch size of at least 2, or cache the pairs at dataset level. Rows that already
-    hold ``kl_input_ids``/``kl_labels`` (cached pairs) keep them.
+    hold ``kl_input_ids``/``kl_labels`` (cached pairs) keep them. ``max_length`` (the trainer's
+    ``max_length``, set by ``KTOLoss.setup`` when left None) bounds a pair's length.
     """
 
     pad_token_id: int
+    max_length: int | None = None
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not features:
@@ -163,7 +164,7 @@ class KTOCollator:
             n = len(features)
             rows = []
             for i, f in enumerate(features):
-                kl_ids, kl_labels = mismatched_pair(f, features[(i + 1) % n])
+                kl_ids, kl_labels = mismatched_pair(f, features[(i + 1) % n], self.max_length)
                 rows.append(
                     {
                         **f,

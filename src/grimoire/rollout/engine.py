@@ -318,9 +318,7 @@ class HFGenerateEngine(RolloutEngine):
         return out
 
 
-def _pad(
-    seqs: list[list[int]], pad: int, left: bool, min_width: int = 0
-) -> tuple[Tensor, Tensor]:
+def _pad(seqs: list[list[int]], pad: int, left: bool, min_width: int = 0) -> tuple[Tensor, Tensor]:
     width = max(min_width, max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)

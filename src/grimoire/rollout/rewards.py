@@ -149,7 +149,9 @@ def resolve_reward_funcs(
         base = getattr(fn, "__name__", None) or type(fn).__name__
         seen[base] = seen.get(base, 0) + 1
         name = base if seen[base] == 1 else f"{base}_{seen[base]}"
-        out.append(RewardFunction(fn=fn, name=name, weight=float(w) if isinstance(w, int | float) else 1.0))
+        out.append(
+            RewardFunction(fn=fn, name=name, weight=float(w) if isinstance(w, int | float) else 1.0)
+        )
     if problems:
         raise ConfigError(problems, title="invalid reward functions")
     return out

@@ -1,0 +1,170 @@
+"""Precompute a frozen reference model's log-probs once, so training needs no reference forward.
+
+:func:`cache_reference_log_probs` adds columns that DPO/IPO (``ref_chosen_logps``,
+``ref_rejected_logps``) and KTO (``ref_logps``, ``ref_kl_logps``) read instead of running a
+reference model: the reference costs one pass over the data instead of one forward per step, and
+need not be in memory while training.
+
+KTO: its KL term uses mismatched pairs. In-batch pairs depend on how rows are batched, so they
+cannot be cached; here the pairs are fixed at dataset level instead (row ``i``'s prompt with row
+``(i + 1) mod N``'s completion) and written as ``kl_input_ids``/``kl_attention_mask``/
+``kl_labels`` next to ``ref_kl_logps``; the ``KTOCollator`` then uses those pairs. Rows sharing a
+prompt should not be adjacent (shuffle the dataset first), or their "mismatched" pair is not.
+
+A ``ref_logps_reduction`` column records the reduction, and the losses refuse cached values
+reduced differently from their ``logp_reduction`` (a sum next to a mean is silently wrong).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import DataError
+from ..logprobs import compute_token_logps
+from .kto import KTOCollator, mismatched_pair
+from .preference import PreferenceCollator
+
+#: Every column this module may add (replaced when re-caching).
+CACHE_COLUMNS: tuple[str, ...] = (
+    "ref_chosen_logps",
+    "ref_rejected_logps",
+    "ref_logps",
+    "ref_kl_logps",
+    "kl_input_ids",
+    "kl_attention_mask",
+    "kl_labels",
+    "ref_logps_reduction",
+)
+
+
+def _to_dataset(dataset: Any):
+    from datasets import Dataset
+
+    if isinstance(dataset, Dataset):
+        return dataset
+    from .sources import rows_to_dataset
+
+    return rows_to_dataset([dict(r) for r in dataset], source="cache_reference_log_probs")
+
+
+def _reduce(logps, reduction: str) -> torch.Tensor:
+    return logps.sum() if reduction == "sum" else logps.mean()
+
+
+@torch.no_grad()
+def cache_reference_log_probs(
+    ref_model: torch.nn.Module,
+    dataset: Any,
+    *,
+    batch_size: int = 8,
+    fused: bool = True,
+    reduction: str = "sum",
+    fused_chunk_size: int = 1024,
+    autocast_dtype: torch.dtype | None = None,
+    pad_token_id: int | None = None,
+    max_length: int | None = None,
+):
+    """Return ``dataset`` (a ``datasets.Dataset``) with reference log-prob columns added.
+
+    Args:
+        ref_model: the frozen reference (usually the starting policy); run in eval mode on its
+            current device.
+        dataset: tokenized preference rows (``chosen_input_ids``...) or KTO rows
+            (``input_ids``, ``labels``, ``label``); a ``Dataset`` or a list of dicts.
+        batch_size: rows per reference forward.
+        reduction: ``"sum"`` (DPO, KTO) or ``"mean"`` (IPO's default); must match the loss's
+            ``logp_reduction``.
+        autocast_dtype: run under ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``
+            when training with ``mixed_precision="bf16"``), so the cached values carry the same
+            rounding as a live reference would.
+        pad_token_id: padding id for batching (irrelevant to the result: padded positions are
+            masked); default ``ref_model.config.pad_token_id`` or 0.
+        max_length: KTO only: bound on a mismatched pair's length (use the training
+            ``max_length``; the completion's end is cut).
+
+    Preference rows get ``ref_chosen_logps``/``ref_rejected_logps``; KTO rows get ``ref_logps``,
+    ``ref_kl_logps`` and the dataset-level pairs ``kl_*`` (see the module docstring). Both get
+    ``ref_logps_reduction``.
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be > 0, got {batch_size}")
+    ds = _to_dataset(dataset)
+    ds = ds.remove_columns([c for c in CACHE_COLUMNS if c in ds.column_names])
+    cols = set(ds.column_names)
+    if pad_token_id is None:
+        pad_token_id = getattr(getattr(ref_model, "config", None), "pad_token_id", None) or 0
+    device = next(ref_model.parameters()).device
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    was_training = ref_model.training
+    ref_model.eval()
+
+    def logps(batch: Mapping[str, Any], prefix: str) -> list[float]:
+        with autocast:
+            out = compute_token_logps(
+                ref_model,
+                batch[f"{prefix}input_ids"].to(device),
+                batch[f"{prefix}labels"].to(device),
+                attention_mask=batch[f"{prefix}attention_mask"].to(device),
+                fused=fused,
+                chunk_size=fused_chunk_size,
+            )
+        return _reduce(out, reduction).float().cpu().tolist()
+
+    new: dict[str, list[Any]] = {}
+    try:
+        if {"chosen_input_ids", "rejected_input_ids"} <= cols:
+            collate = PreferenceCollator(pad_token_id)
+            new = {"ref_chosen_logps": [], "ref_rejected_logps": []}
+            for start in range(0, len(ds), batch_size):
+                batch = collate([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
+                new["ref_chosen_logps"] += logps(batch, "chosen_")
+                new["ref_rejected_logps"] += logps(batch, "rejected_")
+        elif {"input_ids", "labels", "label"} <= cols:
+            n = len(ds)
+            rows = [ds[i] for i in range(n)]
+            pairs = [mismatched_pair(rows[i], rows[(i + 1) % n], max_length) for i in range(n)]
+            new = {
+                "kl_input_ids": [p[0] for p in pairs],
+                "kl_attention_mask": [[1] * len(p[0]) for p in pairs],
+                "kl_labels": [p[1] for p in pairs],
+                "ref_logps": [],
+                "ref_kl_logps": [],
+            }
+            collate = KTOCollator(pad_token_id)
+            for start in range(0, n, batch_size):
+                idx = range(start, min(start + batch_size, n))
+                batch = collate(
+                    [
+                        {**rows[i], **{k: new[k][i] for k in ("kl_input_ids", "kl_labels")}}
+                        for i in idx
+                    ]
+                )
+                new["ref_logps"] += logps(batch, "")
+                new["ref_kl_logps"] += logps(batch, "kl_")
+        else:
+            raise DataError(
+                [
+                    "cache_reference_log_probs: expected tokenized preference rows "
+                    "(chosen_input_ids, rejected_input_ids, ...) or KTO rows (input_ids, labels, "
+                    f"label); the dataset has {sorted(cols)}"
+                ]
+            )
+    finally:
+        ref_model.train(was_training)
+    new["ref_logps_reduction"] = [reduction] * len(ds)
+    for name, values in new.items():
+        ds = ds.add_column(name, values)
+    return ds
+
+
+__all__ = ["CACHE_COLUMNS", "cache_reference_log_probs"]

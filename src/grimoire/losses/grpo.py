@@ -1,0 +1,206 @@
+"""GRPO (and its DAPO / Dr. GRPO variants): group-relative policy optimisation.
+
+Paper: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language
+Models", arXiv 2402.03300 (sec. 4). Per prompt, sample ``G`` completions, score them, and use
+the group-normalised reward as every token's advantage in PPO's clipped surrogate::
+
+    A_i      = (r_i - mean(r_group)) / (std(r_group) + eps)            (scale_rewards="group")
+    ratio_it = pi(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
+    l_it     = -min(ratio_it A_i, clip(ratio_it, 1 - eps_low, 1 + eps_high) A_i)
+               + beta * KL_k3(pi || pi_ref)_it
+    loss     = reduce(l, loss_type)            (see online_functional.reduce_token_loss)
+
+Defaults, and why:
+
+- ``loss_type="dapo"``: token-level mean over the *global* batch (DAPO, arXiv 2503.14476,
+  sec. 3.3). The paper's per-sequence mean ("grpo") gives each token of a long completion less
+  weight, so long wrong answers are under-penalised and lengths drift (also shown by Dr. GRPO,
+  arXiv 2503.20783). TRL's current default too.
+- ``beta=0.0``: no KL term, so no reference model is loaded or run. DeepSeekMath used 0.04, but
+  DAPO (sec. 2.3) and Dr. GRPO drop the KL for verifiable rewards (the policy is *meant* to move
+  far from the initial one), and recent practice (TRL's default, Open-Reasoner-Zero) follows;
+  it saves a model's memory and a forward per step. Set ``beta=0.04`` for the paper's setting
+  or with learned reward models, where the KL guards against reward hacking.
+- ``scale_rewards="group"`` (the paper); ``"none"`` is Dr. GRPO's fix for the std's difficulty
+  bias; ``"batch"`` divides by the batch std (all ranks).
+- ``epsilon=0.2`` (PPO); ``epsilon_high=None`` means symmetric, DAPO's clip-higher uses 0.28.
+- ``num_iterations=1`` (mu in DeepSeekMath's Algorithm 1): one update per rollout, so the
+  ratio is exactly 1 in value (no extra old-log-prob forward is run). With mu > 1 the trainer
+  repeats the batch for mu optimizer steps and the cached rollout's old log-probs make the
+  clipping engage.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..rollout.engine import Rollout, RolloutEngine
+from ..rollout.rewards import RewardFn
+from .online import OnlineMethod
+from .online_functional import (
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    clipped_surrogate,
+    equal_reward_groups,
+    group_advantages,
+    k3_kl,
+    loss_units,
+    masked_mean,
+    reduce_token_loss,
+)
+
+
+class GRPOMethod(OnlineMethod):
+    """Group Relative Policy Optimization; see the module docstring for the math and defaults.
+
+    Args (besides :class:`OnlineMethod`'s):
+        epsilon, epsilon_high: lower / upper clip range of the ratio (``epsilon_high=None``:
+            same as ``epsilon``).
+        num_iterations: optimizer steps per rollout batch (mu); sets ``steps_per_batch``.
+        loss_type: ``"dapo"`` | ``"grpo"`` | ``"bnpo"`` | ``"dr_grpo"`` (normalisation).
+        scale_rewards: ``"group"`` | ``"batch"`` | ``"none"``.
+        dynamic_sampling: drop groups whose rewards are all equal (zero advantage; DAPO). Drop
+            only: the batch is not refilled, so it shrinks; the dropped fraction is logged as
+            ``dynamic_sampling/dropped_frac``.
+
+    Loss weights (so the trainer's global normalisation gives the objective of ``loss_type``):
+    tokens for "dapo", sequences for "grpo" / "dr_grpo", 1 per micro-batch for "bnpo" (see
+    :func:`~grimoire.losses.online_functional.reduce_token_loss`).
+    """
+
+    def __init__(
+        self,
+        reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+        reward_weights: Sequence[float] | None = None,
+        num_generations: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 256,
+        beta: float = 0.0,
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        num_iterations: int = 1,
+        loss_type: str = "dapo",
+        scale_rewards: str = "group",
+        dynamic_sampling: bool = False,
+        ref_model: torch.nn.Module | None = None,
+        generation_batch_size: int | None = None,
+        engine: RolloutEngine | None = None,
+        log_entropy: bool = True,
+    ):
+        problems = []
+        if loss_type not in LOSS_TYPES:
+            problems.append(f"loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
+        if scale_rewards not in SCALE_REWARDS:
+            problems.append(
+                f"scale_rewards must be one of {list(SCALE_REWARDS)}, got {scale_rewards!r}"
+            )
+        if not 0 < epsilon < 1:
+            problems.append(f"epsilon must be in (0, 1), got {epsilon}")
+        if epsilon_high is not None and not epsilon_high > 0:
+            problems.append(f"epsilon_high must be > 0, got {epsilon_high}")
+        if not isinstance(num_iterations, int) or num_iterations < 1:
+            problems.append(f"num_iterations must be an int >= 1, got {num_iterations!r}")
+        if problems:
+            raise ValueError("GRPOMethod: " + "; ".join(problems))
+        super().__init__(
+            reward_funcs,
+            reward_weights,
+            num_generations=num_generations,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            beta=beta,
+            ref_model=ref_model,
+            generation_batch_size=generation_batch_size,
+            engine=engine,
+            log_entropy=log_entropy,
+        )
+        self.epsilon = epsilon
+        self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        self.num_iterations = num_iterations
+        self.steps_per_batch = num_iterations
+        self.loss_type = loss_type
+        self.scale_rewards = scale_rewards
+        self.dynamic_sampling = dynamic_sampling
+
+    @property
+    def needs_old_logps(self) -> bool:
+        # With one update per rollout, old == current in value: use logps.detach() instead.
+        return self.num_iterations > 1
+
+    def build_batches(
+        self,
+        trainer: Any,
+        micro_batches: list[dict[str, Any]],
+        rollouts: list[Rollout],
+        scored: list[dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        batch_std = self._batch_std(scored) if self.scale_rewards == "batch" else None
+        g = self.num_generations
+        out = []
+        for rollout, s in zip(rollouts, scored):
+            rewards = s["rewards"]
+            advantages = group_advantages(rewards, g, self.scale_rewards, batch_std=batch_std)
+            rows = list(range(rewards.numel()))
+            if self.dynamic_sampling:
+                flat = equal_reward_groups(rewards, g)
+                rows = [i for i in rows if not bool(flat[i // g])]
+                s["metrics"]["dynamic_sampling/dropped_frac"] = float(flat.float().mean())
+            batch = self.rollout_batch(rollout, rows, s)
+            batch["advantages"] = advantages[torch.tensor(rows or [0], device=rewards.device)]
+            if self.beta > 0:
+                batch["ref_logps"] = self.reference_logps(batch)
+            out.append(batch)
+        return out
+
+    def _batch_std(self, scored: list[dict[str, Any]]) -> float:
+        """Unbiased std of every reward of the global step (all micro-batches, all ranks)."""
+        r = torch.cat([s["rewards"] for s in scored]).double()
+        n, s1, s2 = self.all_reduce_sum([float(r.numel()), float(r.sum()), float((r * r).sum())])
+        if n < 2:
+            return 0.0
+        return math.sqrt(max(0.0, (s2 - s1 * s1 / n) / (n - 1)))
+
+    def compute_loss(
+        self, model: torch.nn.Module, batch: dict[str, Any]
+    ) -> tuple[Tensor, dict[str, Any]]:
+        mask = batch["completion_mask"]
+        logps, entropy = self.policy_logps(model, batch)
+        old = batch.get("old_logps")
+        old = logps.detach() if old is None else old
+        per_token, info = clipped_surrogate(
+            logps, old, batch["advantages"], self.epsilon, self.epsilon_high
+        )
+        metrics: dict[str, Any] = {}
+        if self.beta > 0:
+            kl = k3_kl(logps, batch["ref_logps"])
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = masked_mean(kl, mask)
+        loss = reduce_token_loss(per_token, mask, self.loss_type, self.max_new_tokens)
+        low, high = info["clipped_low"], info["clipped_high"]
+        metrics.update(
+            {
+                "clip_ratio/low_mean": masked_mean(low.float(), mask),
+                "clip_ratio/high_mean": masked_mean(high.float(), mask),
+                "clip_ratio/region_mean": masked_mean((low | high).float(), mask),
+                "ratio/mean": masked_mean(info["ratio"], mask),
+                "ratio/abs_dev": masked_mean((info["ratio"] - 1).abs(), mask),
+            }
+        )
+        if entropy is not None:
+            metrics["entropy"] = masked_mean(entropy, mask)
+        return loss, metrics
+
+    def training_loss_weight(self, batch: dict[str, Any]) -> float:
+        return loss_units(batch["completion_mask"], self.loss_type)
+
+
+__all__ = ["GRPOMethod"]

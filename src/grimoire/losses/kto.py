@@ -1,0 +1,223 @@
+"""KTO: ``KTOLoss`` on unpaired desirable / undesirable examples.
+
+Ethayarajh et al., "KTO: Model Alignment as Prospect Theoretic Optimization", arXiv 2402.01306.
+Math: :func:`grimoire.losses.functional.kto_loss` and
+:func:`~grimoire.losses.functional.kto_kl_estimate`.
+
+Per micro-batch: one policy forward WITH gradient over the rows' own completions, one policy
+forward WITHOUT gradient over the mismatched KL pairs (``kl_*`` columns from the
+:class:`~grimoire.data.kto.KTOCollator`; the estimate is detached anyway, so storing its
+activations would waste memory), and one reference forward over both (skipped when the batch
+carries cached ``ref_logps``/``ref_kl_logps``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..data.kto import KTO_COLUMNS, KTOCollator
+from ..errors import ConfigError
+from ..logprobs import compute_token_logps
+from .base import GrimoireLoss
+from .functional import _check_beta, kto_kl_estimate, kto_loss
+from .preference import ReferenceLogps, check_reduction, reduce_logps, split_logps, stack_rows
+
+logger = logging.getLogger(__name__)
+
+REF_KTO_COLUMNS: tuple[str, str] = ("ref_logps", "ref_kl_logps")
+#: The paper's recommended range for ``w_d * n_d / (w_u * n_u)``.
+RECOMMENDED_RATIO: tuple[float, float] = (1.0, 4.0 / 3.0)
+
+
+def cross_rank_mean(count: int) -> Callable[[Tensor], Tensor] | None:
+    """``reduce_fn`` for :func:`kto_kl_estimate`: the mean over ALL ranks' mismatched pairs.
+
+    An all-reduce of ``(sum, count)`` rather than a mean of rank means, so ranks with different
+    batch sizes are weighted by their pairs. None when not running distributed.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+
+    def reduce(local_mean: Tensor) -> Tensor:
+        packed = torch.stack(
+            [local_mean.float() * count, torch.tensor(float(count), device=local_mean.device)]
+        )
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        return packed[0] / packed[1].clamp(min=1)
+
+    return reduce
+
+
+def _label_counts(dataset: Any) -> tuple[int, int]:
+    labels = dataset["label"] if hasattr(dataset, "column_names") else [r["label"] for r in dataset]
+    desirable = sum(bool(x) for x in labels)
+    return desirable, len(labels) - desirable
+
+
+class KTOLoss(GrimoireLoss):
+    """KTO loss, mean over the micro-batch's rows (``loss_weight`` = rows).
+
+    Args:
+        beta: reward scale (> 0).
+        ref_model: frozen reference; optional with a LoRA policy or cached ``ref_logps`` /
+            ``ref_kl_logps`` columns (see :class:`grimoire.losses.preference.ReferenceLogps`).
+        desirable_weight, undesirable_weight: class weights ``w_d``, ``w_u``; the paper
+            recommends ``w_d * n_d / (w_u * n_u)`` in ``[1, 4/3]`` (checked on the train set).
+        logp_reduction: ``"sum"`` (paper and TRL) or ``"mean"``.
+
+    The KL reference point ``z0`` is the mean over the mismatched pairs of
+    ``log pi - log pi_ref``, averaged over all ranks (all-reduce when ``torch.distributed`` is
+    initialised), clamped at 0 and detached.
+
+    Metrics: ``rewards/chosen`` and ``rewards/rejected`` (mean ``beta * (log pi - log pi_ref)``
+    over the micro-batch's desirable / undesirable rows, 0 when it has none), ``rewards/margins``
+    (their difference), ``logps/chosen``, ``logps/rejected`` (policy, same convention), ``kl``,
+    and TRL's exactly-aggregatable sums and counts (``rewards/chosen_sum``, ``count/chosen``, ...).
+    """
+
+    required_columns = KTO_COLUMNS
+    needs_reference_model = True
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        ref_model: torch.nn.Module | None = None,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        logp_reduction: str = "sum",
+        fused: bool = True,
+        fused_chunk_size: int = 1024,
+    ):
+        _check_beta(beta)
+        for name, w in (
+            ("desirable_weight", desirable_weight),
+            ("undesirable_weight", undesirable_weight),
+        ):
+            if not w >= 0:
+                raise ValueError(f"{name} must be >= 0, got {w}")
+        if fused_chunk_size <= 0:
+            raise ValueError(f"fused_chunk_size must be > 0, got {fused_chunk_size}")
+        self.beta = beta
+        self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
+        self.logp_reduction = check_reduction(logp_reduction, "KTOLoss")
+        self.fused, self.fused_chunk_size = fused, fused_chunk_size
+        self.reference = ReferenceLogps(ref_model, "KTOLoss", REF_KTO_COLUMNS)
+
+    @property
+    def ref_model(self) -> torch.nn.Module | None:
+        return self.reference.ref_model
+
+    # ------------------------------------------------------------------ hooks
+
+    def create_collator(self, pad_token_id: int) -> KTOCollator:
+        return KTOCollator(pad_token_id=pad_token_id)
+
+    def loss_weight(self, batch: dict[str, Any]) -> float:
+        return float(batch["input_ids"].shape[0])
+
+    def setup(self, trainer: Any) -> None:
+        self.reference.setup(trainer, self.logp_reduction)
+        collator = getattr(trainer, "collator", None)
+        if isinstance(collator, KTOCollator) and collator.max_length is None:
+            collator.max_length = trainer.config.max_length  # bound the mismatched pairs too
+        cols = set(getattr(trainer.train_dataset, "column_names", None) or trainer.train_dataset[0])
+        if trainer.config.batch_size < 2 and "kl_input_ids" not in cols:
+            raise ConfigError(
+                [
+                    "KTOLoss needs batch_size >= 2: the KL reference point pairs each prompt with "
+                    "ANOTHER row's completion in the batch (with one row it would be the row's own "
+                    "completion); raise batch_size, or fix the pairs at dataset level with "
+                    "grimoire.data.cache.cache_reference_log_probs"
+                ]
+            )
+
+    def validate_dataset(self, dataset: Any, split: str = "train") -> list[str]:
+        """Missing columns, and a dataset holding only one class (KTO needs both)."""
+        problems = super().validate_dataset(dataset, split)
+        if problems or not len(dataset):
+            return problems
+        n_d, n_u = _label_counts(dataset)
+        if n_d == 0 or n_u == 0:
+            problems.append(
+                f"{split} dataset: KTO needs both desirable and undesirable rows but 'label' has "
+                f"{n_d} desirable (True) and {n_u} undesirable (False); with one class the loss "
+                "only pushes that class against the moving KL reference point (use SFT for "
+                "desirable-only data)"
+            )
+        elif split == "train":
+            ratio = (self.desirable_weight * n_d) / max(self.undesirable_weight * n_u, 1e-12)
+            lo, hi = RECOMMENDED_RATIO
+            if not lo <= ratio <= hi:
+                logger.warning(
+                    "KTO: desirable_weight * n_desirable / (undesirable_weight * n_undesirable) "
+                    "= %.3g * %d / (%.3g * %d) = %.3g is outside the paper's recommended [1, 4/3];"
+                    " consider adjusting desirable_weight / undesirable_weight",
+                    self.desirable_weight,
+                    n_d,
+                    self.undesirable_weight,
+                    n_u,
+                    ratio,
+                )
+        return problems
+
+    # ------------------------------------------------------------------ loss
+
+    def _logps(self, model: torch.nn.Module, ids: Tensor, labels: Tensor, mask: Tensor):
+        return compute_token_logps(
+            model,
+            ids,
+            labels,
+            attention_mask=mask,
+            fused=self.fused,
+            chunk_size=self.fused_chunk_size,
+        )
+
+    def __call__(
+        self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        own = (batch["input_ids"], batch["attention_mask"], batch["labels"])
+        kl_rows = (batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_labels"])
+        red = self.logp_reduction
+        policy = reduce_logps(self._logps(model, own[0], own[2], own[1]), red)
+        with torch.no_grad():
+            policy_kl = reduce_logps(self._logps(model, kl_rows[0], kl_rows[2], kl_rows[1]), red)
+        cached = self.reference.cached(batch, red)
+        if cached is not None:
+            ref, ref_kl = (t.to(policy.device) for t in cached)
+        else:
+            # One reference forward over the rows and their KL pairs.
+            ids, mask, labels = stack_rows([own, kl_rows])
+            out = self.reference.token_logps(
+                model, ids, labels, mask, fused=self.fused, chunk_size=self.fused_chunk_size
+            )
+            ref_t, ref_kl_t = split_logps(out, own[0].shape[0])
+            ref, ref_kl = reduce_logps(ref_t, red), reduce_logps(ref_kl_t, red)
+        kl = kto_kl_estimate(policy_kl, ref_kl, reduce_fn=cross_rank_mean(policy_kl.shape[0]))
+        losses, sums = kto_loss(
+            policy,
+            ref,
+            batch["label"].to(policy.device).bool(),
+            kl,
+            beta=self.beta,
+            desirable_weight=self.desirable_weight,
+            undesirable_weight=self.undesirable_weight,
+        )
+        n_c, n_r = sums["count/chosen"], sums["count/rejected"]
+        metrics = {
+            "rewards/chosen": sums["rewards/chosen_sum"] / n_c.clamp(min=1),
+            "rewards/rejected": sums["rewards/rejected_sum"] / n_r.clamp(min=1),
+            "logps/chosen": sums["logps/chosen_sum"] / n_c.clamp(min=1),
+            "logps/rejected": sums["logps/rejected_sum"] / n_r.clamp(min=1),
+        }
+        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        metrics.update(sums)
+        return losses.mean(), {k: v.detach() for k, v in metrics.items()}
+
+
+__all__ = ["REF_KTO_COLUMNS", "KTOLoss", "cross_rank_mean"]

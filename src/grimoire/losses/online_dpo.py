@@ -1,0 +1,138 @@
+"""Online DPO: DPO on preference pairs the current policy samples and the reward ranks.
+
+Paper: Guo et al., "Direct Language Model Alignment from Online AI Feedback" (OAIF),
+arXiv 2402.04792. Per prompt, sample ``G >= 2`` completions, score them with the reward
+functions, and pair the best with the worst (ties: no preference, skipped). Then the DPO loss
+(:func:`grimoire.losses.functional.dpo_loss`, Rafailov et al., arXiv 2305.18290) against the
+frozen reference on SUMMED sequence log-probs::
+
+    h    = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))
+    loss = -log sigma(beta h)                       (loss_type="sigmoid")
+
+Log-probs are at temperature 1 (the model's own likelihood, as offline DPO). Loss weight: one
+unit per pair, so the trainer's global normalisation averages over every pair of the global
+batch; a micro-batch whose groups are all ties has weight 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..rollout.engine import Rollout, RolloutEngine
+from ..rollout.rewards import RewardFn
+from .functional import DPO_LOSS_TYPES, dpo_loss
+from .online import OnlineMethod
+from .online_functional import best_worst_pairs
+
+_DPO_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+class OnlineDPOMethod(OnlineMethod):
+    """Online DPO (see the module docstring). ``beta`` is DPO's beta (> 0, default 0.1);
+    ``loss_type`` any of :data:`~grimoire.losses.functional.DPO_LOSS_TYPES`."""
+
+    def __init__(
+        self,
+        reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+        reward_weights: Sequence[float] | None = None,
+        num_generations: int = 2,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 256,
+        beta: float = 0.1,
+        loss_type: str = "sigmoid",
+        label_smoothing: float = 0.0,
+        ref_model: torch.nn.Module | None = None,
+        generation_batch_size: int | None = None,
+        engine: RolloutEngine | None = None,
+        log_entropy: bool = False,
+    ):
+        if not beta > 0:
+            raise ValueError(f"OnlineDPOMethod: beta must be > 0 (DPO's temperature), got {beta}")
+        if loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(
+                f"OnlineDPOMethod: loss_type must be one of {list(DPO_LOSS_TYPES)}, "
+                f"got {loss_type!r}"
+            )
+        super().__init__(
+            reward_funcs,
+            reward_weights,
+            num_generations=num_generations,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            beta=beta,
+            ref_model=ref_model,
+            generation_batch_size=generation_batch_size,
+            engine=engine,
+            log_entropy=log_entropy,
+        )
+        self.loss_type = loss_type
+        self.label_smoothing = label_smoothing
+
+    @property
+    def needs_reference_model(self) -> bool:  # type: ignore[override]
+        return True
+
+    @property
+    def logp_temperature(self) -> float:
+        return 1.0
+
+    def build_batch(self, rollout: Rollout, scored: dict[str, Any]) -> dict[str, Any]:
+        pairs = best_worst_pairs(scored["rewards"], self.num_generations)
+        rows = [c for c, _ in pairs] + [r for _, r in pairs]
+        batch = self.rollout_batch(rollout, rows, scored)
+        batch["num_pairs"] = len(pairs)
+        batch["rollout_metrics"]["pairs/frac_groups"] = len(pairs) / max(1, rollout.num_groups)
+        if pairs:
+            rewards = scored["rewards"]
+            chosen = torch.tensor([c for c, _ in pairs])
+            rejected = torch.tensor([r for _, r in pairs])
+            batch["rollout_metrics"]["pairs/reward_gap"] = float(
+                (rewards[chosen.to(rewards.device)] - rewards[rejected.to(rewards.device)]).mean()
+            )
+            ref = self.reference_logps(batch).sum(-1)
+            batch["ref_logps"] = ref
+        else:
+            batch["rollout_metrics"]["pairs/reward_gap"] = 0.0
+        return batch
+
+    def compute_loss(
+        self, model: torch.nn.Module, batch: dict[str, Any]
+    ) -> tuple[Tensor, dict[str, Any]]:
+        logps, _ = self.policy_logps(model, batch)
+        k = int(batch["num_pairs"])
+        if k == 0:  # placeholder row: keep the graph (DDP) but contribute nothing (weight 0)
+            zero = logps.sum() * 0.0
+            return zero, {f"dpo/{name}": zero.detach() for name in _DPO_METRICS}
+        seq = logps.sum(-1)
+        ref = batch["ref_logps"]
+        losses, metrics = dpo_loss(
+            seq[:k],
+            seq[k:],
+            ref[:k],
+            ref[k:],
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            loss_type=self.loss_type,
+        )
+        return losses.mean(), {f"dpo/{name}": v.mean() for name, v in metrics.items()}
+
+    def training_loss_weight(self, batch: dict[str, Any]) -> float:
+        return float(batch["num_pairs"])
+
+
+__all__ = ["OnlineDPOMethod"]

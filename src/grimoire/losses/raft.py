@@ -1,0 +1,97 @@
+"""RAFT: reward-ranked fine-tuning (best-of-N rejection sampling + SFT on the winners).
+
+Paper: Dong et al., "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment",
+arXiv 2304.06767 (Algorithm 1). Per prompt, sample ``G = N`` completions, keep the one with the
+highest reward (optionally only if ``reward >= reward_threshold``) and train on the kept ones
+with the SFT objective, a token mean over all kept completion tokens::
+
+    loss = -sum_{i in winners, t} log pi(o_it) / sum_{i in winners} |o_i|
+
+Log-probs are at temperature 1 (plain likelihood). Loss weight: the winners' token count, so the
+trainer's global normalisation gives the token mean over the whole global batch (as SFT).
+No reference model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..rollout.engine import Rollout, RolloutEngine
+from ..rollout.rewards import RewardFn
+from .online import OnlineMethod
+from .online_functional import best_of_n
+
+
+class RAFTMethod(OnlineMethod):
+    """Best-of-N rejection sampling fine-tuning (see the module docstring).
+
+    ``reward_threshold``: a group's best completion is trained on only if its reward reaches it
+    (``None``: always keep the best). ``num_generations=1`` is allowed (self-training on samples
+    that pass the threshold).
+    """
+
+    min_generations = 1
+
+    def __init__(
+        self,
+        reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+        reward_weights: Sequence[float] | None = None,
+        num_generations: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int = 256,
+        reward_threshold: float | None = None,
+        generation_batch_size: int | None = None,
+        engine: RolloutEngine | None = None,
+        log_entropy: bool = False,
+    ):
+        super().__init__(
+            reward_funcs,
+            reward_weights,
+            num_generations=num_generations,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            beta=0.0,
+            generation_batch_size=generation_batch_size,
+            engine=engine,
+            log_entropy=log_entropy,
+        )
+        self.reward_threshold = reward_threshold
+
+    @property
+    def logp_temperature(self) -> float:
+        return 1.0
+
+    def build_batch(self, rollout: Rollout, scored: dict[str, Any]) -> dict[str, Any]:
+        rewards = scored["rewards"]
+        winners = best_of_n(rewards, self.num_generations, self.reward_threshold)
+        batch = self.rollout_batch(rollout, winners, scored)
+        m = batch["rollout_metrics"]
+        m["raft/kept_frac"] = len(winners) / max(1, rollout.num_groups)
+        m["raft/winner_reward_mean"] = float(rewards[winners].mean()) if winners else 0.0
+        return batch
+
+    def compute_loss(
+        self, model: torch.nn.Module, batch: dict[str, Any]
+    ) -> tuple[Tensor, dict[str, Any]]:
+        mask = batch["completion_mask"]
+        logps, entropy = self.policy_logps(model, batch)
+        n_tokens = mask.sum()
+        loss = -logps.sum() / n_tokens.clamp(min=1)
+        metrics: dict[str, Any] = {"nll": loss.detach(), "num_loss_tokens": n_tokens.float()}
+        if entropy is not None:
+            metrics["entropy"] = (entropy * mask).sum() / n_tokens.clamp(min=1)
+        return loss, metrics
+
+    def training_loss_weight(self, batch: dict[str, Any]) -> float:
+        return float(batch["completion_mask"].sum())
+
+
+__all__ = ["RAFTMethod"]
