@@ -5,21 +5,27 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.helpers.train_utils import quiet_config
 
 from grimoire import GrimoireTrainer
 from grimoire.errors import ConfigError, DataError
 from grimoire.losses import SFTLoss
 from grimoire.train import main
-from tests.helpers.train_utils import quiet_config
 
 
 def _trainer(model, tokenizer, rows, tmp_path, **cfg):
-    return GrimoireTrainer(model=model, tokenizer=tokenizer, loss_fn=SFTLoss(), train_dataset=rows,
-                           config=quiet_config(tmp_path, **cfg))
+    return GrimoireTrainer(
+        model=model,
+        tokenizer=tokenizer,
+        loss_fn=SFTLoss(),
+        train_dataset=rows,
+        config=quiet_config(tmp_path, **cfg),
+    )
 
 
-def test_overlong_out_of_vocab_and_untrained_rows_are_all_named(tiny_model, tokenizer, sft_rows,
-                                                                 tmp_path):
+def test_overlong_out_of_vocab_and_untrained_rows_are_all_named(
+    tiny_model, tokenizer, sft_rows, tmp_path
+):
     rows = [dict(r) for r in sft_rows[:6]]
     rows[1] = {"input_ids": [5] * 40, "labels": [5] * 40, "attention_mask": [1] * 40}
     rows[3] = {**rows[3], "input_ids": [*rows[3]["input_ids"][:-1], 999]}
@@ -42,7 +48,9 @@ def test_missing_columns_named(tiny_model, tokenizer, tmp_path):
 def test_token_budget_smaller_than_a_row(tiny_model, tokenizer, sft_rows, tmp_path):
     longest = max(range(len(sft_rows)), key=lambda i: len(sft_rows[i]["input_ids"]))
     n = len(sft_rows[longest]["input_ids"])
-    with pytest.raises(DataError, match=rf"train row {longest}: {n} tokens exceed max_tokens_per_device=8"):
+    with pytest.raises(
+        DataError, match=rf"train row {longest}: {n} tokens exceed max_tokens_per_device=8"
+    ):
         _trainer(tiny_model, tokenizer, sft_rows, tmp_path, max_tokens_per_device=8)
 
 
@@ -54,7 +62,7 @@ def _yaml(tmp_path, data_rows, extra=""):
         f"""
 model: {{name_or_path: "tiny:llama"}}
 dataset: {{jsonl: "{data}", tokenize: {{type: sft, max_length: 64}}}}
-training: {{output_dir: "{tmp_path / 'out'}", max_steps: 1, progress_bar: false,
+training: {{output_dir: "{tmp_path / "out"}", max_steps: 1, progress_bar: false,
            gradient_checkpointing: false, mixed_precision: "no"}}
 {extra}"""
     )
@@ -77,11 +85,20 @@ def test_cli_missing_field_and_empty_response_name_rows(tmp_path, capsys):
 def test_cli_unknown_key_and_wrong_type_collected(tmp_path, capsys):
     rows = [{"prompt": "reverse abc=", "response": "cba"}]
     cfg = _yaml(tmp_path, rows, extra="lose: {type: sft}\n")
-    code = main(["train", "--config", str(cfg), "--set", "training.learning_rat=0.1",
-                 "--set", 'training.batch_size="four"'])
+    code = main(
+        [
+            "train",
+            "--config",
+            str(cfg),
+            "--set",
+            "training.learning_rat=0.1",
+            "--set",
+            'training.batch_size="four"',
+        ]
+    )
     err = capsys.readouterr().err
     assert code != 0
-    assert 'lose' in err and 'did you mean "loss"' in err
+    assert "lose" in err and 'did you mean "loss"' in err
     assert "training.learning_rat" in err and 'did you mean "learning_rate"' in err
     assert "batch_size must be int" in err
 
@@ -90,8 +107,15 @@ def test_config_collects_every_problem():
     from grimoire import TrainingConfig
 
     with pytest.raises(ConfigError) as err:
-        TrainingConfig(batch_size=0, learning_rate="2e-5", warmup_ratio=1.5, lr_scheduler="cosin",
-                       mixed_precision="fp8", max_grad_norm=-1.0, osft_unfreeze_rank_ratio=2.0)
+        TrainingConfig(
+            batch_size=0,
+            learning_rate="2e-5",
+            warmup_ratio=1.5,
+            lr_scheduler="cosin",
+            mixed_precision="fp8",
+            max_grad_norm=-1.0,
+            osft_unfreeze_rank_ratio=2.0,
+        )
     problems = err.value.problems
     assert len(problems) == 7
     joined = "\n".join(problems)
@@ -102,7 +126,9 @@ def test_config_collects_every_problem():
 def test_config_unknown_key_did_you_mean():
     from grimoire import TrainingConfig
 
-    with pytest.raises(ConfigError, match='training.num_epoch: unknown key \\(did you mean "num_epochs"\\?\\)'):
+    with pytest.raises(
+        ConfigError, match='training.num_epoch: unknown key \\(did you mean "num_epochs"\\?\\)'
+    ):
         TrainingConfig.from_dict({"num_epoch": 2})
 
 

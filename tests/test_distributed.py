@@ -22,15 +22,36 @@ def _env():
 
 def test_two_processes_match_one_process(tiny_dir, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run([sys.executable, str(SCRIPT), str(tiny_dir), str(one), "4", "2"],
-                   check=True, env=_env(), timeout=300)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), str(tiny_dir), str(one), "4", "2"],
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
     # `--multi_gpu` selects accelerate's torchrun launcher; on a CPU-only machine the trainer then
     # forms a gloo process group (`--cpu` would run a single process).
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", "29517"]
-    subprocess.run([*launch, str(SCRIPT), str(tiny_dir), str(two), "2", "2"],
-                   check=True, env=_env(), timeout=300)
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29517",
+    ]
+    subprocess.run(
+        [*launch, str(SCRIPT), str(tiny_dir), str(two), "2", "2"],
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
     a = torch.load(one / "params.pt", weights_only=True)
     b = torch.load(two / "params.pt", weights_only=True)
     assert a.keys() == b.keys()

@@ -11,8 +11,9 @@ def test_quickstart_demo_learns(tmp_path, capsys):
     out = tmp_path / "quickstart"
     # The bundled config exactly as `python -m grimoire.train` runs it (600 steps, ~1 min on 2
     # idle cores), only redirected to tmp. Chance exact match on random reversals is ~0.
-    code = main(["train", "--set", f'training.output_dir="{out}"',
-                 "--set", f'save_to="{out / "final"}"'])
+    code = main(
+        ["train", "--set", f'training.output_dir="{out}"', "--set", f'save_to="{out / "final"}"']
+    )
     assert code == 0
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r["loss"] for r in records if r["split"] == "train"]

@@ -27,6 +27,8 @@ LOSSES: dict[str, str] = {
 #: **kwargs) -> dict`` raising ``DataError`` on a bad row.
 TOKENIZERS: dict[str, str] = {
     "sft": "grimoire.data.sft:tokenize_sft",
+    "pretokenized": "grimoire.data.pretokenized:tokenize_pretokenized",
+    "pretrain": "grimoire.data.pretokenized:pretrain_blocks",
 }
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).

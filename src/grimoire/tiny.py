@@ -93,13 +93,15 @@ def tiny_config(
 
 
 def build_model(arch: str = "llama", seed: int = 0, **config_kwargs: Any):
-    """A random-init tiny causal LM (fp32, sdpa attention)."""
+    """A random-init tiny causal LM (fp32; sdpa attention, eager for Gemma-2)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = tiny_config(arch, **config_kwargs)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    # Gemma-2's attention softcapping has no sdpa kernel in transformers; eager is exact.
+    attn = "eager" if arch == "gemma2" else "sdpa"
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
 
 
 def save_tiny(path: str | Path, arch: str = "llama", seed: int = 0, **config_kwargs: Any) -> Path:

@@ -125,6 +125,8 @@ def tokenize(rows: Any, raw: Mapping[str, Any], where: str, tokenizer: Any, max_
     fn = registry.resolve(name, registry.TOKENIZERS, f"{where}.tokenize.type")
     tok.setdefault("max_length", max_length)
     kwargs = {"tokenizer": tokenizer, **tok}
+    if getattr(fn, "dataset_level", False):  # e.g. pretrain blocks: rows are regrouped
+        return fn(list(rows), **_accepted(fn, kwargs))
     return tokenize_dataset(rows, fn, source_name=where, **_accepted(fn, kwargs))
 
 

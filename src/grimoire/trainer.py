@@ -80,7 +80,7 @@ class GrimoireTrainer:
         self.step_hooks: list[Any] = []  # objects with before/after_optimizer_step (e.g. OSFT)
         model = self._prepare_model(model, peft_config)
         pad_id = _pad_token_id(tokenizer, model)
-        self.collator = data_collator or loss_fn.create_collator(pad_id)
+        self.collator = data_collator or self._make_collator(loss_fn, pad_id)
         self._validate_data(model)
 
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
@@ -356,12 +356,30 @@ class GrimoireTrainer:
             yield [(self._to_device(b), keep) for b, keep in item]
 
     def _collate(self, dataset: Any, indices: list[int], real: bool) -> tuple[dict, float]:
-        batch = self.collator([dataset[int(i)] for i in indices])
+        rows = [dataset[int(i)] for i in indices]
+        budget = self.config.max_tokens_per_device
+        if budget and self.config.truncate_long_samples:
+            rows = [truncate_row(r, budget) for r in rows]
+        batch = self.collator(rows)
         return self._to_device(batch), 1.0 if real else 0.0
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         device = self.accelerator.device
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _make_collator(self, loss_fn: Any, pad_id: int) -> Any:
+        cfg = self.config
+        if not (cfg.padding_free or cfg.max_tokens_per_device):
+            return loss_fn.create_collator(pad_id)
+        packed = getattr(loss_fn, "create_packed_collator", lambda _: None)(pad_id)
+        if packed is None:
+            raise ConfigError(
+                [
+                    f"{type(loss_fn).__name__} does not support padding-free batches: unset "
+                    "training.padding_free / training.max_tokens_per_device"
+                ]
+            )
+        return packed
 
     def _validate_data(self, model: torch.nn.Module) -> None:
         cfg = self.config
@@ -384,7 +402,9 @@ class GrimoireTrainer:
             )
         self._lengths = sample_lengths(self.train_dataset) if not problems else []
         budget = cfg.max_tokens_per_device
-        if budget and not problems:
+        if budget and cfg.truncate_long_samples:
+            self._lengths = [min(n, budget) for n in self._lengths]
+        elif budget and not problems:
             over = [(i, n) for i, n in enumerate(self._lengths) if n > budget]
             problems += [
                 f"train row {i}: {n} tokens exceed max_tokens_per_device={budget} "
@@ -554,6 +574,12 @@ def disable_dropout(model: torch.nn.Module) -> None:
     ):
         if isinstance(getattr(config, attr, None), float):
             setattr(config, attr, 0.0)
+
+
+def truncate_row(row: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
+    """Cut every token-aligned list column of ``row`` to ``max_tokens`` (opt-in truncation)."""
+    cols = [k for k in row if k.endswith(("input_ids", "labels", "attention_mask", "position_ids"))]
+    return {k: (v[:max_tokens] if k in cols else v) for k, v in row.items()}
 
 
 def _pad_token_id(tokenizer: Any, model: torch.nn.Module) -> int:

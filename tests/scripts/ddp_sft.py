@@ -19,12 +19,26 @@ torch.set_num_threads(1)
 tok = AutoTokenizer.from_pretrained(model_dir)
 rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
 config = TrainingConfig(
-    output_dir=out_dir, max_steps=3, batch_size=batch, gradient_accumulation_steps=accum,
-    learning_rate=1e-2, mixed_precision="no", gradient_checkpointing=False, progress_bar=False,
-    save_on_epoch_end=False, logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0,
+    output_dir=out_dir,
+    max_steps=3,
+    batch_size=batch,
+    gradient_accumulation_steps=accum,
+    learning_rate=1e-2,
+    mixed_precision="no",
+    gradient_checkpointing=False,
+    progress_bar=False,
+    save_on_epoch_end=False,
+    logging_steps=1,
+    lr_scheduler="constant",
+    warmup_ratio=0.0,
 )
-trainer = GrimoireTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok,
-                          config=config, loss_fn=SFTLoss(), train_dataset=rows)
+trainer = GrimoireTrainer(
+    model=AutoModelForCausalLM.from_pretrained(model_dir),
+    tokenizer=tok,
+    config=config,
+    loss_fn=SFTLoss(),
+    train_dataset=rows,
+)
 trainer.train()
 if trainer.accelerator.is_main_process:
     state = {k: v.detach().cpu() for k, v in trainer.unwrapped_model.state_dict().items()}

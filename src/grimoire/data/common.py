@@ -51,9 +51,24 @@ def collate_prefixed(
     for p in prefixes:
         ids = [f[f"{p}input_ids"] for f in features]
         batch[f"{p}input_ids"] = pad_sequences(ids, pad_token_id)
-        batch[f"{p}attention_mask"] = pad_sequences([[1] * len(s) for s in ids], 0)
         batch[f"{p}labels"] = pad_sequences([f[f"{p}labels"] for f in features], IGNORE_INDEX)
-    handled = {f"{p}{k}" for p in prefixes for k in ("input_ids", "labels", "attention_mask")}
+        if f"{p}position_ids" in features[0]:
+            # Rows that carry their own document boundaries (pretrain blocks): no attention mask,
+            # so attention follows position_ids; padding continues the last segment's positions
+            # (causal attention keeps real tokens from seeing it, and its labels are -100).
+            batch[f"{p}position_ids"] = torch.stack(
+                [
+                    _continue_positions(f[f"{p}position_ids"], batch[f"{p}input_ids"].shape[1])
+                    for f in features
+                ]
+            )
+        else:
+            batch[f"{p}attention_mask"] = pad_sequences([[1] * len(s) for s in ids], 0)
+    handled = {
+        f"{p}{k}"
+        for p in prefixes
+        for k in ("input_ids", "labels", "attention_mask", "position_ids")
+    }
     for key in features[0]:
         if key in handled:
             continue
@@ -63,6 +78,14 @@ def collate_prefixed(
         else:
             batch[key] = values
     return batch
+
+
+def _continue_positions(pos: Sequence[int], width: int) -> torch.Tensor:
+    out = torch.as_tensor(list(pos), dtype=torch.long)
+    if len(out) < width:
+        last = int(out[-1]) if len(out) else -1
+        out = torch.cat([out, torch.arange(last + 1, last + 1 + width - len(out))])
+    return out
 
 
 def render_chat(

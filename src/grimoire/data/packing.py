@@ -481,6 +481,12 @@ def pack_samples(
     sample_index = torch.repeat_interleave(torch.arange(num), lens)
     starts = torch.cumsum(lens, 0) - lens
     position_ids = torch.arange(total) - torch.repeat_interleave(starts, lens)
+    own = f"{prefix}position_ids"
+    if all(own in s for s in samples):
+        # Samples that already mark internal document boundaries (pretrain blocks) keep them.
+        position_ids = torch.cat(
+            [torch.as_tensor(s[own], dtype=torch.long).reshape(-1) for s in samples]
+        )
     if pad:
         sample_index = torch.cat([sample_index, sample_index.new_full((pad,), -1)])
         position_ids = torch.cat([position_ids, torch.arange(pad)])
@@ -538,3 +544,14 @@ def padding_fraction(
         else:
             computed += -(-tokens // pad_to_multiple_of) * pad_to_multiple_of
     return 0.0 if computed == 0 else (computed - used) / computed
+
+
+class PackedCollator:
+    """Padding-free collator: a micro-batch of samples becomes one ``[1, L]`` packed row."""
+
+    def __init__(self, pad_token_id: int, columns: Sequence[str] = ("input_ids", "labels")):
+        self.pad_token_id = pad_token_id
+        self.columns = tuple(columns)
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
+        return pack_samples(list(features), self.pad_token_id, columns=self.columns)

@@ -28,6 +28,8 @@ class GrimoireLoss:
       device, build a rollout engine, ...).
     - ``validate_dataset(dataset, split) -> list[str]``: problems with the tokenized data, named by
       row, collected before training starts.
+    - ``create_packed_collator(pad_token_id)``: the padding-free collator used when
+      ``padding_free`` or ``max_tokens_per_device`` is set; None (default) = not supported.
     - ``prepare_step(trainer, micro_batches) -> micro_batches``: a method's own phase before the
       optimizer step (e.g. online generation + scoring); default: unchanged.
     """
@@ -46,6 +48,10 @@ class GrimoireLoss:
 
     def create_collator(self, pad_token_id: int):
         raise NotImplementedError
+
+    def create_packed_collator(self, pad_token_id: int):
+        """Padding-free collator (one packed row per micro-batch), or None when unsupported."""
+        return None
 
     def loss_weight(self, batch: dict[str, Any]) -> float:
         """Loss units in ``batch``; default: one per row (rows equally weighted)."""

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..data.packing import PackedCollator
 from ..data.sft import SFTCollator
 from ..logprobs import IGNORE_INDEX, compute_token_logps
 from .base import GrimoireLoss
@@ -54,3 +55,6 @@ class SFTLoss(GrimoireLoss):
 
     def create_collator(self, pad_token_id: int) -> SFTCollator:
         return SFTCollator(pad_token_id=pad_token_id)
+
+    def create_packed_collator(self, pad_token_id: int) -> PackedCollator:
+        return PackedCollator(pad_token_id)

@@ -1,0 +1,110 @@
+"""Padding-free training: packed rows, token budgets and pretrain blocks give the padded result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.train_utils import quiet_config, train
+from transformers import AutoModelForCausalLM
+
+from grimoire.data import SFTCollator
+from grimoire.data.packing import pack_samples, segment_sum
+from grimoire.data.pretokenized import pretrain_blocks, tokenize_pretokenized
+from grimoire.errors import DataError
+from grimoire.logprobs import compute_token_logps
+from grimoire.losses import SFTLoss
+from grimoire.tiny import build_model
+
+SGD = dict(optimizer="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=None, max_steps=1)
+
+
+def _one_step(tiny_dir, tokenizer, rows, tmp_path, **cfg):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    return train(model, tokenizer, rows, SFTLoss(), quiet_config(tmp_path, **{**SGD, **cfg}))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+def test_packed_logps_equal_padded(arch, sft_rows):
+    """No cross-sample attention and no cross-sample label: per-sequence sums match padding."""
+    model = build_model(arch, vocab_size=64)
+    rows = sft_rows[:6]
+    padded = SFTCollator(0)(rows)
+    want = compute_token_logps(
+        model, padded["input_ids"], padded["labels"], padded["attention_mask"], fused=False
+    ).sum()
+    packed = pack_samples(rows, 0)
+    out = compute_token_logps(
+        model,
+        packed["input_ids"],
+        packed["labels"],
+        position_ids=packed["position_ids"],
+        fused=False,
+    )
+    got = segment_sum(out.logps, packed["sample_index"], len(rows))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # Every sample's first token is never a target (it would be predicted from the previous one).
+    starts = torch.cumsum(packed["seq_lens"], 0)[:-1]
+    assert not out.mask[0, starts - 1].any()
+
+
+def test_padding_free_step_equals_padded_step(tiny_dir, tokenizer, sft_rows, tmp_path):
+    rows = sft_rows[:8]
+    padded = _one_step(tiny_dir, tokenizer, rows, tmp_path / "pad", batch_size=8)
+    packed = _one_step(
+        tiny_dir, tokenizer, rows, tmp_path / "pack", batch_size=8, padding_free=True
+    )
+    budget = _one_step(
+        tiny_dir, tokenizer, rows, tmp_path / "budget", batch_size=8, max_tokens_per_device=48
+    )
+    assert budget.planner.plan(0, 0).__len__() > 1, "the budget must split the step"
+    for name, p in padded.unwrapped_model.named_parameters():
+        torch.testing.assert_close(packed.unwrapped_model.get_parameter(name), p, atol=2e-6, rtol=0)
+        torch.testing.assert_close(budget.unwrapped_model.get_parameter(name), p, atol=2e-6, rtol=0)
+
+
+def test_opt_in_truncation_to_budget(tiny_dir, tokenizer, sft_rows, tmp_path):
+    trainer = _one_step(
+        tiny_dir,
+        tokenizer,
+        sft_rows[:8],
+        tmp_path,
+        batch_size=8,
+        max_tokens_per_device=16,
+        truncate_long_samples=True,
+    )
+    assert trainer.global_step == 1
+    assert max(trainer._lengths) == 16
+
+
+def test_pretokenized_rows_checked():
+    row = tokenize_pretokenized({"input_ids": [1, 5, 6], "labels": [-100, 5, 6], "len": 3})
+    assert row["labels"] == [-100, 5, 6] and row["attention_mask"] == [1, 1, 1]
+    assert tokenize_pretokenized({"input_ids": [1, 5]})["labels"] == [1, 5]
+    with pytest.raises(DataError, match="'len' is 4"):
+        tokenize_pretokenized({"input_ids": [1, 5, 6], "len": 4})
+    with pytest.raises(DataError, match="'labels' has 2 entries"):
+        tokenize_pretokenized({"input_ids": [1, 5, 6], "labels": [1, 2]})
+    with pytest.raises(DataError, match="max_length=2"):
+        tokenize_pretokenized({"input_ids": [1, 5, 6]}, max_length=2)
+
+
+def test_pretrain_blocks_respect_document_boundaries():
+    docs = [{"input_ids": [10, 11, 12]}, {"input_ids": [20, 21, 22, 23, 24]}, {"input_ids": [30]}]
+    blocks = pretrain_blocks(docs, block_size=4)
+    assert [b["input_ids"] for b in blocks] == [[10, 11, 12, 20], [21, 22, 23, 24], [30]]
+    assert [b["position_ids"] for b in blocks] == [[0, 1, 2, 0], [0, 1, 2, 3], [0]]
+    assert pretrain_blocks(docs, block_size=4, drop_last=True)[-1]["input_ids"] == [21, 22, 23, 24]
+
+
+def test_pretrain_blocks_isolate_documents_in_padded_batches(sft_rows):
+    """A block holding two documents gives each document the log-probs it has alone."""
+    model = build_model("llama", vocab_size=64)
+    a, b = sft_rows[0]["input_ids"], sft_rows[1]["input_ids"]
+    (block,) = pretrain_blocks([{"input_ids": a}, {"input_ids": b}], block_size=len(a) + len(b))
+    batch = SFTCollator(0)([block])
+    assert "attention_mask" not in batch
+    out = compute_token_logps(
+        model, batch["input_ids"], batch["labels"], position_ids=batch["position_ids"], fused=False
+    )
+    alone = compute_token_logps(model, torch.tensor([b]), torch.tensor([b]), fused=False)
+    torch.testing.assert_close(out.logps[0, len(a) :], alone.logps[0], atol=1e-5, rtol=0)
