@@ -59,7 +59,12 @@ def _reset_rss_peak() -> bool:
 
 
 def worker(args: argparse.Namespace) -> dict:
-    """Build the model, run the steps, return the measurements (one configuration)."""
+    """One configuration in this (fresh) process.
+
+    ``--measure memory``: one path's peak memory. ``--measure time``: both paths' step times,
+    interleaved (full, fused, full, fused, ...) so load from other processes on a shared machine
+    hits both alike; the reported time is each path's median.
+    """
     import torch
 
     from grimoire.logprobs import compute_token_logps
@@ -82,23 +87,31 @@ def worker(args: argparse.Namespace) -> dict:
     labels = ids.clone()
     # Prompt tokens (the first 1 - trained_frac of each row) get no loss, as in SFT / DPO.
     labels[:, : int(args.seq_len * (1 - args.trained_frac))] = -100
-    fused = args.path == "fused"
-
-    def step() -> None:
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = compute_token_logps(
-                model, ids, labels, fused=fused, chunk_size=args.chunk_size
-            )
-            loss = -out.logps.sum() / out.mask.sum()
-        loss.backward()
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    step()  # warm-up: allocator, oneDNN / cuBLAS kernel selection, the fused self-check
-    sync()
+    def step(fused: bool) -> float:
+        t0 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = compute_token_logps(model, ids, labels, fused=fused, chunk_size=args.chunk_size)
+            loss = -out.logps.sum() / out.mask.sum()
+        loss.backward()
+        sync()
+        return time.perf_counter() - t0
+
+    if args.measure == "time":
+        step(False), step(True)  # warm-up: allocator, kernel selection, the fused self-check
+        times: dict[str, list[float]] = {"full": [], "fused": []}
+        for _ in range(args.repeats):
+            times["full"].append(step(False))
+            times["fused"].append(step(True))
+        return {k: statistics.median(v) for k, v in times.items()}
+
+    fused = args.path == "fused"
+    step(fused)  # warm-up
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -111,28 +124,16 @@ def worker(args: argparse.Namespace) -> dict:
         base = _rss_now_mb()
         if not _reset_rss_peak():
             print("warning: cannot reset peak RSS; it includes model construction", file=sys.stderr)
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
+    step(fused)
     peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _rss_peak_mb()
-    return {
-        "vocab": args.vocab,
-        "path": args.path,
-        "step_s": statistics.median(times),
-        "base_mb": base,
-        "peak_mb": peak,
-        "delta_mb": peak - base,
-    }
+    return {"base_mb": base, "peak_mb": peak, "delta_mb": peak - base}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--vocabs", default="32000,128000,256000")
     p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--chunk-size", type=int, default=1024)
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vocab", type=int, default=32000, help=argparse.SUPPRESS)
     p.add_argument("--path", default="fused", choices=["fused", "full"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--measure", default="memory", choices=["memory", "time"], help=argparse.SUPPRESS
+    )
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args)))
@@ -174,14 +178,19 @@ def main(argv: list[str] | None = None) -> None:
     print(header)
     print("|" + "---|" * 7)
     for vocab in [int(v) for v in args.vocabs.split(",")]:
-        res = {}
-        for path in ("full", "fused"):
-            cmd = [sys.executable, __file__, "--worker", f"--vocab={vocab}", f"--path={path}"]
-            out = subprocess.run(cmd + common, capture_output=True, text=True, check=False)
+        res: dict[str, dict] = {}
+        base_cmd = [sys.executable, __file__, "--worker", f"--vocab={vocab}", *common]
+        for name, extra in (
+            ("full", ["--measure=memory", "--path=full"]),
+            ("fused", ["--measure=memory", "--path=fused"]),
+            ("time", ["--measure=time"]),
+        ):
+            out = subprocess.run(base_cmd + extra, capture_output=True, text=True, check=False)
             if out.returncode != 0:
-                sys.exit(f"vocab={vocab} path={path} failed:\n{out.stderr}")
-            res[path] = json.loads(out.stdout.strip().splitlines()[-1])
+                sys.exit(f"vocab={vocab} {name} failed:\n{out.stderr}")
+            res[name] = json.loads(out.stdout.strip().splitlines()[-1])
         full, fused = res["full"], res["fused"]
+        full["step_s"], fused["step_s"] = res["time"]["full"], res["time"]["fused"]
         print(
             f"| {vocab // 1000}k | {full['peak_mb']:.0f} (+{full['delta_mb']:.0f}) "
             f"| {fused['peak_mb']:.0f} (+{fused['delta_mb']:.0f}) "

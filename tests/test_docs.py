@@ -60,7 +60,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [p for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if p.is_file()]
 CONFIG_TABLE = ROOT / "docs" / "configuration.md"
 ACCELERATE_DIR = ROOT / "examples" / "accelerate"
 MAX_DOC_STEPS = 3
@@ -311,7 +311,8 @@ def _table_rows(text: str) -> dict[str, list[str]]:
     """``{field: [type, default, description]}`` from rows shaped ``| `name` | ... |``."""
     rows = {}
     for line in text.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())]
+        cells = cells[1:-1] if len(cells) > 2 else cells
         if len(cells) >= 4 and re.fullmatch(r"`\w+`", cells[0]):
             rows[cells[0].strip("`")] = cells[1:]
     return rows

@@ -76,7 +76,7 @@ class TrainingConfig:
     osft: bool = False
     osft_unfreeze_rank_ratio: float = 0.25
     osft_target_modules: list[str] | None = None
-    osft_upcast_dtype: Literal["float32", "float64", "bfloat16"] = "float32"
+    osft_upcast_dtype: Literal["float32", "float64"] = "float32"
 
     def __post_init__(self) -> None:
         problems = _type_problems(self)
@@ -166,9 +166,9 @@ class TrainingConfig:
             p.append(
                 f"osft_unfreeze_rank_ratio must be in [0, 1], got {self.osft_unfreeze_rank_ratio}"
             )
-        if self.osft_upcast_dtype not in ("float32", "float64", "bfloat16"):
+        if self.osft_upcast_dtype not in ("float32", "float64"):
             p.append(
-                f"osft_upcast_dtype must be float32, float64 or bfloat16, got {self.osft_upcast_dtype!r}"
+                f"osft_upcast_dtype must be float32 or float64, got {self.osft_upcast_dtype!r}"
             )
         return p
 

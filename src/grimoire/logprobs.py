@@ -392,18 +392,28 @@ class _HeadChunkLogps(torch.autograd.Function):
         ctx.rng = None
         if _needs_rng_replay(spec.head):
             ctx.rng = (torch.get_rng_state(), _device_rng_state(hidden.device))
-        logits = _head_logits(spec.head, spec.transforms, hidden)
-        z = logits.float()
-        del logits
-        lse = torch.logsumexp(z, dim=-1)
-        logps = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        z = _head_logits(spec.head, spec.transforms, hidden).float()
+        picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        # log-sum-exp by hand so the [C, V] buffers are reused in place (torch.logsumexp would
+        # allocate another fp32 [C, V] temporary): lse = m + log(sum(exp(z - m))).
+        m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
+        if spec.return_entropy:
+            e = (z - m).exp_()
+            total = e.sum(-1)
+            # H = lse - sum_v p_v z_v = lse - sum_v e_v z_v / sum_v e_v.
+            weighted = e.mul_(z).sum(-1)
+            del e, z
+            lse = m.squeeze(-1) + total.log()
+            entropy = lse - weighted / total
+        else:
+            # In place is safe: forward runs without grad, nothing else holds these logits.
+            z.sub_(m).exp_()
+            lse = m.squeeze(-1) + z.sum(-1).log()
+            del z
+        logps = picked - lse
         if not spec.return_entropy:
             ctx.save_for_backward(hidden, targets, lse, *params)
             return logps
-        # H = lse - sum_v p_v z_v (in place on p: one [C, V] temporary).
-        probs = (z - lse.unsqueeze(-1)).exp_()
-        entropy = lse - probs.mul_(z).sum(-1)
-        del probs, z
         ctx.save_for_backward(hidden, targets, lse, entropy, *params)
         return logps, entropy
 

@@ -480,3 +480,78 @@ def unapply_osft(model: nn.Module, upcast_dtype: torch.dtype = torch.float32) ->
             parent_name, _, child_name = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child_name, module.to_linear(upcast_dtype))
     return model
+
+
+FACTORS_FILE = "osft_factors.safetensors"
+
+
+class OSFTTrainerHook:
+    """Plugs OSFT into :class:`~grimoire.trainer.GrimoireTrainer` as a step hook.
+
+    The loop calls ``before_optimizer_step`` (gradient projection, before clipping so the
+    clipped norm is that of the applied update) and ``after_optimizer_step`` (re-projection);
+    saving writes dense HF weights for users plus the exact factors for resuming.
+    """
+
+    def __init__(self, model: nn.Module, state: OSFTState):
+        self.model = model
+        self.state = state
+
+    def before_optimizer_step(self) -> None:
+        self.state.project_gradients()
+
+    def after_optimizer_step(self) -> None:
+        self.state.reproject()
+
+    def export_state_dict(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Dense weights under the original architecture's keys (loadable by from_pretrained)."""
+        del state_dict  # rebuilt from the live modules, which hold the exact factors
+        return osft_dense_state_dict(self.model, self.state.upcast_dtype)
+
+    def save_extra(self, folder) -> None:
+        from safetensors.torch import save_file
+
+        factors = {
+            f"{name}.{k}": v.detach().contiguous().cpu()
+            for name, module in self.state.modules.items()
+            for k, v in module.factors().items()
+        }
+        save_file(factors, str(folder / FACTORS_FILE))
+
+    def load_extra(self, model: nn.Module, folder) -> None:
+        """Restore a checkpoint: factors from their file, every other weight from the dense one."""
+        from safetensors.torch import load_file
+
+        dense: dict[str, Tensor] = {}
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            import json
+
+            for f in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+                dense.update(load_file(str(folder / f)))
+        else:
+            dense = load_file(str(folder / "model.safetensors"))
+        factors = load_file(str(folder / FACTORS_FILE))
+        targets = {f"{name}.weight" for name in self.state.modules}
+        merged = {k: v for k, v in dense.items() if k not in targets}
+        merged.update(factors)
+        result = model.load_state_dict(merged, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith("lm_head.weight")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(
+                f"OSFT checkpoint {folder} does not match the model: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}"
+            )
+
+
+def attach_osft(model: nn.Module, config, accelerator) -> OSFTTrainerHook:
+    """Apply OSFT as ``config`` (a TrainingConfig) asks and return the trainer hook."""
+    state = apply_osft(
+        model,
+        config.osft_unfreeze_rank_ratio,
+        config.osft_target_modules,
+        upcast_dtype=getattr(torch, config.osft_upcast_dtype),
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+    )
+    return OSFTTrainerHook(model, state)

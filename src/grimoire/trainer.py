@@ -262,9 +262,9 @@ class GrimoireTrainer:
             acc.backward(loss * scale)
             if weight > 0:
                 self._log_means.add({"loss": loss, **metrics}, weight)
-        grad_norm = self._clip_gradients()
-        for hook in self.step_hooks:
+        for hook in self.step_hooks:  # e.g. OSFT's gradient projection, before clipping
             hook.before_optimizer_step()
+        grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
