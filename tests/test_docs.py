@@ -121,9 +121,9 @@ def fenced_blocks(path: Path) -> list[Block]:
         j = i + 1
         while j < len(lines):
             close = FENCE.match(lines[j])
-            if close and close["ticks"][0] == ticks[0] and len(close["ticks"]) >= len(ticks):
-                if not close["info"].strip():
-                    break
+            same = close and close["ticks"][0] == ticks[0] and len(close["ticks"]) >= len(ticks)
+            if same and not close["info"].strip():
+                break
             body.append(lines[j][indent:] if lines[j][:indent].strip() == "" else lines[j])
             j += 1
         blocks.append(Block(path, i + 1, lang, "\n".join(body) + "\n", _skip_reason(lines, i)))

@@ -1,9 +1,10 @@
 """Run a short SFT job; launched with 1 process or under `accelerate launch --num_processes 2`.
 
-Usage: ddp_sft.py MODEL_DIR OUT_DIR PER_DEVICE_BATCH GRAD_ACCUM
+Usage: ddp_sft.py MODEL_DIR OUT_DIR PER_DEVICE_BATCH GRAD_ACCUM [EXTRA_CONFIG_JSON]
 Writes OUT_DIR/params.pt (rank 0) and OUT_DIR/metrics.jsonl.
 """
 
+import json
 import sys
 
 import torch
@@ -15,6 +16,7 @@ from grimoire.losses import SFTLoss
 from grimoire.tiny import reverse_rows
 
 model_dir, out_dir, batch, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 torch.set_num_threads(1)
 tok = AutoTokenizer.from_pretrained(model_dir)
 rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
@@ -41,5 +43,8 @@ trainer = GrimoireTrainer(
 )
 trainer.train()
 if trainer.accelerator.is_main_process:
-    state = {k: v.detach().cpu() for k, v in trainer.unwrapped_model.state_dict().items()}
+    model = trainer.unwrapped_model
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if trainer.step_hooks:  # OSFT: compare the dense weights users get
+        state = {k: v.detach().cpu() for k, v in trainer.step_hooks[0].export_state_dict({}).items()}
     torch.save(state, f"{out_dir}/params.pt")
