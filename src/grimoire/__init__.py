@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .callbacks import ExactMatchCallback, TrainerCallback
     from .config import TrainingConfig
+    from .launcher import LaunchError, launch
     from .trainer import GrimoireTrainer
 
 _LAZY = {
@@ -16,14 +17,18 @@ _LAZY = {
     "TrainingConfig": "grimoire.config",
     "TrainerCallback": "grimoire.callbacks",
     "ExactMatchCallback": "grimoire.callbacks",
+    "launch": "grimoire.launcher",
+    "LaunchError": "grimoire.launcher",
 }
 
 __all__ = [
     "ExactMatchCallback",
     "GrimoireTrainer",
+    "LaunchError",
     "TrainerCallback",
     "TrainingConfig",
     "__version__",
+    "launch",
 ]
 
 

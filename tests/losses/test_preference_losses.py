@@ -259,7 +259,18 @@ def naive_kto_terms(model, raw_rows, tokenizer):
     return torch.stack(own), torch.stack(mism)
 
 
-def test_kto_matches_naive_with_class_weights(policy, ref, kto_feats, tokenizer):
+def sharpened(model):
+    """A reference whose logits are the policy's times 3: sharper, so the log-probs of the
+    (arbitrary) mismatched completions are lower and the KL estimate is clearly positive (a
+    clamped-to-zero z0 would hide which pairs were used)."""
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        ref.model.norm.weight.mul_(3.0)
+    return ref
+
+
+def test_kto_matches_naive_with_class_weights(policy, kto_feats, tokenizer):
+    ref = sharpened(policy)
     loss_fn = KTOLoss(beta=0.4, ref_model=ref, desirable_weight=1.3, undesirable_weight=0.6)
     batch = KTOCollator(PAD)(kto_feats)
     loss, metrics = loss_fn(policy, batch)
@@ -267,6 +278,7 @@ def test_kto_matches_naive_with_class_weights(policy, ref, kto_feats, tokenizer)
     p_own, p_kl = naive_kto_terms(policy, RAW_KTO, tokenizer)
     r_own, r_kl = naive_kto_terms(ref, RAW_KTO, tokenizer)
     kl = (p_kl - r_kl).mean().clamp(min=0)  # the paper's z0 from mismatched pairs
+    assert kl > 0.5
     desirable = torch.tensor([r["label"] for r in RAW_KTO])
     losses, sums = kto_loss(
         p_own, r_own, desirable, kl, beta=0.4, desirable_weight=1.3, undesirable_weight=0.6
