@@ -97,6 +97,22 @@ def main() -> None:
         print(f"{mode:<14}{r['padding_fraction']:>10.1%}{r['tokens_per_sec']:>12.0f}{r['seconds']:>10.1f}")
     ratio = res["padding-free"]["tokens_per_sec"] / res["padded"]["tokens_per_sec"]
     print(f"padding-free / padded trained tokens/s: {ratio:.2f}x")
+    planner_throughput()
+
+
+def planner_throughput(n: int = 1_000_000, ranks: int = 8, budget: int = 32768) -> None:
+    """Time the LPT + best-fit planner on ``n`` skewed lengths (numba, after JIT warm-up)."""
+    from grimoire.data.packing import HAVE_NUMBA, plan_global_batch, warmup_numba
+
+    lengths = skewed_lengths(n, seed=2)
+    warmup_numba()
+    t0 = time.perf_counter()
+    plan = plan_global_batch(lengths, ranks, budget)
+    dt = time.perf_counter() - t0
+    loads = [sum(lengths[i] for micro in rank for i in micro) for rank in plan]
+    print(f"planner: {n:,} lengths over {ranks} ranks, budget {budget}: {dt:.2f}s "
+          f"(numba={HAVE_NUMBA}), {len(plan[0])} micro-batches per rank, "
+          f"rank imbalance max/mean {max(loads) / (sum(loads) / ranks):.4f}")
 
 
 if __name__ == "__main__":

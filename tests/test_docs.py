@@ -304,6 +304,30 @@ def test_accelerate_configs_load(path):
         assert isinstance(data["train_micro_batch_size_per_gpu"], int)
 
 
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=_rel)
+def test_accelerate_launch_accepts_configs(path, monkeypatch):
+    """``accelerate launch --config_file PATH`` argument validation (nothing is launched).
+
+    For FSDP configs the plugin is also built from the environment the launcher would export,
+    which checks the ``fsdp_config`` values themselves. (DeepSpeed's plugin needs deepspeed.)
+    """
+    launch = pytest.importorskip("accelerate.commands.launch")
+    if not hasattr(launch, "_validate_launch_command"):
+        pytest.skip("this accelerate version has no _validate_launch_command")
+    monkeypatch.chdir(ROOT)
+    args = launch.launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+    args, _, _ = launch._validate_launch_command(args)
+    assert args.num_processes >= 1
+    if args.use_fsdp:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from accelerate.utils.launch import prepare_multi_gpu_env
+
+        for key, value in prepare_multi_gpu_env(args).items():
+            monkeypatch.setenv(key, value)
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2
+
+
 # --------------------------------------------------------------------------- 3. the config table
 
 

@@ -345,6 +345,83 @@ def _head_logits(head: torch.nn.Module, transforms: list, hidden: Tensor) -> Ten
     return logits
 
 
+#: fp32 work on ``[rows, V]`` logits is done this many elements at a time (128 MiB temporaries),
+#: so a chunk's fp32 copies never add up to ``chunk_size x V x 4`` bytes, while the head matmul
+#: still runs on the whole chunk (big matmuls are what's efficient).
+_FP32_BLOCK_ELEMS = 1 << 25
+
+
+def _row_blocks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, _FP32_BLOCK_ELEMS // max(vocab, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+@torch.no_grad()
+def _softmax_stats(
+    logits: Tensor, targets: Tensor, want_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Target log-probs, log-sum-exp and (optionally) entropy of each row, all fp32 ``[N]``.
+
+    ``logits [N, V]`` (any float dtype; may be overwritten), ``targets [N]``. The log-sum-exp is
+    written out (``m + log(sum(exp(z - m)))``) so the fp32 block is reused in place.
+    """
+    n = logits.shape[0]
+    logps = logits.new_empty(n, dtype=torch.float32)
+    lse = torch.empty_like(logps)
+    entropy = torch.empty_like(logps) if want_entropy else None
+    for rows in _row_blocks(n, logits.shape[-1]):
+        z = logits[rows].float()
+        m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
+        picked = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+        if entropy is not None:
+            e = (z - m).exp_()
+            total = e.sum(-1)
+            # H = lse - sum_v p_v z_v = lse - sum_v e_v z_v / sum_v e_v.
+            weighted = e.mul_(z).sum(-1)
+            block_lse = m.squeeze(-1) + total.log()
+            entropy[rows] = block_lse - weighted / total
+        else:
+            block_lse = m.squeeze(-1) + z.sub_(m).exp_().sum(-1).log()
+        lse[rows] = block_lse
+        logps[rows] = picked - block_lse
+    return logps, lse, entropy
+
+
+@torch.no_grad()
+def _grad_logits(
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logps: Tensor,
+    grad_entropy: Tensor | None,
+) -> Tensor:
+    """``dL/dlogits`` in ``logits``' dtype from the incoming grads of logps / entropy.
+
+    Shapes: ``logits [N, V]`` (read only), the rest ``[N]``. With ``p = softmax(z)``:
+    ``dlogp_t/dz = onehot(t) - p`` and ``dH/dz = -p * (log p + H)``; computed in fp32, in place,
+    one row block at a time.
+    """
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    use_entropy = entropy is not None and grad_entropy is not None
+    for rows in _row_blocks(logits.shape[0], logits.shape[-1]):
+        # A copy, never an alias of ``logits`` (the head's backward may need it).
+        z = logits[rows].to(torch.float32, copy=True)
+        z.sub_(lse[rows].unsqueeze(-1))  # log p
+        g = grad_logps[rows].unsqueeze(-1)
+        if use_entropy:
+            probs = z.exp()
+            # -p * (g + e * (log p + H)), in place on log p.
+            z.add_(entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].unsqueeze(-1)).add_(g)
+            z.mul_(probs).neg_()
+            del probs
+        else:
+            z.exp_().mul_(-g)  # -g * p
+        z.scatter_add_(-1, targets[rows].unsqueeze(-1), g)  # + g * onehot(target)
+        out[rows] = z
+    return out
+
+
 @dataclass
 class _ChunkSpec:
     """The non-tensor inputs of :class:`_HeadChunkLogps` (one per compute_token_logps call)."""
@@ -388,29 +465,15 @@ class _HeadChunkLogps(torch.autograd.Function):
     def forward(ctx: Any, hidden: Tensor, targets: Tensor, spec: _ChunkSpec, *params: Tensor):
         dev = spec.device_type
         ctx.spec = spec
+        # Unused outputs (typically a logged-only entropy) come back as None: skip their math.
+        ctx.set_materialize_grads(False)
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
         ctx.rng = None
         if _needs_rng_replay(spec.head):
             ctx.rng = (torch.get_rng_state(), _device_rng_state(hidden.device))
-        z = _head_logits(spec.head, spec.transforms, hidden).float()
-        picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        # log-sum-exp by hand so the [C, V] buffers are reused in place (torch.logsumexp would
-        # allocate another fp32 [C, V] temporary): lse = m + log(sum(exp(z - m))).
-        m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
-        if spec.return_entropy:
-            e = (z - m).exp_()
-            total = e.sum(-1)
-            # H = lse - sum_v p_v z_v = lse - sum_v e_v z_v / sum_v e_v.
-            weighted = e.mul_(z).sum(-1)
-            del e, z
-            lse = m.squeeze(-1) + total.log()
-            entropy = lse - weighted / total
-        else:
-            # In place is safe: forward runs without grad, nothing else holds these logits.
-            z.sub_(m).exp_()
-            lse = m.squeeze(-1) + z.sum(-1).log()
-            del z
-        logps = picked - lse
+        logits = _head_logits(spec.head, spec.transforms, hidden)
+        logps, lse, entropy = _softmax_stats(logits, targets, spec.return_entropy)
+        del logits
         if not spec.return_entropy:
             ctx.save_for_backward(hidden, targets, lse, *params)
             return logps
@@ -418,10 +481,12 @@ class _HeadChunkLogps(torch.autograd.Function):
         return logps, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logps: Tensor, grad_entropy: Tensor | None = None):
+    def backward(ctx: Any, grad_logps: Tensor | None, grad_entropy: Tensor | None = None):
         spec: _ChunkSpec = ctx.spec
         saved = ctx.saved_tensors
         hidden, targets, lse = saved[:3]
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(lse)
         entropy = saved[3] if spec.return_entropy else None
         params = saved[len(saved) - spec.n_params :]
         enabled, dtype = ctx.autocast
@@ -435,21 +500,7 @@ class _HeadChunkLogps(torch.autograd.Function):
             stack.enter_context(torch.autocast(spec.device_type, dtype=dtype, enabled=enabled))
             h = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
             logits = _head_logits(spec.head, spec.transforms, h)
-        with torch.no_grad():
-            # A copy (never an alias of ``logits``, which the transforms' backward may need).
-            grad = logits.detach().to(torch.float32, copy=True)
-            grad.sub_(lse.unsqueeze(-1))  # log p
-            g = grad_logps.unsqueeze(-1)
-            if entropy is not None and grad_entropy is not None:
-                probs = grad.exp()
-                # -p * (g + e * (log p + H)), in place on log p.
-                grad.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1)).add_(g)
-                grad.mul_(probs).neg_()
-                del probs
-            else:
-                grad.exp_().mul_(-g)  # -g * p
-            grad.scatter_add_(-1, targets.unsqueeze(-1), g)  # + g * onehot(target)
-            grad = grad.to(logits.dtype)
+        grad = _grad_logits(logits.detach(), targets, lse, entropy, grad_logps, grad_entropy)
         wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
         inputs = ([h] if ctx.needs_input_grad[0] else []) + [params[i] for i in wanted]
         grads = torch.autograd.grad(logits, inputs, grad, allow_unused=True) if inputs else []

@@ -131,6 +131,19 @@ def reverse_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[
     return rows
 
 
+def shift_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
+    """``shift abc=`` -> ``bcd`` (each letter of a..l moved one place, cyclically). A second
+    task for continual-learning experiments: same alphabet as ``reverse_rows``, new mapping."""
+    letters = string.ascii_lowercase[:12]
+    rng = random.Random(seed + 10_000)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choices(letters, k=rng.randint(min_len, max_len)))
+        out = "".join(letters[(letters.index(c) + 1) % len(letters)] for c in word)
+        rows.append({"prompt": f"shift {word}=", "response": out, "answer": out})
+    return rows
+
+
 def corrupt(text: str, rng: random.Random) -> str:
     """A wrong answer close to the right one (a swapped or replaced character)."""
     chars = list(text)

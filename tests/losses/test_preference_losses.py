@@ -278,7 +278,7 @@ def test_kto_matches_naive_with_class_weights(policy, kto_feats, tokenizer):
     p_own, p_kl = naive_kto_terms(policy, RAW_KTO, tokenizer)
     r_own, r_kl = naive_kto_terms(ref, RAW_KTO, tokenizer)
     kl = (p_kl - r_kl).mean().clamp(min=0)  # the paper's z0 from mismatched pairs
-    assert kl > 0.5
+    assert kl > 0.05
     desirable = torch.tensor([r["label"] for r in RAW_KTO])
     losses, sums = kto_loss(
         p_own, r_own, desirable, kl, beta=0.4, desirable_weight=1.3, undesirable_weight=0.6
@@ -372,7 +372,8 @@ def test_cached_reference_with_wrong_reduction_is_refused(policy, ref, pairs):
         IPOLoss()(policy, PreferenceCollator(PAD)(rows))  # IPO averages by default
 
 
-def test_kto_cached_reference_equals_live_reference(policy, ref, kto_feats):
+def test_kto_cached_reference_equals_live_reference(policy, kto_feats):
+    ref = sharpened(policy)
     cached = cache_reference_log_probs(ref, kto_feats, batch_size=3)
     assert {"ref_logps", "ref_kl_logps", "kl_input_ids"} <= set(cached.column_names)
     rows = [cached[i] for i in range(len(cached))]
@@ -383,6 +384,7 @@ def test_kto_cached_reference_equals_live_reference(policy, ref, kto_feats):
     cache_loss, cache_m = KTOLoss()(policy, KTOCollator(PAD)(rows))
     cache_g = torch.autograd.grad(cache_loss, list(policy.parameters()))
     assert cache_loss.item() == pytest.approx(live_loss.item(), abs=1e-6)
+    assert float(live_m["kl"]) > 0.05
     assert float(cache_m["kl"]) == pytest.approx(float(live_m["kl"]), abs=1e-5)
     for a, b in zip(live_g, cache_g):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -103,7 +103,10 @@ def encode_prompt_response(
     response_msgs = _as_messages(response, "assistant", response_field, fn)
     if not any(m.get("role") == "assistant" for m in response_msgs):
         raise DataError([f"{fn}: field {response_field!r} has no assistant message to train on"])
-    prompt_ids = render_chat(tokenizer, prompt_msgs, add_generation_prompt=True)
+    # The generation prompt (e.g. "<|assistant|>") belongs to the prompt only when the response
+    # opens with an assistant turn; otherwise the full rendering would not extend the prompt.
+    opens_with_assistant = response_msgs[0].get("role") == "assistant"
+    prompt_ids = render_chat(tokenizer, prompt_msgs, add_generation_prompt=opens_with_assistant)
     full, labels = chat_with_assistant_mask(tokenizer, prompt_msgs + response_msgs)
     if full[: len(prompt_ids)] != prompt_ids:
         raise DataError(

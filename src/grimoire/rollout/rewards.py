@@ -189,6 +189,69 @@ def score_completions(
     return total.to(device), {k: v.to(device) for k, v in per_func.items()}
 
 
+@torch.no_grad()
+def evaluate_rewards(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    rows: Sequence[Mapping[str, Any]],
+    reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+    *,
+    prompt_field: str = "prompt",
+    num_samples: int = 1,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    max_new_tokens: int = 64,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> dict[str, float]:
+    """Mean reward of ``model`` on raw ``rows`` (held-out prompts), per function and total.
+
+    ``greedy=True``: one greedy completion per prompt. ``greedy=False``: ``num_samples``
+    completions per prompt at ``temperature`` (the policy's *expected* reward, what online RL
+    maximises), drawn from a forked RNG seeded with ``seed`` so the caller's RNG is untouched and
+    two models are compared on the same random stream. Prompts are encoded like
+    :func:`grimoire.data.grpo.tokenize_grpo`; the other fields of each row are the reward
+    columns. Returns ``{"reward": total mean, "<name>": mean, ...}``.
+    """
+    from ..data.grpo import tokenize_grpo
+    from .engine import HFGenerateEngine
+
+    funcs = resolve_reward_funcs(reward_funcs)
+    n = 1 if greedy else num_samples
+    engine = HFGenerateEngine(max_new_tokens=max_new_tokens, temperature=temperature)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine.bind(model, pad, tokenizer.eos_token_id)
+    sums: dict[str, float] = {}
+    count = 0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(rows), batch_size):
+            chunk = [
+                tokenize_grpo(r, tokenizer, 10**9, prompt_field)
+                for r in rows[start : start + batch_size]
+            ]
+            rollout = engine.generate(
+                [c["prompt_input_ids"] for c in chunk], n, with_old_logps=False, greedy=greedy
+            )
+            texts = tokenizer.batch_decode(
+                [
+                    i[m.bool()].tolist()
+                    for i, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
+                ],
+                skip_special_tokens=True,
+            )
+            skip = ("prompt_input_ids", "prompt_attention_mask", "prompt")
+            columns = {
+                k: [c[k] for c in chunk for _ in range(n)] for k in chunk[0] if k not in skip
+            }
+            prompts = [c["prompt"] for c in chunk for _ in range(n)]
+            total, per_func = score_completions(funcs, prompts, texts, columns)
+            for name, values in [("reward", total), *per_func.items()]:
+                sums[name] = sums.get(name, 0.0) + float(values.sum())
+            count += len(texts)
+    return {k: v / max(count, 1) for k, v in sums.items()}
+
+
 def _as_rewards(values: Any, n: int, name: str) -> Tensor:
     if isinstance(values, Tensor):
         values = values.detach().cpu().flatten().tolist()
@@ -220,6 +283,7 @@ __all__ = [
     "RewardFunction",
     "RewardFunctionError",
     "char_match_reward",
+    "evaluate_rewards",
     "exact_match_reward",
     "resolve_reward_funcs",
     "score_completions",
