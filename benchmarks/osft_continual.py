@@ -31,12 +31,29 @@ def train(model_dir: str, rows, out: str, steps: int, **extra):
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     data = [tokenize_sft(r, tok, max_length=64) for r in rows]
-    cfg = TrainingConfig(output_dir=out, max_steps=steps, batch_size=32, learning_rate=3e-3,
-                         lr_scheduler="cosine", warmup_steps=30, weight_decay=0.0,
-                         mixed_precision="bf16", gradient_checkpointing=False, progress_bar=False,
-                         save_on_epoch_end=False, logging_steps=50, seed=0, **extra)
-    trainer = GrimoireTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
-                              tokenizer=tok, config=cfg, loss_fn=SFTLoss(), train_dataset=data)
+    cfg = TrainingConfig(
+        output_dir=out,
+        max_steps=steps,
+        batch_size=32,
+        learning_rate=3e-3,
+        lr_scheduler="cosine",
+        warmup_steps=30,
+        weight_decay=0.0,
+        mixed_precision="bf16",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=50,
+        seed=0,
+        **extra,
+    )
+    trainer = GrimoireTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        tokenizer=tok,
+        config=cfg,
+        loss_fn=SFTLoss(),
+        train_dataset=data,
+    )
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
     return os.path.join(out, "final"), tok
@@ -59,19 +76,25 @@ def main() -> None:
         t0 = time.time()
         model_a, tok = train(base, a_train, os.path.join(tmp, "a"), args.steps_a)
         m = AutoModelForCausalLM.from_pretrained(model_a)
-        print(f"after task A ({args.steps_a} steps, {time.time() - t0:.0f}s): "
-              f"A={accuracy(m, tok, a_test):.3f}  B={accuracy(m, tok, b_test):.3f}")
+        print(
+            f"after task A ({args.steps_a} steps, {time.time() - t0:.0f}s): "
+            f"A={accuracy(m, tok, a_test):.3f}  B={accuracy(m, tok, b_test):.3f}"
+        )
         runs = [("full fine-tuning", {})] + [
             (f"OSFT R={r}", {"osft": True, "osft_unfreeze_rank_ratio": r}) for r in args.ratios
         ]
         print(f"\n{'task B run':<20}{'A retained':>12}{'B acc':>8}{'seconds':>9}")
         for name, extra in runs:
             t0 = time.time()
-            path, _ = train(model_a, b_train, os.path.join(tmp, name.replace(" ", "_")),
-                            args.steps_b, **extra)
+            path, _ = train(
+                model_a, b_train, os.path.join(tmp, name.replace(" ", "_")), args.steps_b, **extra
+            )
             m = AutoModelForCausalLM.from_pretrained(path)
-            print(f"{name:<20}{accuracy(m, tok, a_test):>12.3f}{accuracy(m, tok, b_test):>8.3f}"
-                  f"{time.time() - t0:>9.0f}", flush=True)
+            print(
+                f"{name:<20}{accuracy(m, tok, a_test):>12.3f}{accuracy(m, tok, b_test):>8.3f}"
+                f"{time.time() - t0:>9.0f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

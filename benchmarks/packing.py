@@ -49,13 +49,27 @@ def run(mode: str, rows: list[dict], args, model_dir: str) -> dict[str, float]:
             self.t = now
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = TrainingConfig(output_dir=out, max_steps=args.steps + 1, learning_rate=1e-4,
-                             mixed_precision="bf16", gradient_checkpointing=False,
-                             progress_bar=False, save_on_epoch_end=False, logging_steps=1000,
-                             max_length=4096, seed=0, **layout)
-        trainer = GrimoireTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir),
-                                  tokenizer=AutoTokenizer.from_pretrained(model_dir), config=cfg,
-                                  loss_fn=SFTLoss(), train_dataset=rows, callbacks=[Timer()])
+        cfg = TrainingConfig(
+            output_dir=out,
+            max_steps=args.steps + 1,
+            learning_rate=1e-4,
+            mixed_precision="bf16",
+            gradient_checkpointing=False,
+            progress_bar=False,
+            save_on_epoch_end=False,
+            logging_steps=1000,
+            max_length=4096,
+            seed=0,
+            **layout,
+        )
+        trainer = GrimoireTrainer(
+            model=AutoModelForCausalLM.from_pretrained(model_dir),
+            tokenizer=AutoTokenizer.from_pretrained(model_dir),
+            config=cfg,
+            loss_fn=SFTLoss(),
+            train_dataset=rows,
+            callbacks=[Timer()],
+        )
         for step in range(1, args.steps + 1):  # what the timed steps computed
             for micro in trainer.planner.plan(0, step):
                 lens = [len(rows[i]["input_ids"]) for i in micro]
@@ -89,12 +103,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model_dir:
         save_tiny(model_dir, hidden_size=args.hidden, num_layers=2)
         res = {mode: run(mode, rows, args, model_dir) for mode in ("padded", "padding-free")}
-    print(f"lengths: n={len(lengths)} mean={np.mean(lengths):.0f} median={np.median(lengths):.0f} "
-          f"max={max(lengths)}; global batch {args.global_batch}, {args.steps} timed steps, "
-          f"bf16 autocast, hidden {args.hidden}, torch threads {torch.get_num_threads()}")
+    print(
+        f"lengths: n={len(lengths)} mean={np.mean(lengths):.0f} median={np.median(lengths):.0f} "
+        f"max={max(lengths)}; global batch {args.global_batch}, {args.steps} timed steps, "
+        f"bf16 autocast, hidden {args.hidden}, torch threads {torch.get_num_threads()}"
+    )
     print(f"{'layout':<14}{'padding':>10}{'tokens/s':>12}{'seconds':>10}")
     for mode, r in res.items():
-        print(f"{mode:<14}{r['padding_fraction']:>10.1%}{r['tokens_per_sec']:>12.0f}{r['seconds']:>10.1f}")
+        print(
+            f"{mode:<14}{r['padding_fraction']:>10.1%}{r['tokens_per_sec']:>12.0f}{r['seconds']:>10.1f}"
+        )
     ratio = res["padding-free"]["tokens_per_sec"] / res["padded"]["tokens_per_sec"]
     print(f"padding-free / padded trained tokens/s: {ratio:.2f}x")
     planner_throughput()
@@ -110,9 +128,11 @@ def planner_throughput(n: int = 1_000_000, ranks: int = 8, budget: int = 32768) 
     plan = plan_global_batch(lengths, ranks, budget)
     dt = time.perf_counter() - t0
     loads = [sum(lengths[i] for micro in rank for i in micro) for rank in plan]
-    print(f"planner: {n:,} lengths over {ranks} ranks, budget {budget}: {dt:.2f}s "
-          f"(numba={HAVE_NUMBA}), {len(plan[0])} micro-batches per rank, "
-          f"rank imbalance max/mean {max(loads) / (sum(loads) / ranks):.4f}")
+    print(
+        f"planner: {n:,} lengths over {ranks} ranks, budget {budget}: {dt:.2f}s "
+        f"(numba={HAVE_NUMBA}), {len(plan[0])} micro-batches per rank, "
+        f"rank imbalance max/mean {max(loads) / (sum(loads) / ranks):.4f}"
+    )
 
 
 if __name__ == "__main__":

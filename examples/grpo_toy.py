@@ -117,7 +117,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--out", default=None, help="output folder (default: a temp dir)")
     args = parser.parse_args()
-    torch.set_num_threads(min(4, torch.get_num_threads()))
+    torch.set_num_threads(1)  # tiny matmuls: threads only add contention
     out = Path(args.out or tempfile.mkdtemp(prefix="grpo_toy_"))
 
     t0 = time.time()

@@ -15,9 +15,22 @@ SCRIPT = Path(__file__).parent / "scripts" / "ddp_sft.py"
 ROOT = Path(__file__).resolve().parents[1]
 # `--multi_gpu` selects accelerate's torchrun launcher; on a CPU-only machine the trainer then
 # forms a gloo process group (`--cpu` would run a single process).
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-          "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-          "--main_process_port", "29517"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+    "--main_process_port",
+    "29517",
+]
 
 
 def _env():
@@ -45,10 +58,15 @@ def _losses(folder: Path) -> list[float]:
 def test_two_processes_match_one_process(tiny_dir, tmp_path, extra):
     one, two = tmp_path / "one", tmp_path / "two"
     args = [str(SCRIPT), str(tiny_dir)]
-    subprocess.run([sys.executable, *args, str(one), "4", "2", json.dumps(extra)], check=True,
-                   env=_env(), timeout=300)
-    subprocess.run([*LAUNCH, *args, str(two), "2", "2", json.dumps(extra)], check=True,
-                   env=_env(), timeout=300)
+    subprocess.run(
+        [sys.executable, *args, str(one), "4", "2", json.dumps(extra)],
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
+    subprocess.run(
+        [*LAUNCH, *args, str(two), "2", "2", json.dumps(extra)], check=True, env=_env(), timeout=300
+    )
     a = torch.load(one / "params.pt", weights_only=True)
     b = torch.load(two / "params.pt", weights_only=True)
     assert a.keys() == b.keys()

@@ -14,17 +14,28 @@ def _config(tmp_path, data):
     return {
         "model": {"name_or_path": "tiny:llama"},
         "dataset": {"jsonl": str(data), "tokenize": {"type": "sft", "max_length": 64}},
-        "training": {"output_dir": str(tmp_path / "out"), "max_steps": 2, "batch_size": 2,
-                     "progress_bar": False, "gradient_checkpointing": False,
-                     "mixed_precision": "no", "save_on_epoch_end": False, "logging_steps": 1},
+        "training": {
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 2,
+            "batch_size": 2,
+            "progress_bar": False,
+            "gradient_checkpointing": False,
+            "mixed_precision": "no",
+            "save_on_epoch_end": False,
+            "logging_steps": 1,
+        },
     }
 
 
 def test_launch_two_workers_streams_and_logs(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"reverse {w}=", "response": w[::-1]}) + "\n"
-                            for w in ["abc", "bcd", "cde", "def", "efg", "fgh", "ghi", "hij"]))
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"reverse {w}=", "response": w[::-1]}) + "\n"
+            for w in ["abc", "bcd", "cde", "def", "efg", "fgh", "ghi", "hij"]
+        )
+    )
     sink = io.StringIO()
     code = launch(_config(tmp_path, data), nproc_per_node=2, master_port=29531, stream=sink)
     assert code == 0

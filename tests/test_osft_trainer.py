@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.train_utils import RecordLosses, quiet_config, train
+from tests.test_trainer import _StopAt
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
 from grimoire.osft import OSFTLinear
-from tests.helpers.train_utils import RecordLosses, quiet_config, train
-from tests.test_trainer import _StopAt
 
 OSFT = dict(osft=True, osft_unfreeze_rank_ratio=0.5, learning_rate=5e-3)
 
 
 def test_trainer_keeps_frozen_subspace_and_saves_dense(tiny_dir, tokenizer, sft_rows, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    original = {n: m.weight.detach().clone() for n, m in model.named_modules()
-                if isinstance(m, torch.nn.Linear) and ("self_attn" in n or "mlp" in n)}
-    trainer = train(model, tokenizer, sft_rows[:16], SFTLoss(),
-                    quiet_config(tmp_path, max_steps=3, **OSFT))
-    modules = {n: m for n, m in trainer.unwrapped_model.named_modules() if isinstance(m, OSFTLinear)}
+    original = {
+        n: m.weight.detach().clone()
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ("self_attn" in n or "mlp" in n)
+    }
+    trainer = train(
+        model, tokenizer, sft_rows[:16], SFTLoss(), quiet_config(tmp_path, max_steps=3, **OSFT)
+    )
+    modules = {
+        n: m for n, m in trainer.unwrapped_model.named_modules() if isinstance(m, OSFTLinear)
+    }
     assert set(modules) == set(original)
     changed = 0.0
     for name, m in modules.items():
@@ -38,9 +44,12 @@ def test_trainer_keeps_frozen_subspace_and_saves_dense(tiny_dir, tokenizer, sft_
     dense = AutoModelForCausalLM.from_pretrained(out)
     ids = torch.tensor([sft_rows[0]["input_ids"]])
     with torch.no_grad():
-        torch.testing.assert_close(dense(input_ids=ids).logits,
-                                   trainer.unwrapped_model(input_ids=ids).logits,
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            dense(input_ids=ids).logits,
+            trainer.unwrapped_model(input_ids=ids).logits,
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def test_osft_resume_is_exact(tiny_dir, tokenizer, sft_rows, tmp_path):
@@ -49,14 +58,31 @@ def test_osft_resume_is_exact(tiny_dir, tokenizer, sft_rows, tmp_path):
 
     cfg = dict(max_steps=4, **OSFT)
     full = RecordLosses()
-    train(model(), tokenizer, sft_rows[:32], SFTLoss(), quiet_config(tmp_path / "full", **cfg),
-          callbacks=[full])
-    train(model(), tokenizer, sft_rows[:32], SFTLoss(),
-          quiet_config(tmp_path / "part", save_steps=2, **cfg), callbacks=[_StopAt(2)])
+    train(
+        model(),
+        tokenizer,
+        sft_rows[:32],
+        SFTLoss(),
+        quiet_config(tmp_path / "full", **cfg),
+        callbacks=[full],
+    )
+    train(
+        model(),
+        tokenizer,
+        sft_rows[:32],
+        SFTLoss(),
+        quiet_config(tmp_path / "part", save_steps=2, **cfg),
+        callbacks=[_StopAt(2)],
+    )
     resumed = RecordLosses()
-    train(model(), tokenizer, sft_rows[:32], SFTLoss(),
-          quiet_config(tmp_path / "part", resume_from_checkpoint="latest", **cfg),
-          callbacks=[resumed])
+    train(
+        model(),
+        tokenizer,
+        sft_rows[:32],
+        SFTLoss(),
+        quiet_config(tmp_path / "part", resume_from_checkpoint="latest", **cfg),
+        callbacks=[resumed],
+    )
     assert resumed.losses == full.losses[2:]
 
 
@@ -64,6 +90,11 @@ def test_osft_with_lora_is_refused(tiny_model, tokenizer, sft_rows, tmp_path):
     from peft import LoraConfig
 
     with pytest.raises(ConfigError, match="OSFT and LoRA cannot be combined"):
-        GrimoireTrainer(model=tiny_model, tokenizer=tokenizer, loss_fn=SFTLoss(),
-                        train_dataset=sft_rows[:4], config=quiet_config(tmp_path, **OSFT),
-                        peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
+        GrimoireTrainer(
+            model=tiny_model,
+            tokenizer=tokenizer,
+            loss_fn=SFTLoss(),
+            train_dataset=sft_rows[:4],
+            config=quiet_config(tmp_path, **OSFT),
+            peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
+        )

@@ -27,7 +27,9 @@ class LaunchError(RuntimeError):
         self.last_lines = last_lines
         self.log_file = log_file
         tail = "".join(last_lines)
-        super().__init__(f"training job failed with exit code {returncode} (log: {log_file}):\n{tail}")
+        super().__init__(
+            f"training job failed with exit code {returncode} (log: {log_file}):\n{tail}"
+        )
 
 
 def launch(
@@ -59,10 +61,19 @@ def launch(
     """
     config_path, output_dir = _config_file(config)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={nproc_per_node}", f"--nnodes={nnodes}", f"--node_rank={node_rank}",
-        f"--master_addr={master_addr}", f"--master_port={master_port}",
-        "-m", "grimoire.train", "train", "--config", str(config_path),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc_per_node}",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--master_addr={master_addr}",
+        f"--master_port={master_port}",
+        "-m",
+        "grimoire.train",
+        "train",
+        "--config",
+        str(config_path),
     ]
     for item in overrides:
         cmd += ["--set", item]
@@ -72,10 +83,17 @@ def launch(
     log_path = Path(log_file)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
-    with log_path.open("w") as log, subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env={**os.environ, **(env or {})},
-    ) as proc:
+    with (
+        log_path.open("w") as log,
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, **(env or {})},
+        ) as proc,
+    ):
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)

@@ -218,9 +218,12 @@ class _FusedState:
     disabled: str | None = None  # why the fused path is off for good (None: it is on)
 
 
-# Keyed by the unwrapped CausalLM, so DDP / PEFT wrappers of one model share the verdict; weak so
-# a deleted model takes its entry with it.
+# The self-check verdict, keyed by the unwrapped CausalLM so DDP / PEFT wrappers of one model
+# share it; weak so a deleted model takes its entry with it.
 _STATE: weakref.WeakKeyDictionary[torch.nn.Module, _FusedState] = weakref.WeakKeyDictionary()
+# Structural support (head present, not sharded, decoder reachable), keyed by the object passed
+# in: the same model may be fine bare and unsupported once wrapped (FSDP, ZeRO-3).
+_SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -298,12 +301,15 @@ def _unsupported_reason(model: torch.nn.Module, base: torch.nn.Module) -> str | 
 def _fused_parts(model: torch.nn.Module) -> _Parts | None:
     """Decoder and head for the fused path, or ``None`` to use the full path (logged once)."""
     base = _unwrap(model)
-    state = _STATE.get(base)
-    if state is None:
-        state = _STATE[base] = _FusedState()
-        reason = _unsupported_reason(model, base)
+    if model not in _SUPPORT:
+        reason = _SUPPORT[model] = _unsupported_reason(model, base)
         if reason is not None:
-            _disable(state, base, reason)
+            logger.info(
+                "fused log-probs off for %s: %s; using full logits", type(base).__name__, reason
+            )
+    if _SUPPORT[model] is not None:
+        return None
+    state = _STATE.setdefault(base, _FusedState())
     if state.disabled is not None:
         return None
     return _Parts(

@@ -34,7 +34,7 @@ class WeightedMeans:
             self.sums[key] += to_float(value) * weight
             self.weights[key] += weight
 
-    def compute(self, accelerator) -> dict[str, float]:
+    def compute(self, accelerator, reduce: bool = True) -> dict[str, float]:
         keys = sorted(self.sums)
         if not keys:
             return {}
@@ -44,7 +44,7 @@ class WeightedMeans:
             dtype=torch.float64,
             device=accelerator.device,
         )
-        if accelerator.num_processes > 1:
+        if reduce and accelerator.num_processes > 1:
             packed = accelerator.reduce(packed, reduction="sum")
         n = len(keys)
         out = {

@@ -99,13 +99,15 @@ class GrimoireTrainer:
         self.max_steps = config.max_steps or self.planner.steps_per_epoch * config.num_epochs
         optimizer = build_optimizer(model, config)
         self.scheduler = build_scheduler(optimizer, config, self.max_steps)
+        _configure_deepspeed(self.accelerator, config)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if hasattr(loss_fn, "setup"):
             loss_fn.setup(self)
 
         self.state = ckpt.TrainerState()
         self.callbacks = CallbackList(
-            ([ProgressCallback()] if config.progress_bar else []) + list(callbacks or [])
+            # The progress bar goes last so its eval line shows metrics other callbacks add.
+            list(callbacks or []) + ([ProgressCallback()] if config.progress_bar else [])
         )
         self.metrics_log = JsonlLogger(
             Path(config.output_dir) / "metrics.jsonl", self.accelerator.is_main_process
@@ -253,15 +255,18 @@ class GrimoireTrainer:
         # DDP averages gradients over ranks, hence the world-size factor.
         total = self._sum_over_ranks(sum(weights))
         tokens = sum(_count_tokens(b) * keep for b, keep in micro)
+        step_means = WeightedMeans()
         for i, ((batch, _), weight) in enumerate(zip(micro, weights)):
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last else acc.no_sync(self.model)
+            # DeepSpeed steps its engine inside backward() when gradients sync: only on the last.
+            acc.gradient_state._set_sync_gradients(last)
             with sync, acc.autocast():
                 loss, metrics = loss_fn(self.model, batch, training=True)
             scale = weight / total * acc.num_processes if total > 0 else 0.0
             acc.backward(loss * scale)
             if weight > 0:
-                self._log_means.add({"loss": loss, **metrics}, weight)
+                step_means.add({"loss": loss, **metrics}, weight)
         for hook in self.step_hooks:  # e.g. OSFT's gradient projection, before clipping
             hook.before_optimizer_step()
         grad_norm = self._clip_gradients()
@@ -271,6 +276,9 @@ class GrimoireTrainer:
         for hook in self.step_hooks:
             hook.after_optimizer_step()
         self.state.global_step += 1
+        # One small all-reduce per step: callbacks and the log see global (all-rank) values.
+        self._step_metrics = step_means.compute(acc)
+        self._log_means.add(self._step_metrics, total)
         self.state.loss_tokens_seen += total
         step_tokens = self._sum_over_ranks(tokens)
         self.state.tokens_seen += int(step_tokens)
@@ -285,21 +293,17 @@ class GrimoireTrainer:
 
     def _end_of_step(self) -> None:
         cfg, step = self.config, self.global_step
-        last_loss = self._log_means.sums.get("loss", 0.0) / max(
-            self._log_means.weights.get("loss", 0.0), 1e-12
-        )
-        self.callbacks("on_step_end", self, step, last_loss, {})
+        metrics = dict(self._step_metrics)
+        self.callbacks("on_step_end", self, step, metrics.pop("loss", float("nan")), metrics)
         if step % cfg.logging_steps == 0 or step == self.max_steps:
             self._log_train()
         if cfg.save_steps and step % cfg.save_steps == 0:
             self.save_checkpoint()
-        if self.accelerator.check_trigger():
-            self._stop = True
 
     def _log_train(self) -> None:
         now = time.time()
         elapsed = max(now - self._window["time"], 1e-9)
-        metrics = self._log_means.compute(self.accelerator)
+        metrics = self._log_means.compute(self.accelerator, reduce=False)  # already global
         record = {
             "split": "train",
             "step": self.global_step,
@@ -324,6 +328,10 @@ class GrimoireTrainer:
             self.accelerator.log(numeric, step=self.global_step)
 
     def _done(self) -> bool:
+        # Every rank calls this at the same points, so the trigger's all-reduce stays matched; a
+        # stop requested by any rank (even from on_evaluate) stops them all here.
+        if self.accelerator.check_trigger():
+            self._stop = True
         max_tokens = self.config.max_tokens
         return (
             self._stop
@@ -534,6 +542,22 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _configure_deepspeed(accelerator: Accelerator, config: TrainingConfig) -> None:
+    """DeepSpeed sizes its engine from a DataLoader we do not give accelerate: fill it in.
+
+    Our loop already accumulates gradients itself (one engine step per optimizer step), so
+    DeepSpeed's own accumulation stays at 1. Unverified here (no GPU / DeepSpeed on this machine).
+    """
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return
+    ds = plugin.deepspeed_config
+    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+        ds["train_micro_batch_size_per_gpu"] = config.batch_size
+    ds["gradient_accumulation_steps"] = 1
+    ds.pop("train_batch_size", None)
 
 
 def _has_accelerator() -> bool:

@@ -6,16 +6,18 @@ use other seeds. Thresholds were set from observed runs with margins that a brok
 sign, wrong pairing, no gradient) cannot reach:
 
 - DPO: implicit-reward accuracy is exactly 0 before training (policy == reference: every pair
-  ties) and must reach >= 0.62 on 128 held-out pairs (observed ~0.69; a model that learned
-  nothing useful scores ~0.5 +- 0.044), with the held-out loss below ln 2.
+  ties) and must reach >= 0.62 on 256 held-out pairs (observed ~0.70; a model that learned
+  nothing useful scores ~0.5 +- 0.03), with the held-out loss >= 0.05 below ln 2 (observed
+  0.58).
 - ORPO: its rewards are the policy's own average log-probs, already informative after the SFT
   warm-up (~0.81 on 256 held-out pairs) and near this toy task's ceiling for the tiny model;
   training must raise held-out accuracy by >= 0.03 (observed ~+0.05) AND the held-out mean log
   odds ratio by >= 0.25 (observed 0.62 -> 1.1).
-- KTO: held-out rewards/chosen - rewards/rejected goes from exactly 0 to clearly positive.
+- KTO: held-out rewards/chosen - rewards/rejected goes from exactly 0 to > 0.08 (observed
+  ~0.16).
 - Reward model: the toy task is too hard for a 2-layer reward model to generalise in a few steps
   (held-out accuracy stays ~0.5), so this checks that it FITS its training pairs: accuracy on
-  them rises by >= 0.15 and the loss falls.
+  them rises by >= 0.15 (observed 0.50 -> 0.82) and the loss falls.
 """
 
 from __future__ import annotations
@@ -99,17 +101,17 @@ def test_dpo_raises_heldout_preference_accuracy(warm_dir, tok, tmp_path):
     trainer = GrimoireTrainer(
         policy,
         tok,
-        config(tmp_path, batch_size=8, learning_rate=1e-4, max_steps=40),
+        config(tmp_path, batch_size=8, learning_rate=2e-4, max_steps=80),
         DPOLoss(beta=1.0, ref_model=ref),
-        pref_data(tok, 256, seed=10),
-        pref_data(tok, 128, seed=11),
+        pref_data(tok, 512, seed=10),
+        pref_data(tok, 256, seed=11),
     )
     before, after = run(trainer)
     assert before["eval/rewards/accuracies"] == 0.0  # policy == reference: all ties
     assert before["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert after["eval/rewards/accuracies"] >= 0.62, after
-    assert after["eval/rewards/margins"] > 0.1, after
-    assert after["eval/loss"] < math.log(2) - 0.03, after
+    assert after["eval/rewards/margins"] > 0.2, after
+    assert after["eval/loss"] < math.log(2) - 0.05, after
     # The reference stayed frozen.
     assert not any(p.requires_grad for p in ref.parameters())
 

@@ -431,3 +431,102 @@ def test_dpo_without_any_reference_fails_at_setup(tiny_dir, tokenizer, pairs, tm
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     with pytest.raises(ConfigError, match="needs reference log-probs"):
         GrimoireTrainer(model, tokenizer, config, DPOLoss(), pairs)
+
+
+# ------------------------------------------------------------------------------------------------
+# set-up through GrimoireTrainer
+# ------------------------------------------------------------------------------------------------
+
+
+def trainer_config(tmp_path, **overrides):
+    from grimoire import TrainingConfig
+
+    settings = dict(
+        output_dir=str(tmp_path),
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        batch_size=2,
+        max_steps=2,
+        learning_rate=1e-2,
+    )
+    settings.update(overrides)
+    return TrainingConfig(**settings)
+
+
+def test_trainer_lora_dpo_uses_the_base_model_as_reference(tiny_dir, tokenizer, pairs, tmp_path):
+    from peft import LoraConfig
+
+    from grimoire import GrimoireTrainer
+
+    loss_fn = DPOLoss(beta=0.5)
+    trainer = GrimoireTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_dir),
+        tokenizer,
+        trainer_config(tmp_path),
+        loss_fn,
+        pairs,
+        pairs,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    assert loss_fn.reference._peft_model is trainer.unwrapped_model
+    before = trainer.evaluate()
+    # Fresh LoRA (B = 0): the adapted policy IS the base model, so every reward is exactly 0.
+    assert before["eval/rewards/chosen"] == 0.0 and before["eval/rewards/margins"] == 0.0
+    trainer.train()
+    after = trainer.evaluate()
+    assert after["eval/rewards/chosen"] != 0.0  # the adapters moved away from the reference
+
+
+def test_trainer_with_cached_reference_needs_no_ref_model(tiny_dir, tokenizer, pairs, tmp_path):
+    from grimoire import GrimoireTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    cached = cache_reference_log_probs(model, pairs, batch_size=3)
+    trainer = GrimoireTrainer(model, tokenizer, trainer_config(tmp_path), DPOLoss(), cached, cached)
+    before = trainer.evaluate()
+    assert before["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-5)  # cached from itself
+    trainer.train()
+    assert trainer.evaluate()["eval/rewards/margins"] != pytest.approx(0.0, abs=1e-5)
+
+    ipo_cached = cache_reference_log_probs(model, pairs, reduction="sum")
+    with pytest.raises(ConfigError, match="re-run cache_reference_log_probs"):
+        GrimoireTrainer(model, tokenizer, trainer_config(tmp_path), IPOLoss(), ipo_cached)
+
+
+def test_trainer_freezes_and_casts_the_ref_model(tiny_dir, tokenizer, pairs, tmp_path):
+    from grimoire import GrimoireTrainer
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir).to(torch.bfloat16).train()
+    loss_fn = DPOLoss(ref_model=ref)
+    GrimoireTrainer(
+        AutoModelForCausalLM.from_pretrained(tiny_dir),
+        tokenizer,
+        trainer_config(tmp_path),
+        loss_fn,
+        pairs,
+    )
+    ref = loss_fn.ref_model
+    assert not ref.training
+    assert not any(p.requires_grad for p in ref.parameters())
+    assert {p.dtype for p in ref.parameters()} == {torch.float32}  # the policy's dtype
+
+
+def test_trainer_rejects_kto_batch_size_one_and_bad_reward_heads(
+    tiny_dir, tokenizer, pairs, kto_feats, tmp_path
+):
+    from grimoire import GrimoireTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    with pytest.raises(ConfigError, match="batch_size >= 2"):
+        GrimoireTrainer(
+            model,
+            tokenizer,
+            trainer_config(tmp_path, batch_size=1),
+            KTOLoss(ref_model=copy.deepcopy(model)),
+            kto_feats,
+        )
+    classifier = AutoModelForSequenceClassification.from_pretrained(tiny_dir, num_labels=2)
+    with pytest.raises(ConfigError, match="num_labels=1"):
+        GrimoireTrainer(classifier, tokenizer, trainer_config(tmp_path), RewardModelLoss(), pairs)

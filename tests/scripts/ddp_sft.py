@@ -46,5 +46,7 @@ if trainer.accelerator.is_main_process:
     model = trainer.unwrapped_model
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if trainer.step_hooks:  # OSFT: compare the dense weights users get
-        state = {k: v.detach().cpu() for k, v in trainer.step_hooks[0].export_state_dict({}).items()}
+        state = {
+            k: v.detach().cpu() for k, v in trainer.step_hooks[0].export_state_dict({}).items()
+        }
     torch.save(state, f"{out_dir}/params.pt")

@@ -62,8 +62,7 @@ class DPOLoss(PairwiseLoss):
         super().__init__(fused=fused, fused_chunk_size=fused_chunk_size)
         name = type(self).__name__
         _check_beta(beta)
-        if loss_type not in DPO_LOSS_TYPES or label_smoothing:
-            _check_loss_type(loss_type, DPO_LOSS_TYPES, label_smoothing)
+        _check_loss_type(loss_type, DPO_LOSS_TYPES, label_smoothing)  # fail at construction
         self.beta = beta
         self.label_smoothing = label_smoothing
         self.loss_type = loss_type

@@ -47,8 +47,15 @@ from ..rollout.rewards import (
 )
 from .base import GrimoireLoss
 from .online_functional import equal_reward_groups, reward_std
+from .preference import is_peft_model, model_dtype
 
 logger = logging.getLogger(__name__)
+
+#: Loss weight of a training micro-batch with nothing to train on (all groups dropped / tied):
+#: tiny but > 0, so the trainer still records its metrics. A rank whose every micro-batch had
+#: weight 0 would log no metric keys at all and the cross-rank metric all-reduce would hang.
+#: Its loss is exactly 0, so the only effect is a relative 1e-9 change of the normaliser.
+EMPTY_WEIGHT = 1e-9
 
 #: Batch keys of a prompt micro-batch that are not reward-function columns.
 _NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
@@ -67,10 +74,13 @@ def _eval_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 class ReferencePolicy:
     """The frozen reference policy ``pi_ref`` of KL-regularised / DPO-style online methods.
 
-    Resolution in :meth:`setup`: an explicit ``ref_model`` (moved to the policy's device, frozen,
-    eval mode); else, when the policy is a peft model, the policy itself with its adapters
-    disabled (no extra memory); else a frozen deep copy of the policy at the start of training
-    (what "reference = initial policy" means; doubles the model's memory).
+    Resolution in :meth:`setup`: an explicit ``ref_model`` (cast to the policy's dtype unless
+    quantized, moved to its device, frozen, eval mode); else, when the policy is a peft model,
+    the policy itself with its adapters disabled (no extra memory); else a frozen deep copy of the
+    policy at the start of training (what "reference = initial policy" means; it doubles the
+    model's memory: prefer LoRA or an explicit ``ref_model`` for big models). Offline preference
+    losses have the same first two sources in :class:`grimoire.losses.preference.ReferenceLogps`
+    (plus cached columns, which cannot exist for freshly sampled completions).
     """
 
     def __init__(self, ref_model: torch.nn.Module | None = None):
@@ -82,13 +92,18 @@ class ReferencePolicy:
         if self.ref_model is not None:
             self.mode = "model"
             ref = self.ref_model
-        elif hasattr(policy, "disable_adapter") and hasattr(policy, "peft_config"):
+            quantized = getattr(ref, "is_quantized", False) or getattr(ref, "hf_quantizer", None)
+            dtype = model_dtype(policy)
+            if not quantized:
+                # Same precision as the policy, so policy and reference differ by training only.
+                ref = ref.to(device=device, dtype=dtype) if dtype else ref.to(device)
+        elif is_peft_model(policy):
             self.mode, self.policy = "adapter", policy
             return
         else:
             self.mode = "copy"
-            ref = copy.deepcopy(policy)
-        ref.to(device).eval().requires_grad_(False)
+            ref = copy.deepcopy(policy).to(device)
+        ref.eval().requires_grad_(False)
         self.ref_model = ref
 
     @contextmanager
@@ -418,7 +433,7 @@ class OnlineMethod(GrimoireLoss):
     def loss_weight(self, batch: dict[str, Any]) -> float:
         if "completion_mask" not in batch:  # an evaluation batch of prompts
             return float(batch["prompt_input_ids"].shape[0])
-        return self.training_loss_weight(batch)
+        return max(self.training_loss_weight(batch), EMPTY_WEIGHT)
 
     def training_loss_weight(self, batch: dict[str, Any]) -> float:
         """Default: one unit per sequence with at least one completion token."""
