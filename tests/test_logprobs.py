@@ -281,14 +281,21 @@ def test_all_rows_masked_still_backpropagates_zero():
 
 
 def test_forward_wrapped_in_autocast_runs_head_in_same_precision():
-    """accelerate wraps ``model.forward`` in autocast: the head chunks must follow it."""
+    """accelerate wraps ``model.forward`` in autocast (the caller may not be in one): the head
+    chunks must run under the autocast the model's own head saw, in forward and in backward."""
     model = make_model("qwen2", tie=False)
     model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    head_dtypes: list[torch.dtype] = []
+    model.lm_head.register_forward_hook(lambda _m, _a, out: head_dtypes.append(out.dtype))
     batch = padded_batch()
-    full, _ = run(model, batch, fused=False)
-    fused, _ = run(model, batch, fused=True)
+    full, g_full = run(model, batch, fused=False)
+    fused, g_fused = run(model, batch, fused=True)
     assert fused_ran(model)
+    assert head_dtypes == [torch.bfloat16] * len(head_dtypes) and len(head_dtypes) > 3
     torch.testing.assert_close(fused.sum(), full.sum(), **BF16_SEQ_TOL)
+    for name, g in g_full.items():
+        rel = (g_fused[name] - g).abs().max() / g.abs().max().clamp(min=1e-12)
+        assert rel <= BF16_GRAD_REL, (name, float(rel))
 
 
 def test_dropout_in_head_is_replayed_in_backward():

@@ -374,14 +374,21 @@ def _training_problems(training: Any) -> list[str]:
 
 
 def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
-    p = _section(loss, "loss", {"type": str, "args": dict | None})
+    p = _section(
+        loss,
+        "loss",
+        {"type": str, "args": dict | None, "ref_model": str | None, "cache_reference": bool},
+    )
     if p:
         return None, p
     if "type" not in loss:
         return None, ["loss.type: required (e.g. sft, or package.module:MyLoss)"]
-    p = _resolve_and_check(
-        loss["type"], registry.LOSSES, "loss.type", loss.get("args") or {}, "loss.args"
-    )
+    args = dict(loss.get("args") or {})
+    if "ref_model" in args:
+        p.append("loss.args.ref_model: give the reference as loss.ref_model (a path or hub name)")
+    if loss.get("ref_model") and not loss.get("cache_reference"):
+        args["ref_model"] = None  # checked against the loss's signature like any argument
+    p += _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
     return loss["type"], p
 
 

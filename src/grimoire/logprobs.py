@@ -322,27 +322,6 @@ def _disable(state: _FusedState, base: torch.nn.Module, reason: str) -> None:
     logger.info("fused log-probs off for %s: %s; using full logits", type(base).__name__, reason)
 
 
-def _head_autocast(hidden: Tensor, head: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """Autocast for the head chunks when the model ran under one that is no longer active.
-
-    The normal case is the caller's autocast (the trainer's ``accelerator.autocast()``), which is
-    still active here, so this is a no-op. But a model whose ``forward`` was wrapped in autocast
-    (accelerate's ``prepare`` does that) hands back half-precision hidden states while the
-    caller's context may be plain fp32: run the head in that same half precision, as the model's
-    own head call did, instead of failing on a dtype mismatch or silently upcasting.
-    """
-    weight = getattr(head, "weight", None)
-    device = hidden.device.type
-    if (
-        hidden.dtype in (torch.float16, torch.bfloat16)
-        and isinstance(weight, Tensor)
-        and weight.dtype != hidden.dtype
-        and not torch.is_autocast_enabled(device)
-    ):
-        return torch.autocast(device, dtype=hidden.dtype)
-    return contextlib.nullcontext()
-
-
 def _head_logits(head: torch.nn.Module, transforms: list, hidden: Tensor) -> Tensor:
     """``transforms(head(hidden))`` in the head's output dtype: ``[N, H] -> [N, V]``."""
     logits = head(hidden)
@@ -566,11 +545,16 @@ def _fused_token_logps(
     return_entropy: bool,
 ) -> TokenLogps | None:
     """The fused path; ``None`` when it turned itself off (the caller then runs the full path)."""
-    captured: list[Tensor] = []
+    captured: list[tuple[Tensor, bool, torch.dtype]] = []
 
     def grab(_module: torch.nn.Module, _args: Any, output: Any) -> None:
         hidden = getattr(output, "last_hidden_state", None)
-        captured.append(hidden if hidden is not None else output[0])
+        hidden = hidden if hidden is not None else output[0]
+        # The autocast state *inside* the model's forward, where its own head call happens:
+        # usually the caller's, but accelerate also wraps ``model.forward`` in autocast, so it
+        # may be on here and off around us. The head chunks replay exactly this state.
+        dev = hidden.device.type
+        captured.append((hidden, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
 
     # A hook on the decoder keeps only the *last* hidden state alive, unlike
     # output_hidden_states=True which would pin every layer's output until the forward returns.
@@ -582,13 +566,14 @@ def _fused_token_logps(
     finally:
         handle.remove()
     batch, seq = targets.shape
-    hidden = captured[-1] if captured else None
-    if hidden is None or tuple(hidden.shape[:2]) != (batch, seq):
+    if not captured or tuple(captured[-1][0].shape[:2]) != (batch, seq):
         _disable(parts.state, parts.base, "its decoder output does not line up with input_ids")
         return None
+    hidden, autocast_on, autocast_dtype = captured[-1]
+    captured.clear()
+    autocast = torch.autocast(hidden.device.type, dtype=autocast_dtype, enabled=autocast_on)
     transforms = post_head_transforms(getattr(parts.base, "config", None))
     head = parts.head
-    autocast = _head_autocast(hidden, head)
 
     if not parts.state.checked:
         with autocast:

@@ -21,6 +21,13 @@ from .errors import ConfigError, did_you_mean
 #: ``loss.type`` -> loss class (instantiated with ``loss.args``).
 LOSSES: dict[str, str] = {
     "sft": "grimoire.losses.sft:SFTLoss",
+    "dpo": "grimoire.losses.dpo:DPOLoss",
+    "ipo": "grimoire.losses.ipo:IPOLoss",
+    "simpo": "grimoire.losses.simpo:SimPOLoss",
+    "cpo": "grimoire.losses.cpo:CPOLoss",
+    "orpo": "grimoire.losses.orpo:ORPOLoss",
+    "kto": "grimoire.losses.kto:KTOLoss",
+    "reward": "grimoire.losses.reward:RewardModelLoss",
 }
 
 #: ``dataset.tokenize.type`` -> row-level tokenize function ``fn(example, tokenizer, max_length,
@@ -29,7 +36,13 @@ TOKENIZERS: dict[str, str] = {
     "sft": "grimoire.data.sft:tokenize_sft",
     "pretokenized": "grimoire.data.pretokenized:tokenize_pretokenized",
     "pretrain": "grimoire.data.pretokenized:pretrain_blocks",
+    "preference": "grimoire.data.preference:tokenize_preference",
+    "kto": "grimoire.data.kto:tokenize_kto",
 }
+# Pair-based losses read the same preference columns; with these aliases a config may omit
+# ``dataset.tokenize.type`` (it defaults to the loss's name).
+for _pair_loss in ("dpo", "ipo", "simpo", "cpo", "orpo", "reward"):
+    TOKENIZERS[_pair_loss] = TOKENIZERS["preference"]
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).
 CALLBACKS: dict[str, str] = {

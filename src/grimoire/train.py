@@ -93,12 +93,24 @@ def build_run(raw: Mapping[str, Any]) -> Run:
 
     loss_cfg = raw.get("loss") or {"type": "sft"}
     loss_cls = registry.resolve(loss_cfg["type"], registry.LOSSES, "loss.type")
+    model_kind = getattr(loss_cls, "model_kind", "causal_lm")
+    ref_model = None
+    if loss_cfg.get("ref_model") or loss_cfg.get("cache_reference"):
+        # Default reference for caching: the starting policy itself (the usual DPO reference).
+        ref_path = _materialize_model(loss_cfg.get("ref_model") or model_path, config.output_dir)
+        ref_model = load_model(model_cfg, ref_path, model_kind)
+    args = dict(loss_cfg.get("args") or {})
+    if ref_model is not None and not loss_cfg.get("cache_reference"):
+        args["ref_model"] = ref_model
     try:
-        loss_fn = loss_cls(**(loss_cfg.get("args") or {}))
+        loss_fn = loss_cls(**args)
     except (TypeError, ValueError) as exc:
         raise ConfigError([f"loss: {loss_cfg['type']}: {exc}"]) from exc
+    if loss_cfg.get("cache_reference"):
+        datasets = {k: cache_reference(ref_model, v, loss_fn, config) for k, v in datasets.items()}
+        del ref_model
 
-    model = load_model(model_cfg, model_path)
+    model = load_model(model_cfg, model_path, model_kind)
     peft_config = build_peft(raw.get("peft"))
     _export_wandb_env(raw.get("wandb") or {})
 
@@ -202,10 +214,31 @@ def load_tokenizer(model_cfg: Mapping[str, Any], model_path: str):
     )
 
 
-def load_model(model_cfg: Mapping[str, Any], model_path: str):
-    """``AutoModelForCausalLM.from_pretrained`` with dtype, attention and quantization options."""
+def cache_reference(ref_model: Any, dataset: Any, loss_fn: Any, config: TrainingConfig) -> Any:
+    """Precompute reference log-probs into ``dataset`` once (``loss.cache_reference: true``)."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from .data.cache import cache_reference_log_probs
+
+    return cache_reference_log_probs(
+        ref_model,
+        dataset,
+        batch_size=config.effective_eval_batch_size,
+        fused=getattr(loss_fn, "fused", True),
+        reduction=getattr(loss_fn, "logp_reduction", "sum"),
+        autocast_dtype=torch.bfloat16 if config.mixed_precision == "bf16" else None,
+        max_length=config.max_length,
+    )
+
+
+def load_model(model_cfg: Mapping[str, Any], model_path: str, kind: str = "causal_lm"):
+    """``from_pretrained`` with dtype, attention and quantization options.
+
+    ``kind`` comes from the loss class (``model_kind``): ``"causal_lm"``, or
+    ``"sequence_classification"`` (a one-score head, for reward modelling).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     dtype = model_cfg.get("dtype", "auto")
     kwargs: dict[str, Any] = {
@@ -216,6 +249,10 @@ def load_model(model_cfg: Mapping[str, Any], model_path: str):
         kwargs["attn_implementation"] = model_cfg["attn_implementation"]
     if model_cfg.get("quantization"):
         kwargs["quantization_config"] = build_quantization(model_cfg["quantization"])
+    if kind == "sequence_classification":
+        return AutoModelForSequenceClassification.from_pretrained(
+            model_path, num_labels=1, **kwargs
+        )
     return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
 
 

@@ -28,6 +28,16 @@ from .data.sampling import StepPlanner
 from .data.validation import sample_lengths, validate_token_columns
 from .errors import ConfigError, DataError
 from .metrics import JsonlLogger, WeightedMeans, peak_memory_mb, to_float
+from .modeling import (
+    configure_deepspeed,
+    count_tokens,
+    disable_dropout,
+    enable_checkpointing,
+    has_accelerator,
+    pad_token_id_of,
+    reset_accelerate_state,
+    truncate_row,
+)
 from .optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -63,11 +73,11 @@ class GrimoireTrainer:
         if not isinstance(config, TrainingConfig):
             raise ConfigError([f"config must be a TrainingConfig, got {type(config).__name__}"])
         self.config = config
-        _reset_accelerate_state()
+        reset_accelerate_state()
         self.accelerator = Accelerator(
             # On a machine with no accelerator, torchrun/accelerate-launched processes must be told
             # to form a CPU (gloo) group; otherwise each would silently train alone.
-            cpu=not _has_accelerator(),
+            cpu=not has_accelerator(),
             mixed_precision=self._mixed_precision(config),
             log_with=config.log_with,
             project_dir=config.output_dir,
@@ -79,7 +89,7 @@ class GrimoireTrainer:
         self.eval_dataset = eval_dataset
         self.step_hooks: list[Any] = []  # objects with before/after_optimizer_step (e.g. OSFT)
         model = self._prepare_model(model, peft_config)
-        pad_id = _pad_token_id(tokenizer, model)
+        pad_id = pad_token_id_of(tokenizer, model)
         self.collator = data_collator or self._make_collator(loss_fn, pad_id)
         self._validate_data(model)
 
@@ -99,7 +109,7 @@ class GrimoireTrainer:
         self.max_steps = config.max_steps or self.planner.steps_per_epoch * config.num_epochs
         optimizer = build_optimizer(model, config)
         self.scheduler = build_scheduler(optimizer, config, self.max_steps)
-        _configure_deepspeed(self.accelerator, config)
+        configure_deepspeed(self.accelerator, config)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         if hasattr(loss_fn, "setup"):
             loss_fn.setup(self)
@@ -254,7 +264,7 @@ class GrimoireTrainer:
         # Normalise by the loss units of the whole global step (all micro-batches, all ranks):
         # DDP averages gradients over ranks, hence the world-size factor.
         total = self._sum_over_ranks(sum(weights))
-        tokens = sum(_count_tokens(b) * keep for b, keep in micro)
+        tokens = sum(count_tokens(b) * keep for b, keep in micro)
         step_means = WeightedMeans()
         for i, ((batch, _), weight) in enumerate(zip(micro, weights)):
             last = i == len(micro) - 1
@@ -534,97 +544,6 @@ class _StepDataset(torch.utils.data.Dataset):
         return [t._collate(t.train_dataset, m or fallback[:1], bool(m)) for m in plan]
 
 
-def enable_checkpointing(model: torch.nn.Module) -> None:
-    """Activation checkpointing, non-reentrant: it needs no input grads, so it also works with
-    frozen embeddings under LoRA. transformers 5 renamed the API; accept both names."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def _configure_deepspeed(accelerator: Accelerator, config: TrainingConfig) -> None:
-    """DeepSpeed sizes its engine from a DataLoader we do not give accelerate: fill it in.
-
-    Our loop already accumulates gradients itself (one engine step per optimizer step), so
-    DeepSpeed's own accumulation stays at 1. Unverified here (no GPU / DeepSpeed on this machine).
-    """
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None:
-        return
-    ds = plugin.deepspeed_config
-    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds["train_micro_batch_size_per_gpu"] = config.batch_size
-    ds["gradient_accumulation_steps"] = 1
-    ds.pop("train_batch_size", None)
-
-
-def _has_accelerator() -> bool:
-    if hasattr(torch, "accelerator"):
-        return torch.accelerator.is_available()
-    return torch.cuda.is_available()
-
-
-def _reset_accelerate_state() -> None:
-    """Let a process build several trainers with different precision (notebooks, sweeps, tests).
-
-    accelerate keeps a process-wide singleton that refuses a second mixed-precision setting; the
-    per-process distributed part (PartialState) is kept, only the per-run part is cleared.
-    """
-    from accelerate.state import AcceleratorState, GradientState
-
-    if AcceleratorState._shared_state:
-        AcceleratorState._reset_state(reset_partial_state=False)
-        GradientState._reset_state()
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """Zero every dropout probability, including attention dropout read from module attributes."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for attr in ("attention_dropout", "dropout_p"):
-            if isinstance(getattr(module, attr, None), float):
-                setattr(module, attr, 0.0)
-    config = getattr(model, "config", None)
-    for attr in (
-        "attention_dropout",
-        "hidden_dropout",
-        "dropout",
-        "resid_pdrop",
-        "embd_pdrop",
-        "attn_pdrop",
-    ):
-        if isinstance(getattr(config, attr, None), float):
-            setattr(config, attr, 0.0)
-
-
-def truncate_row(row: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
-    """Cut every token-aligned list column of ``row`` to ``max_tokens`` (opt-in truncation)."""
-    cols = [k for k in row if k.endswith(("input_ids", "labels", "attention_mask", "position_ids"))]
-    return {k: (v[:max_tokens] if k in cols else v) for k, v in row.items()}
-
-
-def _pad_token_id(tokenizer: Any, model: torch.nn.Module) -> int:
-    for source in (tokenizer, getattr(model, "config", None)):
-        for attr in ("pad_token_id", "eos_token_id"):
-            value = getattr(source, attr, None)
-            if isinstance(value, int):
-                return value
-    return 0
-
-
-def _count_tokens(batch: Mapping[str, Any]) -> float:
-    """Real (non-pad) input tokens in a collated batch, over every ``*input_ids`` column."""
-    total = 0.0
-    for key, value in batch.items():
-        if key.endswith("input_ids") and isinstance(value, torch.Tensor):
-            mask = batch.get(key.replace("input_ids", "attention_mask"))
-            total += float(mask.sum()) if isinstance(mask, torch.Tensor) else float(value.numel())
-    return total
-
-
 def _rezip(batches: list[dict], micro: list[tuple[dict, float]]) -> list[tuple[dict, float]]:
     """Keep dummy flags aligned after a method's ``prepare_step`` (which may change the count)."""
     if len(batches) == len(micro):
@@ -632,4 +551,4 @@ def _rezip(batches: list[dict], micro: list[tuple[dict, float]]) -> list[tuple[d
     return [(b, 1.0) for b in batches]
 
 
-__all__ = ["GrimoireTrainer", "disable_dropout"]
+__all__ = ["GrimoireTrainer"]

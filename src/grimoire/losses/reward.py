@@ -50,6 +50,9 @@ class RewardModelLoss(GrimoireLoss):
     pairs.
     """
 
+    #: The CLI loads ``AutoModelForSequenceClassification(num_labels=1)`` for this method.
+    model_kind = "sequence_classification"
+
     def __init__(self, margin_field: str | None = None):
         self.margin_field = margin_field
         self.required_columns = RM_COLUMNS + ((margin_field,) if margin_field else ())
