@@ -76,6 +76,7 @@ class TrainingConfig:
     osft: bool = False
     osft_unfreeze_rank_ratio: float = 0.25
     osft_target_modules: list[str] | None = None
+    osft_train_non_targets: bool = False
     osft_upcast_dtype: Literal["float32", "float64"] = "float32"
 
     def __post_init__(self) -> None:

@@ -554,4 +554,11 @@ def attach_osft(model: nn.Module, config, accelerator) -> OSFTTrainerHook:
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
     )
+    if not config.osft_train_non_targets:
+        # Continual learning: everything outside the targets' low subspaces keeps what it knows
+        # (embeddings, LM head, norms, biases); only U_l, S_l, V_l train.
+        trainable = {id(p) for p in state.trainable_factors()}
+        for p in model.parameters():
+            if id(p) not in trainable:
+                p.requires_grad_(False)
     return OSFTTrainerHook(model, state)

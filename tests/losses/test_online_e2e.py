@@ -4,7 +4,7 @@ reverse task, and a broken gradient (advantage sign flipped via a negated reward
 The measured quantity is the policy's expected reward on held-out prompts: the mean partial-credit
 reward (``char_match``) of 8 sampled completions per prompt at the training temperature, on 128
 prompts never trained on, all drawn from the same seeded random stream before and after. Its
-seed-to-seed noise is ~0.015; GRPO gains ~0.1 in 40 steps, a sign-flipped run loses ~0.4.
+seed-to-seed noise is ~0.015; GRPO gains ~0.07 in 40 steps, a sign-flipped run loses ~0.4.
 """
 
 from __future__ import annotations
@@ -88,14 +88,14 @@ def negated_char_match(prompts, completions, answer, **kwargs):
     return [-r for r in char_match_reward(prompts, completions, answer)]
 
 
-def _rl(warm_dir, tmp_path, method, steps, heldout, prompts_per_step=8) -> float:
+def _rl(warm_dir, tmp_path, method, steps, heldout, prompts_per_step=8, lr=5e-4) -> float:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(warm_dir)
     model = AutoModelForCausalLM.from_pretrained(warm_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(512, seed=7)]
     config = quiet_config(
-        tmp_path, max_steps=steps, batch_size=prompts_per_step, learning_rate=5e-4,
+        tmp_path, max_steps=steps, batch_size=prompts_per_step, learning_rate=lr,
         weight_decay=0.0, disable_dropout=True, logging_steps=10, seed=SEED,
     )  # fmt: skip
     GrimoireTrainer(
@@ -111,23 +111,24 @@ def test_grpo_raises_heldout_reward_and_a_flipped_gradient_does_not(
     after = _rl(warm_dir, tmp_path / "grpo", GRPOMethod([char_match_reward], **kw), 40, heldout)
     flipped = _rl(warm_dir, tmp_path / "flip", GRPOMethod([negated_char_match], **kw), 20, heldout)
     print(f"GRPO held-out reward: {baseline:.3f} -> {after:.3f}; flipped sign -> {flipped:.3f}")
-    assert after >= baseline + 0.05
-    assert flipped < baseline + 0.02
+    assert after >= baseline + 0.04  # observed +0.07..0.08 over seeds 0-2
+    assert flipped < baseline + 0.02  # observed -0.4
 
 
-@pytest.mark.parametrize(
-    ("name", "margin"),
-    [("rloo", 0.02), ("online_dpo", 0.015), ("raft", 0.02)],
-)
-def test_rloo_online_dpo_raft_raise_heldout_reward(
-    warm_dir, heldout, baseline, tmp_path, name, margin
-):
-    kw = dict(num_generations=8, max_new_tokens=MAX_NEW_TOKENS)
+#: name -> (num_generations, optimizer steps, learning rate); 16 prompts per step. Observed
+#: gains over seeds 0-2: RLOO +0.05..0.06, Online DPO +0.06..0.07, RAFT +0.07.
+SETTINGS = {"rloo": (8, 30, 3e-4), "online_dpo": (8, 40, 2e-4), "raft": (16, 40, 3e-4)}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_rloo_online_dpo_raft_raise_heldout_reward(warm_dir, heldout, baseline, tmp_path, name):
+    g, steps, lr = SETTINGS[name]
+    kw = dict(num_generations=g, max_new_tokens=MAX_NEW_TOKENS)
     method = {
         "rloo": lambda: RLOOMethod([char_match_reward], beta=0.0, **kw),
         "online_dpo": lambda: OnlineDPOMethod([char_match_reward], **kw),
         "raft": lambda: RAFTMethod([char_match_reward], **kw),
     }[name]()
-    after = _rl(warm_dir, tmp_path, method, 30, heldout)
+    after = _rl(warm_dir, tmp_path, method, steps, heldout, prompts_per_step=16, lr=lr)
     print(f"{name} held-out reward: {baseline:.3f} -> {after:.3f}")
-    assert after >= baseline + margin
+    assert after >= baseline + 0.025

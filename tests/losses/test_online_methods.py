@@ -337,3 +337,36 @@ def test_trainer_runs_grpo_with_clipping_on_second_iteration(tiny_dir, tokenizer
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in lines if r["split"] == "eval"]
     assert evals and "eval/rewards/char_match_reward/mean" in evals[-1]
+
+
+def test_trainer_lora_bf16_checkpointing(tiny_dir, tokenizer, tmp_path):
+    """LoRA (reference = adapters off), bf16 autocast and activation checkpointing around
+    generation: runs, restores the training state, logs finite values."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(4, seed=3)]
+    record = RecordLosses()
+    trainer = GrimoireTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_dir),
+        tokenizer=tokenizer,
+        config=quiet_config(
+            tmp_path,
+            max_steps=2,
+            batch_size=2,
+            learning_rate=1e-2,
+            mixed_precision="bf16",
+            gradient_checkpointing=True,
+        ),
+        loss_fn=GRPOMethod([length_reward], num_generations=2, max_new_tokens=4, beta=0.1),
+        train_dataset=rows,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+        callbacks=[record],
+    )
+    assert trainer.loss_fn.reference.mode == "adapter"
+    trainer.train()
+    assert trainer.model.training
+    for rec in record.records:
+        assert math.isfinite(rec["loss"]) and math.isfinite(rec["kl"])
+    assert record.records[-1]["kl"] > 0

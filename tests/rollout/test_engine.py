@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grimoire.logprobs import compute_token_logps
 from grimoire.rollout.engine import (
     HFGenerateEngine,
     RolloutEngine,
@@ -58,10 +57,11 @@ def test_layout_left_padded_prompt_major_and_eos(tiny_model, tokenizer):
     assert (r.old_logps[r.completion_mask == 1] < 0).all()
 
 
-def test_old_logps_match_generate_scores(tiny_model, tokenizer):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_old_logps_match_generate_scores(tiny_model, tokenizer, temperature):
     """The no-grad scoring pass reproduces the (temperature-scaled, top-k/p-free) distribution
     ``generate`` sampled from: left padding and position ids line up."""
-    engine = _engine(tiny_model, tokenizer, temperature=0.7)
+    engine = _engine(tiny_model, tokenizer, temperature=temperature)
     prompts = _prompts(tokenizer)
     torch.manual_seed(1)
     r = engine.generate(prompts, 2)
@@ -75,7 +75,7 @@ def test_old_logps_match_generate_scores(tiny_model, tokenizer):
             input_ids=ids,
             attention_mask=mask,
             do_sample=True,
-            temperature=0.7,
+            temperature=temperature,
             top_k=0,
             top_p=1.0,
             max_new_tokens=6,
@@ -95,18 +95,36 @@ def test_old_logps_match_generate_scores(tiny_model, tokenizer):
     torch.testing.assert_close(naive * r.completion_mask, r.old_logps, atol=1e-4, rtol=1e-4)
 
 
-def test_completion_logps_matches_shared_logprobs_module(tiny_model, tokenizer):
-    """Independent path: grimoire.logprobs.compute_token_logps on the same rows."""
-    prompt = tokenizer("reverse abc=")["input_ids"]
-    completion = tokenizer("cba", add_special_tokens=False)["input_ids"] + [2]
-    ids = torch.tensor([prompt + completion])
-    mask = torch.ones_like(ids)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_completion_logps_match_unpadded_rows(tiny_model, tokenizer, temperature):
+    """Left-padded batch vs one unpadded forward per row (T=1 runs through the shared
+    grimoire.logprobs module, other temperatures through the logits_to_keep path)."""
+    eos = tokenizer.eos_token_id
+    rows = [("reverse abc=", "cba"), ("hi", "ab")]
+    prompts = [tokenizer(p)["input_ids"] for p, _ in rows]
+    comps = [tokenizer(c, add_special_tokens=False)["input_ids"] + [eos] for _, c in rows]
+    pw, cw = max(map(len, prompts)), max(map(len, comps))
+    ids = torch.tensor(
+        [[0] * (pw - len(p)) + p + c + [0] * (cw - len(c)) for p, c in zip(prompts, comps)]
+    )
+    mask = torch.tensor(
+        [
+            [0] * (pw - len(p)) + [1] * (len(p) + len(c)) + [0] * (cw - len(c))
+            for p, c in zip(prompts, comps)
+        ]
+    )
     with torch.no_grad():
-        got, entropy = completion_logps(tiny_model, ids, mask, len(completion), with_entropy=True)
-        labels = torch.tensor([[-100] * len(prompt) + completion])
-        ref = compute_token_logps(tiny_model, ids, labels, mask)
-    torch.testing.assert_close(got[0], ref.logps[0, len(prompt) - 1 : -1], atol=1e-5, rtol=1e-5)
-    assert entropy.shape == got.shape and (entropy > 0).all()
+        got, entropy = completion_logps(tiny_model, ids, mask, cw, temperature, with_entropy=True)
+        for b, (p, c) in enumerate(zip(prompts, comps)):
+            logits = tiny_model(torch.tensor([p + c])).logits[0].float() / temperature
+            lp = torch.log_softmax(logits, -1)
+            naive = [float(lp[len(p) - 1 + t, tok]) for t, tok in enumerate(c)]
+            naive_h = [
+                float(-(lp[len(p) - 1 + t].exp() * lp[len(p) - 1 + t]).sum()) for t in range(len(c))
+            ]
+            assert got[b, : len(c)].tolist() == pytest.approx(naive, abs=1e-4)
+            assert entropy[b, : len(c)].tolist() == pytest.approx(naive_h, abs=1e-4)
+            assert (got[b, len(c) :] == 0).all()
     assert position_ids_from_mask(torch.tensor([[0, 0, 1, 1, 1]])).tolist() == [[0, 0, 0, 1, 2]]
 
 

@@ -131,7 +131,8 @@ class OnlineMethod(GrimoireLoss):
         beta: KL / reference strength (meaning per method); ``0`` loads no reference model.
         ref_model: an explicit reference model (default: see :class:`ReferencePolicy`).
         generation_batch_size: max sequences per sampling / scoring call (memory only).
-        engine: a custom :class:`RolloutEngine` (e.g. a vLLM backend) replacing the HF one.
+        engine: a custom :class:`RolloutEngine` (e.g. a vLLM backend) replacing the HF one; its
+            own ``temperature`` / ``max_new_tokens`` then override the arguments above.
         log_entropy: compute the policy's token entropy as a metric (one extra softmax).
     """
 
@@ -164,6 +165,8 @@ class OnlineMethod(GrimoireLoss):
         if beta < 0:
             raise ValueError(f"{name}: beta must be >= 0, got {beta}")
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
+        if engine is not None:  # the engine samples, so its settings are the ones that hold
+            temperature, max_new_tokens = engine.temperature, engine.max_new_tokens
         self.num_generations = num_generations
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature

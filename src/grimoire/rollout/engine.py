@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..logprobs import logps_from_logits
+from ..logprobs import IGNORE_INDEX, compute_token_logps, logps_from_logits
 from .generation import generation_mode
 
 
@@ -91,34 +91,62 @@ def completion_logps(
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs of the last ``C = completion_width`` tokens of each row.
 
-    One forward with ``logits_to_keep = C + 1`` (the LM head runs only over the completion),
-    logits divided by ``temperature`` so the log-probs are those of the distribution that was
-    sampled (PPO's ratio must compare like with like; TRL does the same)::
+    Rows are ``[left-padded prompt | right-padded completion]``; the completion part of
+    ``attention_mask`` marks real completion tokens. With logits divided by ``temperature``, so
+    the log-probs are those of the distribution that was sampled (PPO's ratio must compare like
+    with like; TRL does the same)::
 
         logps[b, t] = log softmax(logits[b, P - 1 + t] / T)[input_ids[b, P + t]]
 
-    Shapes: ``input_ids, attention_mask [N, P + C]`` -> ``logps [N, C]`` float32 (NOT masked:
-    the caller multiplies by its completion mask) and, if ``with_entropy``, the detached
-    per-token entropy ``[N, C]`` of the same distribution (a metric only, no gradient).
+    ``T == 1`` goes through :func:`grimoire.logprobs.compute_token_logps` (its fused, memory-lean
+    LM-head path where the model supports it); other temperatures run one forward with
+    ``logits_to_keep = C + 1`` (the LM head only over the completion) and scale the logits.
+
+    Shapes: ``input_ids, attention_mask [N, P + C]`` -> ``logps [N, C]`` float32 (0 on
+    completion padding; the caller multiplies by its loss mask anyway) and, if ``with_entropy``,
+    the DETACHED per-token entropy ``[N, C]`` of the same distribution (a metric, no gradient).
     """
     c = completion_width
+    position_ids = position_ids_from_mask(attention_mask)
+    if temperature == 1.0:
+        labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        labels[:, :-c] = IGNORE_INDEX
+        out = compute_token_logps(
+            model,
+            input_ids,
+            labels,
+            attention_mask,
+            position_ids,
+            return_entropy=with_entropy,
+        )
+        # Predicting positions P-1 .. P+C-2 hold the completion's targets.
+        entropy = out.entropy[:, -(c + 1) : -1].detach() if with_entropy else None
+        return out.logps[:, -(c + 1) : -1], entropy
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
+        position_ids=position_ids,
         use_cache=False,
         logits_to_keep=c + 1,
     ).logits
-    logits = logits[:, -(c + 1) : -1]  # position P-1+t predicts completion token t
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = logits[:, -(c + 1) : -1] / temperature  # position P-1+t predicts completion token t
     logps = logps_from_logits(logits, input_ids[:, -c:])
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            lp = torch.log_softmax(logits.detach().float(), dim=-1)
-            entropy = -(lp.exp() * lp).sum(-1)
-    return logps, entropy
+    logps = logps * attention_mask[:, -c:]
+    return logps, (_entropy(logits.detach()) if with_entropy else None)
+
+
+@torch.no_grad()
+def _entropy(logits: Tensor, max_elements: int = 2**26) -> Tensor:
+    """``H = logsumexp(z) - sum_v softmax(z)_v z_v`` per position, ``[N, C, V]`` -> ``[N, C]``,
+    in row chunks so the fp32 temporaries stay under ``max_elements`` (~256 MiB)."""
+    n, c, v = logits.shape
+    rows = max(1, max_elements // max(1, c * v))
+    out = []
+    for s in range(0, n, rows):
+        z = logits[s : s + rows].float()
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        out.append(lse.squeeze(-1) - (torch.exp(z - lse) * z).sum(-1))
+    return torch.cat(out)
 
 
 class RolloutEngine:
