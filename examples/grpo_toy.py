@@ -1,4 +1,4 @@
-"""Online RL on a toy verifiable task, CPU-only in about a minute: SFT warm-up, then GRPO.
+"""Online RL on a toy verifiable task, CPU-only in 1-2 minutes: SFT warm-up, then GRPO.
 
 The task is grimoire's reverse task (``reverse abc=`` -> ``cba``); the answer is checked exactly,
 and the training reward gives partial credit (fraction of characters in the right place), which
@@ -111,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--method", default="grpo", choices=["grpo", "rloo", "online_dpo", "raft"])
     parser.add_argument("--sft-steps", type=int, default=100)
-    parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--rl-steps", type=int, default=120)
     parser.add_argument("--num-generations", type=int, default=16)
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-4)

@@ -11,8 +11,9 @@ Two ways to get there (see ``docs/fused-logprobs.md``):
 
 * **fused** (default): the model runs with ``logits_to_keep=1`` (so it never builds
   ``[B, T, V]`` logits), a forward hook on its decoder captures the final hidden states, and only
-  the positions with a target go through the LM head, ``chunk_size`` rows at a time, each chunk
-  recomputed in backward (non-reentrant activation checkpointing). Peak logits memory is
+  the positions with a target go through the LM head, ``chunk_size`` rows at a time; each chunk
+  keeps no logits for backward and recomputes them there (:class:`_HeadChunkLogps`, a
+  checkpointing autograd Function specialised to a softmax head). Peak logits memory is
   ``chunk_size x V`` instead of ``B x T x V``.
 * **full**: the model's own ``[B, T, V]`` logits, then log-softmax. Used with ``fused=False``,
   and as the automatic fallback for models the fused path cannot serve exactly.

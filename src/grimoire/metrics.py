@@ -36,11 +36,16 @@ class WeightedMeans:
 
     def compute(self, accelerator, reduce: bool = True) -> dict[str, float]:
         keys = sorted(self.sums)
+        if reduce and accelerator.num_processes > 1:
+            # Ranks may hold different keys (a method that logs something only when it happens):
+            # agree on the union first, so the all-reduce below always matches up.
+            from accelerate.utils import gather_object
+
+            keys = sorted({k for rank_keys in gather_object([keys]) for k in rank_keys})
         if not keys:
             return {}
-        # Every rank logs the same keys (same method), so one all-reduce of a flat tensor works.
         packed = torch.tensor(
-            [self.sums[k] for k in keys] + [self.weights[k] for k in keys],
+            [self.sums.get(k, 0.0) for k in keys] + [self.weights.get(k, 0.0) for k in keys],
             dtype=torch.float64,
             device=accelerator.device,
         )

@@ -28,6 +28,10 @@ LOSSES: dict[str, str] = {
     "orpo": "grimoire.losses.orpo:ORPOLoss",
     "kto": "grimoire.losses.kto:KTOLoss",
     "reward": "grimoire.losses.reward:RewardModelLoss",
+    "grpo": "grimoire.losses.grpo:GRPOMethod",
+    "rloo": "grimoire.losses.rloo:RLOOMethod",
+    "online_dpo": "grimoire.losses.online_dpo:OnlineDPOMethod",
+    "raft": "grimoire.losses.raft:RAFTMethod",
 }
 
 #: ``dataset.tokenize.type`` -> row-level tokenize function ``fn(example, tokenizer, max_length,
@@ -38,11 +42,14 @@ TOKENIZERS: dict[str, str] = {
     "pretrain": "grimoire.data.pretokenized:pretrain_blocks",
     "preference": "grimoire.data.preference:tokenize_preference",
     "kto": "grimoire.data.kto:tokenize_kto",
+    "grpo": "grimoire.data.grpo:tokenize_grpo",
 }
 # Pair-based losses read the same preference columns; with these aliases a config may omit
 # ``dataset.tokenize.type`` (it defaults to the loss's name).
 for _pair_loss in ("dpo", "ipo", "simpo", "cpo", "orpo", "reward"):
     TOKENIZERS[_pair_loss] = TOKENIZERS["preference"]
+for _online in ("rloo", "online_dpo", "raft"):  # prompt-only data, like GRPO
+    TOKENIZERS[_online] = TOKENIZERS["grpo"]
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).
 CALLBACKS: dict[str, str] = {

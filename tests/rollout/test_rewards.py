@@ -100,9 +100,12 @@ def test_bad_reward_functions_are_named():
 def test_evaluate_rewards_greedy_and_sampled(tiny_model, tokenizer):
     rows = [{"prompt": "reverse abc=", "answer": "cba"}, {"prompt": "reverse ab=", "answer": "ba"}]
     state = torch.get_rng_state()
-    greedy = evaluate_rewards(tiny_model, tokenizer, rows, ["exact_match", "char_match"])
+    greedy = evaluate_rewards(
+        tiny_model, tokenizer, rows, ["exact_match", "char_match"], max_new_tokens=6
+    )
     assert set(greedy) == {"reward", "exact_match_reward", "char_match_reward"}
-    a = evaluate_rewards(tiny_model, tokenizer, rows, [length_reward], greedy=False, seed=3)
-    b = evaluate_rewards(tiny_model, tokenizer, rows, [length_reward], greedy=False, seed=3)
+    kw = dict(greedy=False, num_samples=2, max_new_tokens=6, seed=3)
+    a = evaluate_rewards(tiny_model, tokenizer, rows, [length_reward], **kw)
+    b = evaluate_rewards(tiny_model, tokenizer, rows, [length_reward], **kw)
     assert a == b  # seeded: same stream
     assert torch.equal(torch.get_rng_state(), state)  # the caller's RNG is untouched

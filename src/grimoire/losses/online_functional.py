@@ -68,7 +68,7 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     r"""REINFORCE leave-one-out advantages.
 
     Paper: Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
-    from Human Feedback in LLMs", arXiv 2402.14740 (eq. 4; baseline from Kool et al. 2019)::
+    from Human Feedback in LLMs", arXiv 2402.14740 (sec. 3; baseline from Kool et al. 2019)::
 
         A_i = r_i - 1/(G-1) * sum_{j != i} r_j  =  G/(G-1) * (r_i - mean_group(r))
 
@@ -102,7 +102,7 @@ def clipped_surrogate(
     r"""PPO's clipped surrogate per token, with DAPO's decoupled (asymmetric) clip range.
 
     Papers: Schulman et al., "Proximal Policy Optimization Algorithms", arXiv 1707.06347 (eq. 7);
-    clip-higher from Yu et al., "DAPO", arXiv 2503.14476 (eq. 10, ``eps_high = 0.28``)::
+    clip-higher from Yu et al., "DAPO", arXiv 2503.14476 (sec. 3.1, ``eps_high = 0.28``)::
 
         ratio = exp(logp - old_logp)
         loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
@@ -159,7 +159,7 @@ def reduce_token_loss(
                                                                    their token means (TRL)
         "dr_grpo"   sum(l M) / (n * L)               n            sum(l M) / (N * L)
 
-    "grpo" is DeepSeekMath eq. 3; "dapo" is DAPO's token-level loss (arXiv 2503.14476 eq. 12),
+    "grpo" is DeepSeekMath eq. 3; "dapo" is DAPO's token-level loss (arXiv 2503.14476 sec. 3.3),
     normalised over the *global* batch; "dr_grpo" is Dr. GRPO's constant normaliser
     (arXiv 2503.20783), which removes the length bias of the per-sequence mean; "bnpo" is TRL's
     local-batch token mean.

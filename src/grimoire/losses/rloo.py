@@ -1,7 +1,7 @@
 """RLOO: REINFORCE with a leave-one-out baseline, KL folded into the reward.
 
 Paper: Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
-from Human Feedback in LLMs", arXiv 2402.14740 (sec. 3, eq. 4). Each completion is one action
+from Human Feedback in LLMs", arXiv 2402.14740 (sec. 3). Each completion is one action
 (the whole sequence), so the gradient is REINFORCE on the sequence log-prob::
 
     KL_i  = sum_t (log pi_old(o_it) - log pi_ref(o_it))      (sampled log-ratio, k1)
