@@ -80,3 +80,18 @@ def test_ref_model_inside_args_is_rejected(tmp_path, capsys):
     cfg.write_text(yaml.safe_dump(raw))
     assert main(["validate", "--config", str(cfg)]) != 0
     assert "loss.ref_model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo", "online_dpo", "raft"])
+def test_online_methods_train_from_yaml(tmp_path, method):
+    from grimoire.tiny import reverse_rows
+
+    raw = _raw(tmp_path, _write(tmp_path, reverse_rows(8, seed=0)),
+               {"type": method, "args": {"reward_funcs": ["char_match"], "num_generations": 4,
+                                         "max_new_tokens": 6}})
+    raw["training"]["batch_size"] = 2
+    run = build_run(raw)
+    run.trainer.train()
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert any(k.startswith("rewards/") or k.startswith("reward") for k in records[-1])
