@@ -18,10 +18,8 @@ from .preference import (
     PairwiseLoss,
     ReferenceLogps,
     check_reduction,
-    pair_rows,
     reduce_logps,
     scalar_metrics,
-    split_logps,
 )
 
 REF_PAIR_COLUMNS: tuple[str, str] = ("ref_chosen_logps", "ref_rejected_logps")
@@ -83,11 +81,9 @@ class DPOLoss(PairwiseLoss):
         cached = self.reference.cached(batch, self.logp_reduction)
         if cached is not None:
             return cached[0], cached[1]
-        ids, mask, labels = pair_rows(batch)
-        out = self.reference.token_logps(
-            model, ids, labels, mask, fused=self.fused, chunk_size=self.fused_chunk_size
+        chosen, rejected = self.reference.pair_logps(
+            model, batch, fused=self.fused, chunk_size=self.fused_chunk_size
         )
-        chosen, rejected = split_logps(out, batch["chosen_input_ids"].shape[0])
         return reduce_logps(chosen, self.logp_reduction), reduce_logps(
             rejected, self.logp_reduction
         )

@@ -109,15 +109,84 @@ def split_logps(out: TokenLogps, n: int) -> tuple[TokenLogps, TokenLogps]:
     )
 
 
+def unpack_rows(out: TokenLogps, seq_lens: Tensor) -> TokenLogps:
+    """A packed ``[1, L]`` result laid out as ``[num_samples, max_len]`` rows (zeros past each
+    sample's end), i.e. exactly what the same samples padded would give."""
+    lens = seq_lens.to(out.logps.device)
+    width = int(lens.max())
+    starts = torch.cumsum(lens, 0) - lens
+    offsets = torch.arange(width, device=lens.device)
+    valid = offsets[None, :] < lens[:, None]
+    index = (starts[:, None] + offsets[None, :]).clamp(max=out.logps.shape[1] - 1)
+    logps = out.logps[0][index].masked_fill(~valid, 0.0)
+    return TokenLogps(logps, out.mask[0][index] & valid)
+
+
+def pair_forward(batch: dict[str, Any], compute: Any) -> tuple[TokenLogps, TokenLogps]:
+    """Chosen / rejected per-token log-probs from one forward, padded or packed.
+
+    ``compute(input_ids, labels, attention_mask, position_ids) -> TokenLogps``. Padded batches
+    stack chosen over rejected (``[2B, T]``); packed ones (from :class:`PackedPairCollator`) hold
+    the ``2B`` samples in one row, chosen first, and are unpacked back to rows.
+    """
+    if "seq_lens" in batch:
+        out = compute(batch["input_ids"], batch["labels"], None, batch["position_ids"])
+        rows = unpack_rows(out, batch["seq_lens"])
+        return split_logps(rows, int(batch["seq_lens"].shape[0]) // 2)
+    ids, mask, labels = pair_rows(batch)
+    return split_logps(compute(ids, labels, mask, None), batch["chosen_input_ids"].shape[0])
+
+
+def num_pairs(batch: dict[str, Any]) -> int:
+    if "seq_lens" in batch:
+        return int(batch["seq_lens"].shape[0]) // 2
+    return int(batch["chosen_input_ids"].shape[0])
+
+
 def pair_token_logps(
     model: torch.nn.Module, batch: dict[str, Any], *, fused: bool, chunk_size: int
 ) -> tuple[TokenLogps, TokenLogps]:
     """Per-token log-probs of the chosen and rejected responses from one concatenated forward."""
-    ids, mask, labels = pair_rows(batch)
-    out = compute_token_logps(
-        model, ids, labels, attention_mask=mask, fused=fused, chunk_size=chunk_size
-    )
-    return split_logps(out, batch["chosen_input_ids"].shape[0])
+
+    def compute(ids, labels, mask, position_ids):
+        return compute_token_logps(
+            model,
+            ids,
+            labels,
+            attention_mask=mask,
+            position_ids=position_ids,
+            fused=fused,
+            chunk_size=chunk_size,
+        )
+
+    return pair_forward(batch, compute)
+
+
+class PackedPairCollator:
+    """Padding-free pairs: the micro-batch's chosen then rejected responses as one packed row.
+
+    Other numeric columns (cached reference log-probs, margins) are stacked as tensors.
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        from ..data.packing import pack_samples
+
+        samples = [
+            {"input_ids": f[f"{side}input_ids"], "labels": f[f"{side}labels"]}
+            for side in ("chosen_", "rejected_")
+            for f in features
+        ]
+        batch: dict[str, Any] = pack_samples(samples, self.pad_token_id)
+        for key in features[0]:
+            if key.startswith(("chosen_", "rejected_")):
+                continue
+            values = [f[key] for f in features]
+            numeric = all(isinstance(v, bool | int | float) for v in values)
+            batch[key] = torch.tensor(values) if numeric else values
+        return batch
 
 
 def _dataset_columns(dataset: Any) -> set[str]:
@@ -257,10 +326,11 @@ class ReferenceLogps:
         policy: torch.nn.Module,
         input_ids: Tensor,
         labels: Tensor,
-        attention_mask: Tensor,
+        attention_mask: Tensor | None,
         *,
         fused: bool,
         chunk_size: int,
+        position_ids: Tensor | None = None,
     ) -> TokenLogps:
         """Reference per-token log-probs of ``labels`` (no gradient)."""
         with self._reference_model(policy) as ref:
@@ -269,9 +339,28 @@ class ReferenceLogps:
                 input_ids,
                 labels,
                 attention_mask=attention_mask,
+                position_ids=position_ids,
                 fused=fused,
                 chunk_size=chunk_size,
             )
+
+    def pair_logps(
+        self, policy: torch.nn.Module, batch: dict[str, Any], *, fused: bool, chunk_size: int
+    ) -> tuple[TokenLogps, TokenLogps]:
+        """Reference chosen / rejected per-token log-probs, padded or packed batch alike."""
+
+        def compute(ids, labels, mask, position_ids):
+            return self.token_logps(
+                policy,
+                ids,
+                labels,
+                mask,
+                fused=fused,
+                chunk_size=chunk_size,
+                position_ids=position_ids,
+            )
+
+        return pair_forward(batch, compute)
 
 
 class PairwiseLoss(GrimoireLoss):
@@ -293,9 +382,12 @@ class PairwiseLoss(GrimoireLoss):
     def create_collator(self, pad_token_id: int) -> PreferenceCollator:
         return PreferenceCollator(pad_token_id=pad_token_id)
 
+    def create_packed_collator(self, pad_token_id: int) -> PackedPairCollator:
+        return PackedPairCollator(pad_token_id)
+
     def loss_weight(self, batch: dict[str, Any]) -> float:
         """One unit per preference pair: the loss is a mean over pairs."""
-        return float(batch["chosen_input_ids"].shape[0])
+        return float(num_pairs(batch))
 
 
 def chosen_nll(chosen: TokenLogps) -> Tensor:
@@ -306,12 +398,15 @@ def chosen_nll(chosen: TokenLogps) -> Tensor:
 __all__ = [
     "LOGP_REDUCTIONS",
     "REDUCTION_COLUMN",
+    "PackedPairCollator",
     "PairwiseLoss",
     "ReferenceLogps",
     "check_reduction",
     "chosen_nll",
     "is_peft_model",
     "model_dtype",
+    "num_pairs",
+    "pair_forward",
     "pair_rows",
     "pair_token_logps",
     "reduce_logps",
