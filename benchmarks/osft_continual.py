@@ -8,6 +8,7 @@ fine-tuning vs OSFT at several unfreeze ratios. Reports task-A retention and tas
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -22,7 +23,7 @@ def accuracy(model, tokenizer, rows) -> float:
     return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)
 
 
-def train(model_dir: str, rows, out: str, steps: int, **extra):
+def train(model_dir: str, rows, out: str, steps: int, lr: float = 3e-3, **extra):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grimoire import GrimoireTrainer, TrainingConfig
@@ -56,7 +57,8 @@ def train(model_dir: str, rows, out: str, steps: int, **extra):
     )
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
-    return os.path.join(out, "final"), tok
+    losses = [json.loads(x)["loss"] for x in open(os.path.join(out, "metrics.jsonl"))]
+    return os.path.join(out, "final"), tok, losses
 
 
 def main() -> None:
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--steps-a", type=int, default=600)
     ap.add_argument("--steps-b", type=int, default=300)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--lr-b", type=float, default=3e-3)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -74,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base = str(save_tiny(os.path.join(tmp, "base")))
         t0 = time.time()
-        model_a, tok = train(base, a_train, os.path.join(tmp, "a"), args.steps_a)
+        model_a, tok, _ = train(base, a_train, os.path.join(tmp, "a"), args.steps_a)
         m = AutoModelForCausalLM.from_pretrained(model_a)
         print(
             f"after task A ({args.steps_a} steps, {time.time() - t0:.0f}s): "
@@ -83,7 +86,7 @@ def main() -> None:
         runs = [("full fine-tuning", {})] + [
             (f"OSFT R={r}", {"osft": True, "osft_unfreeze_rank_ratio": r}) for r in args.ratios
         ]
-        print(f"\n{'task B run':<20}{'A retained':>12}{'B acc':>8}{'seconds':>9}")
+        print(f"\n{'task B run':<20}{'A retained':>12}{'B acc':>8}{'B loss':>8}{'seconds':>9}")
         for name, extra in runs:
             t0 = time.time()
             path, _ = train(

@@ -86,9 +86,14 @@ def test_ref_model_inside_args_is_rejected(tmp_path, capsys):
 def test_online_methods_train_from_yaml(tmp_path, method):
     from grimoire.tiny import reverse_rows
 
-    raw = _raw(tmp_path, _write(tmp_path, reverse_rows(8, seed=0)),
-               {"type": method, "args": {"reward_funcs": ["char_match"], "num_generations": 4,
-                                         "max_new_tokens": 6}})
+    raw = _raw(
+        tmp_path,
+        _write(tmp_path, reverse_rows(8, seed=0)),
+        {
+            "type": method,
+            "args": {"reward_funcs": ["char_match"], "num_generations": 4, "max_new_tokens": 6},
+        },
+    )
     raw["training"]["batch_size"] = 2
     run = build_run(raw)
     run.trainer.train()

@@ -98,3 +98,38 @@ def test_osft_with_lora_is_refused(tiny_model, tokenizer, sft_rows, tmp_path):
             config=quiet_config(tmp_path, **OSFT),
             peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
         )
+
+
+def test_osft_with_dpo_and_grpo_grad_accum_and_bf16(tiny_dir, tokenizer, tmp_path):
+    """OSFT is a step hook: it composes with any method, accumulation and mixed precision."""
+    from grimoire.data import tokenize_grpo, tokenize_preference
+    from grimoire.losses import DPOLoss, GRPOMethod
+    from grimoire.tiny import preference_rows, reverse_rows
+
+    pairs = [tokenize_preference(r, tokenizer, max_length=64) for r in preference_rows(8, seed=1)]
+    prompts = [tokenize_grpo(r, tokenizer, max_length=32) for r in reverse_rows(8, seed=2)]
+    cases = [
+        (pairs, DPOLoss(ref_model=AutoModelForCausalLM.from_pretrained(tiny_dir))),
+        (prompts, GRPOMethod(reward_funcs=["char_match"], num_generations=4, max_new_tokens=6)),
+    ]
+    for i, (rows, loss) in enumerate(cases):
+        trainer = train(
+            AutoModelForCausalLM.from_pretrained(tiny_dir),
+            tokenizer,
+            rows,
+            loss,
+            quiet_config(
+                tmp_path / str(i),
+                max_steps=2,
+                batch_size=2,
+                gradient_accumulation_steps=2,
+                mixed_precision="bf16",
+                **OSFT,
+            ),
+        )
+        assert trainer.global_step == 2
+        for m in trainer.unwrapped_model.modules():
+            if isinstance(m, OSFTLinear):
+                torch.testing.assert_close(
+                    m.U_h.T @ m.merged_weight(), torch.diag(m.S_h) @ m.V_h.T, atol=1e-5, rtol=0
+                )

@@ -121,8 +121,12 @@ def test_packed_pairs_match_padded_pairs(loss_name, tokenizer):
     torch.manual_seed(0)
     policy = build_model("llama", vocab_size=64, seed=1)
     ref = build_model("llama", vocab_size=64, seed=2)
-    make = {"dpo": lambda: DPOLoss(ref_model=ref), "orpo": ORPOLoss, "simpo": SimPOLoss,
-            "cpo": CPOLoss}[loss_name]
+    make = {
+        "dpo": lambda: DPOLoss(ref_model=ref),
+        "orpo": ORPOLoss,
+        "simpo": SimPOLoss,
+        "cpo": CPOLoss,
+    }[loss_name]
     rows = [tokenize_preference(r, tokenizer, max_length=64) for r in preference_rows(4, seed=7)]
     results = []
     for collator in (PreferenceCollator(0), PackedPairCollator(0)):
@@ -145,8 +149,47 @@ def test_dpo_trains_padding_free_with_token_budget(tiny_dir, tokenizer, tmp_path
 
     rows = [tokenize_preference(r, tokenizer, max_length=64) for r in preference_rows(16, seed=3)]
     ref = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    trainer = train(AutoModelForCausalLM.from_pretrained(tiny_dir), tokenizer, rows,
-                    DPOLoss(ref_model=ref),
-                    quiet_config(tmp_path, max_steps=2, batch_size=8, max_tokens_per_device=128))
+    trainer = train(
+        AutoModelForCausalLM.from_pretrained(tiny_dir),
+        tokenizer,
+        rows,
+        DPOLoss(ref_model=ref),
+        quiet_config(tmp_path, max_steps=2, batch_size=8, max_tokens_per_device=128),
+    )
     assert trainer.global_step == 2
     assert len(trainer.planner.plan(0, 0)) > 1
+
+
+def test_max_tokens_stops_after_that_many_loss_tokens(tiny_model, tokenizer, sft_rows, tmp_path):
+    per_step = []
+    from grimoire import TrainerCallback
+
+    class Count(TrainerCallback):
+        def on_step_end(self, trainer, step, loss, metrics):
+            per_step.append(trainer.state.loss_tokens_seen)
+
+    trainer = train(
+        tiny_model,
+        tokenizer,
+        sft_rows,
+        SFTLoss(),
+        quiet_config(tmp_path, max_steps=100, batch_size=4, max_tokens=60),
+        callbacks=[Count()],
+    )
+    # Stops at the first step that reaches the budget, never later.
+    assert per_step[-1] >= 60 and (len(per_step) == 1 or per_step[-2] < 60)
+    assert trainer.global_step == len(per_step) < 100
+
+
+def test_max_steps_runs_past_one_epoch_with_reshuffles(tiny_model, tokenizer, sft_rows, tmp_path):
+    trainer = train(
+        tiny_model,
+        tokenizer,
+        sft_rows[:8],
+        SFTLoss(),
+        quiet_config(tmp_path, max_steps=5, batch_size=4, num_epochs=1),
+    )
+    assert trainer.global_step == 5 and trainer.state.epoch == 2
+    p = trainer.planner
+    assert sorted(p.permutation(0)) == sorted(p.permutation(1)) == list(range(8))
+    assert list(p.permutation(0)) != list(p.permutation(1))

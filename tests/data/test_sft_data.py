@@ -1,0 +1,74 @@
+"""tokenize_sft and SFTCollator: label layouts worked out by hand on the character tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grimoire.data import SFTCollator, tokenize_sft
+from grimoire.errors import DataError
+
+IGNORE = -100
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_prompt_response_masks_prompt_and_trains_eos(tokenizer):
+    out = tokenize_sft({"prompt": "ab=", "response": "ba"}, tokenizer)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    assert out["input_ids"] == [bos, *ids(tokenizer, "ab="), *ids(tokenizer, "ba"), eos]
+    assert out["labels"] == [IGNORE] * 4 + [*ids(tokenizer, "ba"), eos]
+    assert out["attention_mask"] == [1] * 7
+
+
+def test_plain_text_trains_every_token(tokenizer):
+    out = tokenize_sft({"text": "abc"}, tokenizer)
+    assert out["labels"] == out["input_ids"]
+    assert out["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_chat_messages_train_assistant_turns_only(tokenizer):
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "k"},
+    ]
+    out = tokenize_sft({"messages": messages}, tokenizer)
+    text = tokenizer.decode(out["input_ids"])
+    assert text.startswith("<bos><|system|>s<|end|><|user|>hi<|end|><|assistant|>yo<|end|>")
+    trained = tokenizer.decode([t for t in out["labels"] if t != IGNORE])
+    # Each assistant reply and its end-of-turn marker are trained; user/system text never is.
+    assert trained == "yo<|end|>k<|end|><eos>"
+
+
+def test_truncation_and_no_trainable_tokens(tokenizer):
+    row = {"prompt": "abcdefgh", "response": "xy"}
+    out = tokenize_sft(row, tokenizer, max_length=11)
+    assert len(out["input_ids"]) == 11 and out["labels"][-2:] == ids(tokenizer, "xy")
+    with pytest.raises(DataError, match="no trainable tokens left after truncation"):
+        tokenize_sft(row, tokenizer, max_length=5)
+
+
+def test_bad_rows_name_the_field(tokenizer):
+    with pytest.raises(DataError, match="missing field 'response'"):
+        tokenize_sft({"prompt": "a"}, tokenizer)
+    with pytest.raises(DataError, match="field 'response' is empty"):
+        tokenize_sft({"prompt": "a", "response": ""}, tokenizer)
+    with pytest.raises(DataError, match="none of"):
+        tokenize_sft({"question": "a"}, tokenizer)
+    out = tokenize_sft({"q": "a", "a": "b"}, tokenizer, prompt_field="q", response_field="a")
+    assert out["labels"][-2:] == [*ids(tokenizer, "b"), tokenizer.eos_token_id]
+
+
+def test_collator_pads_right_with_masked_labels():
+    batch = SFTCollator(pad_token_id=0)(
+        [{"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7]}, {"input_ids": [8], "labels": [8]}]
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
+    assert batch["input_ids"].dtype == torch.long
