@@ -144,6 +144,26 @@ def shift_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[di
     return rows
 
 
+def length_rows(n: int, seed: int, min_len: int = 3, max_len: int = 9) -> list[dict[str, str]]:
+    """``count abcd=`` -> ``4``. A second task whose answers are digits, not letters."""
+    rng = random.Random(seed + 20_000)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(min_len, max_len)))
+        rows.append({"prompt": f"count {word}=", "response": str(len(word)), "answer": str(len(word))})
+    return rows
+
+
+def first_letter_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
+    """``first abcd=`` -> ``a``. A second task on the same letters as ``reverse_rows``."""
+    rng = random.Random(seed + 30_000)
+    rows = []
+    for _ in range(n):
+        word = "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(min_len, max_len)))
+        rows.append({"prompt": f"first {word}=", "response": word[0], "answer": word[0]})
+    return rows
+
+
 def corrupt(text: str, rng: random.Random) -> str:
     """A wrong answer close to the right one (a swapped or replaced character)."""
     chars = list(text)

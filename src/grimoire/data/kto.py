@@ -153,27 +153,71 @@ class KTOCollator:
     pad_token_id: int
     max_length: int | None = None
 
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def with_kl_pairs(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """The rows with their mismatched pair as ``kl_input_ids/kl_attention_mask/kl_labels``.
+
+        Shared by the padded and the packed collator so both train on the very same pairs.
+        """
         if not features:
-            raise ValueError("KTOCollator got an empty batch")
+            raise ValueError(f"{type(self).__name__} got an empty batch")
         if "kl_input_ids" in features[0]:
             rows = [dict(f) for f in features]
             for r in rows:
                 r.setdefault("kl_attention_mask", [1] * len(r["kl_input_ids"]))
-        else:
-            n = len(features)
-            rows = []
-            for i, f in enumerate(features):
-                kl_ids, kl_labels = mismatched_pair(f, features[(i + 1) % n], self.max_length)
-                rows.append(
-                    {
-                        **f,
-                        "kl_input_ids": kl_ids,
-                        "kl_attention_mask": [1] * len(kl_ids),
-                        "kl_labels": kl_labels,
-                    }
-                )
-        batch = collate_prefixed(rows, self.pad_token_id, ("", "kl_"))
+            return rows
+        n = len(features)
+        rows = []
+        for i, f in enumerate(features):
+            kl_ids, kl_labels = mismatched_pair(f, features[(i + 1) % n], self.max_length)
+            rows.append(
+                {
+                    **f,
+                    "kl_input_ids": kl_ids,
+                    "kl_attention_mask": [1] * len(kl_ids),
+                    "kl_labels": kl_labels,
+                }
+            )
+        return rows
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        batch = collate_prefixed(self.with_kl_pairs(features), self.pad_token_id, ("", "kl_"))
+        if "label" in batch:
+            batch["label"] = torch.as_tensor(batch["label"]).bool()
+        return batch
+
+
+#: Token columns a packed KTO batch replaces by its packed row (the rest ride along per row).
+_TOKEN_COLUMNS = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+@dataclass
+class PackedKTOCollator(KTOCollator):
+    """Padding-free KTO: one ``[1, L]`` row holding the ``B`` completions, then their ``B``
+    mismatched KL pairs (samples ``B .. 2B-1``; the same pairs :class:`KTOCollator` builds).
+
+    Output: :func:`grimoire.data.packing.pack_samples`' keys (``input_ids``, ``labels``,
+    ``position_ids``, ``seq_lens [2B]``, ``sample_index``) plus every other per-row column
+    (``label`` as bool, cached ``ref_logps``/``ref_kl_logps`` as tensors; non-numeric ones, e.g.
+    ``ref_logps_reduction``, as lists). A subclass of :class:`KTOCollator` so that
+    ``KTOLoss.setup`` bounds its pairs with the trainer's ``max_length`` the same way.
+    """
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        from .packing import pack_samples  # lazy: packing pulls in numba
+
+        rows = self.with_kl_pairs(features)
+        samples = [
+            {"input_ids": r[f"{side}input_ids"], "labels": r[f"{side}labels"]}
+            for side in ("", "kl_")
+            for r in rows
+        ]
+        batch: dict[str, Any] = pack_samples(samples, self.pad_token_id)
+        for key in rows[0]:
+            if key in _TOKEN_COLUMNS or key.startswith("kl_"):
+                continue
+            values = [r[key] for r in rows]
+            numeric = all(isinstance(v, bool | int | float) for v in values)
+            batch[key] = torch.tensor(values) if numeric else values
         if "label" in batch:
             batch["label"] = torch.as_tensor(batch["label"]).bool()
         return batch
@@ -182,6 +226,7 @@ class KTOCollator:
 __all__ = [
     "KTO_COLUMNS",
     "KTOCollator",
+    "PackedKTOCollator",
     "mismatched_pair",
     "split_prompt_completion",
     "tokenize_kto",

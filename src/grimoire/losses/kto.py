@@ -9,24 +9,37 @@ forward WITHOUT gradient over the mismatched KL pairs (``kl_*`` columns from the
 :class:`~grimoire.data.kto.KTOCollator`; the estimate is detached anyway, so storing its
 activations would waste memory), and one reference forward over both (skipped when the batch
 carries cached ``ref_logps``/``ref_kl_logps``).
+
+Padding-free (``TrainingConfig.padding_free`` / ``max_tokens_per_device``): the
+:class:`~grimoire.data.kto.PackedKTOCollator` packs the completions then their KL pairs into one
+row; :func:`kto_parts` cuts it into the two groups and every forward's result is unpacked back to
+padded rows, so the loss math is shared by both layouts.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..data.kto import KTO_COLUMNS, KTOCollator
+from ..data.kto import KTO_COLUMNS, KTOCollator, PackedKTOCollator
 from ..errors import ConfigError
-from ..logprobs import compute_token_logps
+from ..logprobs import TokenLogps, compute_token_logps
 from .base import GrimoireLoss
 from .functional import _check_beta, kto_kl_estimate, kto_loss
-from .preference import ReferenceLogps, check_reduction, reduce_logps, split_logps, stack_rows
+from .preference import (
+    ReferenceLogps,
+    check_reduction,
+    reduce_logps,
+    split_logps,
+    stack_rows,
+    unpack_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +65,68 @@ def cross_rank_mean(count: int) -> Callable[[Tensor], Tensor] | None:
         return packed[0] / packed[1].clamp(min=1)
 
     return reduce
+
+
+@dataclass
+class KTORows:
+    """One group of a KTO micro-batch (the rows' completions, or their KL pairs), padded
+    (``mask`` set, ``seq_lens`` None) or packed (``position_ids`` and ``seq_lens`` set)."""
+
+    input_ids: Tensor
+    labels: Tensor
+    mask: Tensor | None = None
+    position_ids: Tensor | None = None
+    seq_lens: Tensor | None = None
+
+    def token_logps(self, compute: Callable[..., TokenLogps]) -> TokenLogps:
+        """``[rows, T]`` per-token log-probs; a packed group is unpacked to padded rows, so the
+        loss code downstream is the same for both layouts."""
+        out = compute(self.input_ids, self.labels, self.mask, self.position_ids)
+        return out if self.seq_lens is None else unpack_rows(out, self.seq_lens)
+
+
+def num_rows(batch: dict[str, Any]) -> int:
+    """The micro-batch's KTO rows (a packed batch holds 2 samples per row: its own + KL pair)."""
+    if "seq_lens" in batch:
+        return int(batch["seq_lens"].shape[0]) // 2
+    return int(batch["input_ids"].shape[0])
+
+
+def kto_parts(batch: dict[str, Any]) -> tuple[KTORows, KTORows]:
+    """The rows' own completions and their mismatched KL pairs, padded or packed.
+
+    A packed batch (:class:`~grimoire.data.kto.PackedKTOCollator`) holds the own samples first,
+    so cutting its row after them gives two packed rows (positions restart at every sample, so
+    a cut at a sample boundary is itself a valid packed row): the policy can then run WITH
+    gradient over the first and without over the second, as in the padded layout.
+    """
+    if "seq_lens" not in batch:
+        return (
+            KTORows(batch["input_ids"], batch["labels"], batch["attention_mask"]),
+            KTORows(batch["kl_input_ids"], batch["kl_labels"], batch["kl_attention_mask"]),
+        )
+    lens, b = batch["seq_lens"], num_rows(batch)
+    cut = int(lens[:b].sum())
+    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
+    return (
+        KTORows(ids[:, :cut], labels[:, :cut], None, pos[:, :cut], lens[:b]),
+        KTORows(ids[:, cut:], labels[:, cut:], None, pos[:, cut:], lens[b:]),
+    )
+
+
+def joint_logps(
+    batch: dict[str, Any], own: KTORows, kl_rows: KTORows, compute: Callable[..., TokenLogps]
+) -> tuple[TokenLogps, TokenLogps]:
+    """Own and KL per-token log-probs from ONE forward over both groups (the reference pass)."""
+    if "seq_lens" in batch:  # the whole packed row is already both groups back to back
+        joint = KTORows(
+            batch["input_ids"], batch["labels"], None, batch["position_ids"], batch["seq_lens"]
+        )
+    else:
+        parts = [(g.input_ids, g.mask, g.labels) for g in (own, kl_rows)]
+        ids, mask, labels = stack_rows(parts)  # type: ignore[arg-type]
+        joint = KTORows(ids, labels, mask)
+    return split_logps(joint.token_logps(compute), num_rows(batch))
 
 
 def _label_counts(dataset: Any) -> tuple[int, int]:
@@ -118,8 +193,11 @@ class KTOLoss(GrimoireLoss):
     def create_collator(self, pad_token_id: int) -> KTOCollator:
         return KTOCollator(pad_token_id=pad_token_id)
 
+    def create_packed_collator(self, pad_token_id: int) -> PackedKTOCollator:
+        return PackedKTOCollator(pad_token_id=pad_token_id)
+
     def loss_weight(self, batch: dict[str, Any]) -> float:
-        return float(batch["input_ids"].shape[0])
+        return float(num_rows(batch))
 
     def setup(self, trainer: Any) -> None:
         self.reference.setup(trainer, self.logp_reduction)
@@ -168,35 +246,49 @@ class KTOLoss(GrimoireLoss):
 
     # ------------------------------------------------------------------ loss
 
-    def _logps(self, model: torch.nn.Module, ids: Tensor, labels: Tensor, mask: Tensor):
-        return compute_token_logps(
-            model,
-            ids,
-            labels,
-            attention_mask=mask,
-            fused=self.fused,
-            chunk_size=self.fused_chunk_size,
-        )
+    def _compute(
+        self, model: torch.nn.Module, reference: bool = False
+    ) -> Callable[..., TokenLogps]:
+        """``compute(ids, labels, mask, position_ids)``: policy or (no-grad) reference logps."""
+
+        def compute(ids, labels, mask, position_ids):
+            if reference:
+                return self.reference.token_logps(
+                    model,
+                    ids,
+                    labels,
+                    mask,
+                    fused=self.fused,
+                    chunk_size=self.fused_chunk_size,
+                    position_ids=position_ids,
+                )
+            return compute_token_logps(
+                model,
+                ids,
+                labels,
+                attention_mask=mask,
+                position_ids=position_ids,
+                fused=self.fused,
+                chunk_size=self.fused_chunk_size,
+            )
+
+        return compute
 
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        own = (batch["input_ids"], batch["attention_mask"], batch["labels"])
-        kl_rows = (batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_labels"])
+        own, kl_rows = kto_parts(batch)
         red = self.logp_reduction
-        policy = reduce_logps(self._logps(model, own[0], own[2], own[1]), red)
+        policy_fn = self._compute(model)
+        policy = reduce_logps(own.token_logps(policy_fn), red)
         with torch.no_grad():
-            policy_kl = reduce_logps(self._logps(model, kl_rows[0], kl_rows[2], kl_rows[1]), red)
+            policy_kl = reduce_logps(kl_rows.token_logps(policy_fn), red)
         cached = self.reference.cached(batch, red)
         if cached is not None:
             ref, ref_kl = (t.to(policy.device) for t in cached)
         else:
             # One reference forward over the rows and their KL pairs.
-            ids, mask, labels = stack_rows([own, kl_rows])
-            out = self.reference.token_logps(
-                model, ids, labels, mask, fused=self.fused, chunk_size=self.fused_chunk_size
-            )
-            ref_t, ref_kl_t = split_logps(out, own[0].shape[0])
+            ref_t, ref_kl_t = joint_logps(batch, own, kl_rows, self._compute(model, True))
             ref, ref_kl = reduce_logps(ref_t, red), reduce_logps(ref_kl_t, red)
         kl = kto_kl_estimate(policy_kl, ref_kl, reduce_fn=cross_rank_mean(policy_kl.shape[0]))
         losses, sums = kto_loss(
@@ -220,4 +312,12 @@ class KTOLoss(GrimoireLoss):
         return losses.mean(), {k: v.detach() for k, v in metrics.items()}
 
 
-__all__ = ["REF_KTO_COLUMNS", "KTOLoss", "cross_rank_mean"]
+__all__ = [
+    "REF_KTO_COLUMNS",
+    "KTOLoss",
+    "KTORows",
+    "cross_rank_mean",
+    "joint_logps",
+    "kto_parts",
+    "num_rows",
+]

@@ -38,7 +38,14 @@ from torch import Tensor
 
 from ..data.grpo import GRPOCollator, prompt_token_lists
 from ..errors import DataError
-from ..rollout.engine import HFGenerateEngine, Rollout, RolloutEngine, completion_logps
+from ..logprobs import IGNORE_INDEX, compute_token_logps, logps_from_logits
+from ..rollout.engine import (
+    HFGenerateEngine,
+    Rollout,
+    RolloutEngine,
+    _entropy,
+    completion_logps,
+)
 from ..rollout.rewards import (
     RewardFn,
     RewardFunction,
@@ -183,6 +190,9 @@ class OnlineMethod(GrimoireLoss):
         self.tokenizer: Any = None
         self.accelerator: Any = None
         self._cache: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
+        #: Emit padding-free (packed) TRAINING micro-batches; set by :meth:`setup` from the
+        #: trainer's ``padding_free`` / ``max_tokens_per_device`` (generation stays padded).
+        self.pack_training = False
         self._last_step_start: float | None = None
 
     # ------------------------------------------------------------------ capabilities
@@ -207,6 +217,11 @@ class OnlineMethod(GrimoireLoss):
         return False
 
     def create_collator(self, pad_token_id: int) -> GRPOCollator:
+        return GRPOCollator(pad_token_id=pad_token_id)
+
+    def create_packed_collator(self, pad_token_id: int) -> GRPOCollator:
+        """Prompts are collated padded either way (the rollout engine generates from padded
+        prompts); padding-free applies to the training micro-batches ``prepare_step`` builds."""
         return GRPOCollator(pad_token_id=pad_token_id)
 
     def validate_dataset(self, dataset: Any, split: str = "train") -> list[str]:
@@ -236,6 +251,10 @@ class OnlineMethod(GrimoireLoss):
         pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
         self.engine.bind(policy, pad, eos, trainer.accelerator.autocast)
         self._check_lengths(trainer, policy)
+        cfg = trainer.config
+        self.pack_training = bool(
+            getattr(cfg, "padding_free", False) or getattr(cfg, "max_tokens_per_device", None)
+        )
         if self.needs_reference_model:
             self.reference.setup(policy, trainer.accelerator.device)
         dropout = [m.p for m in policy.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
@@ -383,22 +402,30 @@ class OnlineMethod(GrimoireLoss):
         }
         if rollout.old_logps is not None:
             batch["old_logps"] = rollout.old_logps[idx, :width]
-        return batch
+        return pack_rollout_batch(batch) if self.pack_training else batch
 
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, Any]) -> Tensor:
         """``[N, C]`` reference log-probs of a training batch's completions (masked)."""
         c = batch["completion_mask"].shape[1]
         with self.reference.model() as ref, self.accelerator.autocast():
-            logps, _ = completion_logps(
-                ref, batch["input_ids"], batch["attention_mask"], c, self.logp_temperature
-            )
+            if "seq_lens" in batch:
+                logps, _ = packed_completion_logps(ref, batch, self.logp_temperature)
+            else:
+                logps, _ = completion_logps(
+                    ref, batch["input_ids"], batch["attention_mask"], c, self.logp_temperature
+                )
         return logps * batch["completion_mask"]
 
     def policy_logps(
         self, model: torch.nn.Module, batch: dict[str, Any]
     ) -> tuple[Tensor, Tensor | None]:
         """``[N, C]`` policy log-probs (with grad) and the detached entropy (if logged)."""
+        if "seq_lens" in batch:
+            logps, entropy = packed_completion_logps(
+                model, batch, self.logp_temperature, with_entropy=self.log_entropy
+            )
+            return logps * batch["completion_mask"], entropy
         c = batch["completion_mask"].shape[1]
         logps, entropy = completion_logps(
             model,
@@ -460,8 +487,77 @@ class OnlineMethod(GrimoireLoss):
         return -scored["rewards"].mean(), metrics
 
 
+def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A padded training batch (``[N, P + C]`` rows: left-padded prompt, right-padded completion)
+    as ONE packed row of its ``N`` real prompt+completion samples.
+
+    Only ``input_ids`` / ``attention_mask`` change (to ``input_ids``, ``labels``,
+    ``position_ids``, ``seq_lens``, ``sample_index`` as from
+    :func:`grimoire.data.packing.pack_samples`); the per-token tensors (``completion_mask``,
+    ``old_logps``, advantages, reference log-probs) keep their padded ``[N, C]`` completion
+    layout, and ``completion_index [N, C]`` (each completion token's position in the packed row,
+    -1 on padding) lets :func:`packed_completion_logps` return log-probs in that same layout, so
+    the loss code is shared. Positions restart at 0 per sample: exactly the padded path's
+    ``cumsum(attention_mask) - 1`` at real tokens.
+    """
+    keep = batch["attention_mask"].bool()
+    c = batch["completion_mask"].shape[1]
+    device = keep.device
+    ids = batch["input_ids"][keep]  # row-major: the samples back to back
+    lens = keep.sum(-1)
+    where = torch.full(keep.shape, -1, dtype=torch.long, device=device)
+    where[keep] = torch.arange(ids.numel(), device=device)
+    is_completion = torch.zeros_like(keep)
+    is_completion[:, -c:] = True
+    labels = batch["input_ids"].masked_fill(~is_completion, IGNORE_INDEX)[keep]
+    sample_index = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    position_ids = torch.arange(ids.numel(), device=device) - starts[sample_index]
+    out = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+    out.update(
+        input_ids=ids[None],
+        labels=labels[None],
+        position_ids=position_ids[None],
+        seq_lens=lens,
+        sample_index=sample_index[None],
+        completion_index=where[:, -c:],
+    )
+    return out
+
+
+def packed_completion_logps(
+    model: torch.nn.Module, batch: dict[str, Any], temperature: float, with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`~grimoire.rollout.engine.completion_logps` for a :func:`pack_rollout_batch` batch:
+    ``[N, C]`` completion log-probs (0 on padding) and the detached entropy, same layout."""
+    index = batch["completion_index"]
+    valid = index >= 0
+    # A completion token is predicted from the position before it (always the same sample's:
+    # the prompt comes first), so gather from there.
+    src = (index - 1).clamp(min=0)
+    ids, pos = batch["input_ids"], batch["position_ids"]
+    if temperature == 1.0:
+        out = compute_token_logps(
+            model, ids, batch["labels"], position_ids=pos, return_entropy=with_entropy
+        )
+        logps = out.logps[0][src]
+        entropy = out.entropy[0][src].detach() if with_entropy else None
+    else:
+        # No logits_to_keep: completions are spread along the row, so the head runs on it all.
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
+        logits = logits[src] / temperature  # [N, C, V]
+        logps = logps_from_logits(logits, ids[0][index.clamp(min=0)])
+        entropy = _entropy(logits.detach()) if with_entropy else None
+    return logps.masked_fill(~valid, 0.0), entropy
+
+
 def _with_metrics(batch: dict[str, Any], extra: dict[str, float]) -> dict[str, Any]:
     return {**batch, "rollout_metrics": {**batch["rollout_metrics"], **extra}}
 
 
-__all__ = ["OnlineMethod", "ReferencePolicy"]
+__all__ = [
+    "OnlineMethod",
+    "ReferencePolicy",
+    "pack_rollout_batch",
+    "packed_completion_logps",
+]
