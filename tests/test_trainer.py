@@ -299,8 +299,13 @@ def test_disable_dropout_zeroes_every_dropout(tiny_dir, tokenizer, sft_rows, tmp
 
 def test_tensorboard_tracker_receives_metrics(tiny_model, tokenizer, sft_rows, tmp_path):
     """log_with goes through accelerate's trackers (tensorboard is a dev dependency)."""
-    train(tiny_model, tokenizer, sft_rows[:8], SFTLoss(),
-          quiet_config(tmp_path, max_steps=2, log_with="tensorboard", run_name="tb-run"))
+    train(
+        tiny_model,
+        tokenizer,
+        sft_rows[:8],
+        SFTLoss(),
+        quiet_config(tmp_path, max_steps=2, log_with="tensorboard", run_name="tb-run"),
+    )
     events = list(tmp_path.rglob("events.out.tfevents.*"))
     assert events, "no tensorboard event file written"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

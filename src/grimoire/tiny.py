@@ -150,11 +150,15 @@ def length_rows(n: int, seed: int, min_len: int = 3, max_len: int = 9) -> list[d
     rows = []
     for _ in range(n):
         word = "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(min_len, max_len)))
-        rows.append({"prompt": f"count {word}=", "response": str(len(word)), "answer": str(len(word))})
+        rows.append(
+            {"prompt": f"count {word}=", "response": str(len(word)), "answer": str(len(word))}
+        )
     return rows
 
 
-def first_letter_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
+def first_letter_rows(
+    n: int, seed: int, min_len: int = 3, max_len: int = 6
+) -> list[dict[str, str]]:
     """``first abcd=`` -> ``a``. A second task on the same letters as ``reverse_rows``."""
     rng = random.Random(seed + 30_000)
     rows = []
