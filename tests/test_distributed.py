@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.train_utils import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_sft.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,8 +29,6 @@ LAUNCH = [
     "no",
     "--dynamo_backend",
     "no",
-    "--main_process_port",
-    "29517",
 ]
 
 
@@ -65,7 +64,19 @@ def test_two_processes_match_one_process(tiny_dir, tmp_path, extra):
         timeout=300,
     )
     subprocess.run(
-        [*LAUNCH, *args, str(two), "2", "2", json.dumps(extra)], check=True, env=_env(), timeout=300
+        [
+            *LAUNCH,
+            "--main_process_port",
+            str(free_port()),
+            *args,
+            str(two),
+            "2",
+            "2",
+            json.dumps(extra),
+        ],
+        check=True,
+        env=_env(),
+        timeout=300,
     )
     a = torch.load(one / "params.pt", weights_only=True)
     b = torch.load(two / "params.pt", weights_only=True)

@@ -6,6 +6,7 @@ import io
 import json
 
 import pytest
+from tests.helpers.train_utils import free_port
 
 from grimoire import LaunchError, launch
 
@@ -37,7 +38,7 @@ def test_launch_two_workers_streams_and_logs(tmp_path, monkeypatch):
         )
     )
     sink = io.StringIO()
-    code = launch(_config(tmp_path, data), nproc_per_node=2, master_port=29531, stream=sink)
+    code = launch(_config(tmp_path, data), nproc_per_node=2, master_port=free_port(), stream=sink)
     assert code == 0
     records = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in records] == [1, 2]
@@ -47,6 +48,6 @@ def test_launch_two_workers_streams_and_logs(tmp_path, monkeypatch):
 def test_launch_failure_raises_with_last_lines(tmp_path):
     cfg = _config(tmp_path, tmp_path / "missing.jsonl")
     with pytest.raises(LaunchError) as err:
-        launch(cfg, nproc_per_node=1, master_port=29532, stream=None)
+        launch(cfg, nproc_per_node=1, master_port=free_port(), stream=None)
     assert err.value.returncode != 0
     assert "missing.jsonl" in "".join(err.value.last_lines)

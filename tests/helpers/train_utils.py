@@ -55,3 +55,13 @@ def train(model, tokenizer, rows, loss_fn, config, **kwargs) -> GrimoireTrainer:
     )
     trainer.train()
     return trainer
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now: each multi-process test gets its own rendezvous port
+    (reusing one right after the previous job closed it can make a worker abort)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.train_utils import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 G = 4
 
@@ -35,7 +37,7 @@ def test_two_processes_own_whole_groups_and_log_the_same_keys(tiny_dir, tmp_path
     launch = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", "29531",
+        "--main_process_port", str(free_port()),
     ]  # fmt: skip
     subprocess.run(
         [*launch, __file__, str(tiny_dir), str(two), "2"], check=True, env=_env(), timeout=300
