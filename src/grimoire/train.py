@@ -469,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.trainer.save_model(run.save_to)
         if getattr(run.trainer.accelerator, "is_main_process", True):
             print(summarize(run.config.output_dir, run.save_to))
+        run.trainer.close()
         return 0
     except GrimoireError as exc:
         print(f"grimoire {command}: {exc}", file=sys.stderr)

@@ -218,6 +218,19 @@ class GrimoireTrainer:
         )
         return result
 
+    def close(self) -> None:
+        """End a multi-process run cleanly: wait for every rank, then destroy the process group.
+
+        A rank that exits while its peers still use the group can abort in the collective
+        library's background threads (seen with gloo); scripts launched with torchrun or
+        ``accelerate launch`` should call this last.
+        """
+        import torch.distributed as dist
+
+        self.accelerator.wait_for_everyone()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
     def save_model(self, output_dir: str | Path, merge_adapter: bool = False) -> Path:
         """Write a loadable HF model (+ tokenizer). LoRA: the adapter, or merged weights if asked."""
         out = Path(output_dir)

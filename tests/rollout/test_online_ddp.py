@@ -111,6 +111,7 @@ def _worker(model_dir: str, out_dir: str, batch: int) -> None:
     rank = trainer.accelerator.process_index
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(per_step))
     Path(out_dir, "world.json").write_text(json.dumps(trainer.accelerator.num_processes))
+    trainer.close()
 
 
 if __name__ == "__main__":

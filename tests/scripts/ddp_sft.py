@@ -50,3 +50,4 @@ if trainer.accelerator.is_main_process:
             k: v.detach().cpu() for k, v in trainer.step_hooks[0].export_state_dict({}).items()
         }
     torch.save(state, f"{out_dir}/params.pt")
+trainer.close()
