@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--steps-b", type=int, default=200)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     ap.add_argument("--lr-b", type=float, default=1e-3)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -100,7 +102,9 @@ def main() -> None:
         )
 
     with tempfile.TemporaryDirectory() as tmp:
-        base = str(save_tiny(os.path.join(tmp, "base")))
+        base = str(
+            save_tiny(os.path.join(tmp, "base"), hidden_size=args.hidden, num_layers=args.layers)
+        )
         t0 = time.time()
         model_a, tok, _ = train(base, a_train, os.path.join(tmp, "a"), args.steps_a)
         print(
