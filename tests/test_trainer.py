@@ -75,14 +75,11 @@ def test_per_microbatch_mean_would_differ(tiny_dir, sft_rows):
 
 
 def test_resume_mid_epoch_reproduces_uninterrupted_run(tiny_dir, tokenizer, sft_rows, tmp_path):
-    from grimoire.tiny import build_model
-
     def model():
         # Dropout on, so the RNG state in the checkpoint matters.
         m = AutoModelForCausalLM.from_pretrained(tiny_dir, attention_dropout=0.2)
         return m
 
-    assert build_model  # tiny builder importable (used by other tests)
     rows = sft_rows[:40]  # 10 steps per epoch at batch 4: step 3 is mid-epoch
     cfg = dict(max_steps=7, learning_rate=3e-3, lr_scheduler="cosine", warmup_steps=2)
     full_log = RecordLosses()

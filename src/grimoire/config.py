@@ -245,8 +245,4 @@ def _looks_numeric(text: str) -> bool:
     return True
 
 
-def config_fields() -> list[dataclasses.Field]:
-    return list(dataclasses.fields(TrainingConfig))
-
-
 __all__ = ["LR_SCHEDULERS", "MIXED_PRECISION", "OPTIMIZERS", "TrainingConfig", "check_type"]

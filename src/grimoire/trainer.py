@@ -204,12 +204,7 @@ class GrimoireTrainer:
                 batch, weight = self._collate(self.eval_dataset, indices or [0], bool(indices))
                 with acc.autocast():
                     loss, metrics = self.loss_fn(self.model, batch, training=False)
-                w = (
-                    self.loss_fn.loss_weight(batch) * weight
-                    if hasattr(self.loss_fn, "loss_weight")
-                    else weight
-                )
-                means.add({"loss": loss, **metrics}, w)
+                means.add({"loss": loss, **metrics}, self._loss_units(batch) * weight)
         self.model.train(was_training)
         result = {f"eval/{k}": v for k, v in means.compute(acc).items()}
         self.callbacks("on_evaluate", self, result)
@@ -270,10 +265,7 @@ class GrimoireTrainer:
         acc, loss_fn = self.accelerator, self.loss_fn
         if hasattr(loss_fn, "prepare_step"):
             micro = _rezip(loss_fn.prepare_step(self, [b for b, _ in micro]), micro)
-        weights = [
-            (loss_fn.loss_weight(b) if hasattr(loss_fn, "loss_weight") else 1.0) * keep
-            for b, keep in micro
-        ]
+        weights = [self._loss_units(b) * keep for b, keep in micro]
         # Normalise by the loss units of the whole global step (all micro-batches, all ranks):
         # DDP averages gradients over ranks, hence the world-size factor.
         total = self._sum_over_ranks(sum(weights))
@@ -307,6 +299,12 @@ class GrimoireTrainer:
         self.state.tokens_seen += int(step_tokens)
         self._window["tokens"] += step_tokens
         self._last_grad_norm = grad_norm
+
+    def _loss_units(self, batch: dict[str, Any]) -> float:
+        """The method's loss units in ``batch`` (its ``loss_weight``); 1 per micro-batch for a
+        plain callable without the hook."""
+        weight_fn = getattr(self.loss_fn, "loss_weight", None)
+        return float(weight_fn(batch)) if weight_fn is not None else 1.0
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
