@@ -42,6 +42,9 @@ def test_launch_two_workers_streams_and_logs(tmp_path, monkeypatch):
     assert code == 0
     records = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["step"] for r in records] == [1, 2]
+    # One data-parallel group, not two separate runs: 2 ranks x batch 2 = half of the 8 rows per
+    # step (a lone process would be at epoch 0.25 after its first step).
+    assert json.loads(records[0])["epoch"] == pytest.approx(0.5)
     assert (tmp_path / "out" / "launch.log").read_text() == sink.getvalue()
 
 

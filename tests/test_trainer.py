@@ -311,3 +311,14 @@ def test_tensorboard_tracker_receives_metrics(tiny_model, tokenizer, sft_rows, t
     acc.Reload()
     assert "loss" in acc.Tags()["scalars"]
     assert [e.step for e in acc.Scalars("loss")] == [1, 2]
+
+
+def test_refuses_to_train_alone_under_a_multi_process_launch(monkeypatch):
+    from grimoire.trainer import _check_world_size
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"PartialState\(cpu=True\)"):
+        _check_world_size(1)
+    _check_world_size(2)  # a real 2-process group passes
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    _check_world_size(1)

@@ -192,12 +192,16 @@ def _materialize_model(name_or_path: str, output_dir: str) -> str:
         return name_or_path
     from accelerate import PartialState
 
+    from .modeling import has_accelerator
     from .tiny import save_tiny
 
     # Saved and reloaded (not used in memory) so the run exercises the real from_pretrained path.
     # Under a multi-process launch one process per node writes it while the others wait.
     path = Path(output_dir) / "tiny-model"
-    state = PartialState()
+    # cpu= must match the trainer's Accelerator: PartialState is a process-wide singleton and
+    # the first one decides; cpu=False on a CPU-only machine would lock every worker into a
+    # separate 1-process run instead of one gloo group.
+    state = PartialState(cpu=not has_accelerator())
     with state.local_main_process_first():
         if state.is_local_main_process:
             save_tiny(path, arch=name_or_path[len(TINY_PREFIX) :])

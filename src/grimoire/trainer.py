@@ -82,6 +82,7 @@ class GrimoireTrainer:
             log_with=config.log_with,
             project_dir=config.output_dir,
         )
+        _check_world_size(self.accelerator.num_processes)
         set_seed(config.seed)
         self.tokenizer = tokenizer
         self.loss_fn = loss_fn
@@ -220,10 +221,18 @@ class GrimoireTrainer:
         library's background threads (seen with gloo); scripts launched with torchrun or
         ``accelerate launch`` should call this last.
         """
+        import gc
+
         import torch.distributed as dist
 
         self.accelerator.wait_for_everyone()
         if dist.is_available() and dist.is_initialized():
+            # destroy_process_group only drops c10d's own references; the DDP wrapper's reducer
+            # (and accelerate's list of prepared objects) keep the group alive until interpreter
+            # teardown, where gloo's threads can abort the process. Keep the plain model only.
+            self.model = self.unwrapped_model
+            self.accelerator.free_memory()
+            gc.collect()
             dist.destroy_process_group()
 
     def save_model(self, output_dir: str | Path, merge_adapter: bool = False) -> Path:
@@ -563,3 +572,22 @@ def _rezip(batches: list[dict], micro: list[tuple[dict, float]]) -> list[tuple[d
 
 
 __all__ = ["GrimoireTrainer"]
+
+
+def _check_world_size(num_processes: int) -> None:
+    """Refuse to train alone when the launcher started several processes.
+
+    accelerate's process state is a per-process singleton: if something built it before the
+    trainer (e.g. ``PartialState()`` with its default ``cpu=False`` on a CPU-only machine), every
+    torchrun worker would run the whole job by itself and they would overwrite each other's files.
+    """
+    import os
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and num_processes != launched:
+        raise RuntimeError(
+            f"the launcher started {launched} processes (WORLD_SIZE) but accelerate sees "
+            f"{num_processes}; accelerate's process state was created before GrimoireTrainer "
+            "with different settings. On a machine without a GPU create it as "
+            "PartialState(cpu=True), or let GrimoireTrainer create it first."
+        )
