@@ -1,21 +1,30 @@
-"""Continual learning on the tiny model: task A (reverse a string), then task B (name its first
-letter) with full fine-tuning vs OSFT at several unfreeze ratios, all measured in one run.
+"""Continual learning on a tiny model: task A, then task B by full fine-tuning or by OSFT.
 
-Reported on held-out prompts: task-A exact match and task-A answer NLL (forgetting shows first in
-the NLL; exact match of a 2-layer model is brittle), and task-B exact match.
+Task A: reverse a string of the letters a-l (``reverse abc=`` -> ``cba``).
+Task B: name the first letter of a string of the letters m-x (``first mno=`` -> ``m``).
 
-    python benchmarks/osft_continual.py [--steps-a 600] [--steps-b 200] [--ratios 0.25 0.5 1.0]
+Forgetting and learning trade off through the learning rate, so one run per method says little:
+a low rate forgets nothing and learns nothing. This script sweeps the task-B learning rate for
+full fine-tuning and for OSFT, then compares the methods *at matched task-B accuracy*: for each
+OSFT run it interpolates, along the full fine-tuning sweep, the task-A accuracy that full
+fine-tuning keeps when it reaches the same task-B accuracy. All runs share the same task-A model
+and are measured in the same process, on 200 held-out prompts per task (greedy exact match, plus
+task A's teacher-forced answer NLL).
+
+    python benchmarks/osft_continual.py                    # defaults below, ~10 min on 2 CPU cores
+    python benchmarks/osft_continual.py --seeds 0 1        # repeat with another init/data order
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+B_LETTERS = "mnopqrstuvwx"
 
 
 def accuracy(model, tokenizer, rows) -> float:
@@ -37,7 +46,7 @@ def answer_nll(model, tokenizer, rows) -> float:
         return float(SFTLoss(fused=False)(model.eval(), batch, training=False)[0])
 
 
-def train(model_dir: str, rows, out: str, steps: int, lr: float = 3e-3, **extra):
+def train(model_dir: str, rows, out: str, steps: int, lr: float, seed: int, **extra) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grimoire import GrimoireTrainer, TrainingConfig
@@ -45,7 +54,6 @@ def train(model_dir: str, rows, out: str, steps: int, lr: float = 3e-3, **extra)
     from grimoire.losses import SFTLoss
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    data = [tokenize_sft(r, tok, max_length=64) for r in rows]
     cfg = TrainingConfig(
         output_dir=out,
         max_steps=steps,
@@ -59,7 +67,7 @@ def train(model_dir: str, rows, out: str, steps: int, lr: float = 3e-3, **extra)
         progress_bar=False,
         save_on_epoch_end=False,
         logging_steps=50,
-        seed=0,
+        seed=seed,
         **extra,
     )
     trainer = GrimoireTrainer(
@@ -67,62 +75,128 @@ def train(model_dir: str, rows, out: str, steps: int, lr: float = 3e-3, **extra)
         tokenizer=tok,
         config=cfg,
         loss_fn=SFTLoss(),
-        train_dataset=data,
+        train_dataset=[tokenize_sft(r, tok, max_length=64) for r in rows],
     )
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        losses = [json.loads(x)["loss"] for x in f]
-    return os.path.join(out, "final"), tok, losses
+    return os.path.join(out, "final")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps-a", type=int, default=600)
-    ap.add_argument("--steps-b", type=int, default=200)
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.5, 1.0])
-    ap.add_argument("--lr-b", type=float, default=1e-3)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
+def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
+    """y at x on the piecewise-linear curve through ``points`` (sorted by x); None outside it."""
+    points = sorted(points)
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return None
+
+
+def run_seed(args, seed: int, tmp: str) -> list[dict]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grimoire.tiny import first_letter_rows, reverse_rows, save_tiny
 
-    a_train, a_test = reverse_rows(2000, 0), reverse_rows(200, 1)
-    b_train, b_test = first_letter_rows(2000, 0), first_letter_rows(200, 1)
+    a_train, a_test = reverse_rows(2000, 100 * seed), reverse_rows(200, 100 * seed + 1)
+    b_train = first_letter_rows(2000, 100 * seed, letters=B_LETTERS)
+    b_test = first_letter_rows(200, 100 * seed + 1, letters=B_LETTERS)
+    base = str(
+        save_tiny(
+            os.path.join(tmp, f"base{seed}"),
+            seed=seed,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+        )
+    )
+    model_a = train(base, a_train, os.path.join(tmp, f"a{seed}"), args.steps_a, args.lr_a, seed)
+    tok = AutoTokenizer.from_pretrained(model_a)
 
-    def report(name: str, path: str, tok, seconds: float, b_loss: float | None = None) -> None:
+    def measure(name: str, path: str, seconds: float) -> dict:
         m = AutoModelForCausalLM.from_pretrained(path)
-        cells = [accuracy(m, tok, a_test), answer_nll(m, tok, a_test), accuracy(m, tok, b_test)]
-        last = f"{b_loss:>13.3f}" if b_loss is not None else f"{'-':>13}"
+        row = {
+            "seed": seed,
+            "run": name,
+            "a_acc": accuracy(m, tok, a_test),
+            "a_nll": answer_nll(m, tok, a_test),
+            "b_acc": accuracy(m, tok, b_test),
+            "seconds": seconds,
+        }
         print(
-            f"{name:<22}{cells[0]:>8.3f}{cells[1]:>10.3f}{cells[2]:>8.3f}{last}{seconds:>9.0f}",
+            f"{seed:>4}  {name:<34}{row['a_acc']:>7.3f}{row['a_nll']:>8.3f}{row['b_acc']:>7.3f}"
+            f"{seconds:>8.0f}",
             flush=True,
         )
+        return row
 
-    with tempfile.TemporaryDirectory() as tmp:
-        base = str(
-            save_tiny(os.path.join(tmp, "base"), hidden_size=args.hidden, num_layers=args.layers)
-        )
+    print(f"{'seed':>4}  {'run':<34}{'A acc':>7}{'A NLL':>8}{'B acc':>7}{'seconds':>8}")
+    rows = [measure("after task A", model_a, 0.0)]
+    runs = [(f"full FT lr={lr:g}", lr, {}) for lr in args.full_lrs]
+    for spec in args.osft:
+        ratio, lr = (float(x) for x in spec.split(":"))
+        for train_rest in args.non_targets:
+            label = "train" if train_rest else "frozen"
+            extra = {
+                "osft": True,
+                "osft_unfreeze_rank_ratio": ratio,
+                "osft_train_non_targets": train_rest,
+            }
+            runs.append((f"OSFT R={ratio:g} lr={lr:g} rest {label}", lr, extra))
+    for name, lr, extra in runs:
         t0 = time.time()
-        model_a, tok, _ = train(base, a_train, os.path.join(tmp, "a"), args.steps_a)
-        print(
-            f"task A: reverse, {args.steps_a} steps; task B: first letter, {args.steps_b} "
-            f"steps at lr {args.lr_b}; greedy exact match / answer NLL on 200 held-out prompts"
-        )
-        print(
-            f"{'model':<22}{'A acc':>8}{'A NLL':>10}{'B acc':>8}{'B train loss':>13}{'seconds':>9}"
-        )
-        report("after task A", model_a, tok, time.time() - t0)
-        runs = [("B: full fine-tuning", {})] + [
-            (f"B: OSFT R={r}", {"osft": True, "osft_unfreeze_rank_ratio": r}) for r in args.ratios
-        ]
-        for name, extra in runs:
-            t0 = time.time()
-            out = os.path.join(tmp, name.replace(" ", "_").replace(":", ""))
-            path, _, losses = train(model_a, b_train, out, args.steps_b, lr=args.lr_b, **extra)
-            report(name, path, tok, time.time() - t0, losses[-1])
+        out = os.path.join(tmp, f"b{seed}_{len(rows)}")
+        path = train(model_a, b_train, out, args.steps_b, lr, seed, **extra)
+        rows.append(measure(name, path, time.time() - t0))
+    return rows
+
+
+def compare(rows: list[dict]) -> None:
+    """Each OSFT run against full fine-tuning interpolated to the same task-B accuracy."""
+    print("\nAt matched task-B accuracy (full FT interpolated along its learning-rate sweep):")
+    print(f"{'seed':>4}  {'OSFT run':<34}{'B acc':>7}{'A acc OSFT':>12}{'A acc full':>12}")
+    for seed in sorted({r["seed"] for r in rows}):
+        mine = [r for r in rows if r["seed"] == seed]
+        full = [(r["b_acc"], r["a_acc"]) for r in mine if r["run"].startswith("full")]
+        for r in mine:
+            if not r["run"].startswith("OSFT"):
+                continue
+            ref = interpolate(full, r["b_acc"])
+            ref_text = f"{ref:>12.3f}" if ref is not None else f"{'outside':>12}"
+            print(f"{seed:>4}  {r['run']:<34}{r['b_acc']:>7.3f}{r['a_acc']:>12.3f}{ref_text}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--steps-a", type=int, default=600)
+    ap.add_argument("--steps-b", type=int, default=200)
+    ap.add_argument("--lr-a", type=float, default=1e-3)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument(
+        "--full-lrs", type=float, nargs="+", default=[3e-5, 1e-4, 2e-4, 3e-4, 5e-4, 1e-3]
+    )
+    ap.add_argument(
+        "--osft",
+        nargs="+",
+        default=["0.5:5e-4", "0.5:1e-3", "0.5:2e-3", "0.25:1e-3", "0.25:2e-3"],
+        help="RATIO:LR pairs",
+    )
+    ap.add_argument(
+        "--non-targets",
+        choices=["train", "frozen", "both"],
+        default="both",
+        help="osft_train_non_targets for the OSFT runs (embeddings, norms, LM head)",
+    )
+    args = ap.parse_args()
+    args.non_targets = {"train": [True], "frozen": [False], "both": [True, False]}[args.non_targets]
+    print(
+        f"tiny Llama {args.layers}x{args.hidden}; task A {args.steps_a} steps at lr {args.lr_a:g}, task B "
+        f"{args.steps_b} steps (batch 32, cosine, bf16 autocast)"
+    )
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:
+            rows += run_seed(args, seed, tmp)
+    compare(rows)
 
 
 if __name__ == "__main__":

@@ -157,13 +157,14 @@ def length_rows(n: int, seed: int, min_len: int = 3, max_len: int = 9) -> list[d
 
 
 def first_letter_rows(
-    n: int, seed: int, min_len: int = 3, max_len: int = 6
+    n: int, seed: int, min_len: int = 3, max_len: int = 6, letters: str = string.ascii_lowercase[:12]
 ) -> list[dict[str, str]]:
-    """``first abcd=`` -> ``a``. A second task on the same letters as ``reverse_rows``."""
+    """``first abcd=`` -> ``a``. By default a second task on the same letters as
+    ``reverse_rows``; ``letters="mnopqrstuvwx"`` gives one on letters task A never saw."""
     rng = random.Random(seed + 30_000)
     rows = []
     for _ in range(n):
-        word = "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(min_len, max_len)))
+        word = "".join(rng.choices(letters, k=rng.randint(min_len, max_len)))
         rows.append({"prompt": f"first {word}=", "response": word[0], "answer": word[0]})
     return rows
 
