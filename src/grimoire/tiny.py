@@ -157,7 +157,11 @@ def length_rows(n: int, seed: int, min_len: int = 3, max_len: int = 9) -> list[d
 
 
 def first_letter_rows(
-    n: int, seed: int, min_len: int = 3, max_len: int = 6, letters: str = string.ascii_lowercase[:12]
+    n: int,
+    seed: int,
+    min_len: int = 3,
+    max_len: int = 6,
+    letters: str = string.ascii_lowercase[:12],
 ) -> list[dict[str, str]]:
     """``first abcd=`` -> ``a``. By default a second task on the same letters as
     ``reverse_rows``; ``letters="mnopqrstuvwx"`` gives one on letters task A never saw."""
