@@ -22,8 +22,10 @@ singular triplets stay singular triplets of the trained ``W``, exactly.
 
 Design decisions:
 
-* Parameters that are not OSFT targets (embeddings, norms, LM head, untargeted linears, biases)
-  stay trainable, as in full fine-tuning; freeze them yourself to train only the low subspaces.
+* ``apply_osft`` leaves parameters that are not OSFT targets (embeddings, norms, LM head,
+  untargeted linears, biases) as they are. The trainer freezes them unless
+  ``osft_train_non_targets=True``: measured in docs/osft.md, training them next to the constrained
+  matrices pushes the change into them and forgets more than full fine-tuning does.
 * ``U_l``, ``S_l``, ``V_l`` are ordinary ``nn.Parameter`` s, so any optimizer works unchanged. We
   do not special-case weight decay: decoupled decay multiplies the low factors by a scalar, which
   keeps them orthogonal to the frozen subspace and shrinks only the trainable part of ``W`` (the
