@@ -571,9 +571,6 @@ def _rezip(batches: list[dict], micro: list[tuple[dict, float]]) -> list[tuple[d
     return [(b, 1.0) for b in batches]
 
 
-__all__ = ["GrimoireTrainer"]
-
-
 def _check_world_size(num_processes: int) -> None:
     """Refuse to train alone when the launcher started several processes.
 
@@ -581,8 +578,6 @@ def _check_world_size(num_processes: int) -> None:
     trainer (e.g. ``PartialState()`` with its default ``cpu=False`` on a CPU-only machine), every
     torchrun worker would run the whole job by itself and they would overwrite each other's files.
     """
-    import os
-
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and num_processes != launched:
         raise RuntimeError(
@@ -591,3 +586,6 @@ def _check_world_size(num_processes: int) -> None:
             "with different settings. On a machine without a GPU create it as "
             "PartialState(cpu=True), or let GrimoireTrainer create it first."
         )
+
+
+__all__ = ["GrimoireTrainer"]

@@ -203,21 +203,14 @@ class PackedKTOCollator(KTOCollator):
     """
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        from .packing import pack_samples  # lazy: packing pulls in numba
+        from .packing import pack_row_sides  # lazy: packing pulls in numba
 
-        rows = self.with_kl_pairs(features)
-        samples = [
-            {"input_ids": r[f"{side}input_ids"], "labels": r[f"{side}labels"]}
-            for side in ("", "kl_")
-            for r in rows
-        ]
-        batch: dict[str, Any] = pack_samples(samples, self.pad_token_id)
-        for key in rows[0]:
-            if key in _TOKEN_COLUMNS or key.startswith("kl_"):
-                continue
-            values = [r[key] for r in rows]
-            numeric = all(isinstance(v, bool | int | float) for v in values)
-            batch[key] = torch.tensor(values) if numeric else values
+        batch = pack_row_sides(
+            self.with_kl_pairs(features),
+            ("", "kl_"),
+            self.pad_token_id,
+            lambda key: key in _TOKEN_COLUMNS or key.startswith("kl_"),
+        )
         if "label" in batch:
             batch["label"] = torch.as_tensor(batch["label"]).bool()
         return batch

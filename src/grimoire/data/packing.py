@@ -13,7 +13,7 @@ Nothing here touches a model or a process group; the trainer wires these togethe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -494,6 +494,35 @@ def pack_samples(
     out["seq_lens"] = lens
     out["sample_index"] = sample_index.unsqueeze(0)
     return out
+
+
+def pack_row_sides(
+    rows: Sequence[Mapping[str, Any]],
+    sides: Sequence[str],
+    pad_token_id: int,
+    is_token_column: Callable[[str], bool],
+) -> dict[str, Any]:
+    """Pack several sequences per row (a preference pair's chosen/rejected, a KTO row and its KL
+    pair) into one row: every row's first side, then every row's second side, and so on.
+
+    ``f"{side}input_ids"`` / ``f"{side}labels"`` go through :func:`pack_samples`, so sample
+    ``j * len(rows) + i`` is row ``i``'s side ``j``. Every other column (those
+    ``is_token_column`` rejects) rides along per row: numeric values as a ``[len(rows)]``
+    tensor, anything else as a list.
+    """
+    samples = [
+        {"input_ids": r[f"{side}input_ids"], "labels": r[f"{side}labels"]}
+        for side in sides
+        for r in rows
+    ]
+    batch: dict[str, Any] = pack_samples(samples, pad_token_id)
+    for key in rows[0]:
+        if is_token_column(key):
+            continue
+        values = [r[key] for r in rows]
+        numeric = all(isinstance(v, bool | int | float) for v in values)
+        batch[key] = torch.tensor(values) if numeric else values
+    return batch
 
 
 def segment_sum(values: Tensor, sample_index: Tensor, num_samples: int) -> Tensor:

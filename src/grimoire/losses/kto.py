@@ -29,12 +29,13 @@ from torch import Tensor
 
 from ..data.kto import KTO_COLUMNS, KTOCollator, PackedKTOCollator
 from ..errors import ConfigError
-from ..logprobs import TokenLogps, compute_token_logps
+from ..logprobs import TokenLogps
 from .base import GrimoireLoss
 from .functional import _check_beta, kto_kl_estimate, kto_loss
 from .preference import (
     ReferenceLogps,
     check_reduction,
+    policy_compute,
     reduce_logps,
     split_logps,
     stack_rows,
@@ -250,26 +251,18 @@ class KTOLoss(GrimoireLoss):
         self, model: torch.nn.Module, reference: bool = False
     ) -> Callable[..., TokenLogps]:
         """``compute(ids, labels, mask, position_ids)``: policy or (no-grad) reference logps."""
+        if not reference:
+            return policy_compute(model, fused=self.fused, chunk_size=self.fused_chunk_size)
 
         def compute(ids, labels, mask, position_ids):
-            if reference:
-                return self.reference.token_logps(
-                    model,
-                    ids,
-                    labels,
-                    mask,
-                    fused=self.fused,
-                    chunk_size=self.fused_chunk_size,
-                    position_ids=position_ids,
-                )
-            return compute_token_logps(
+            return self.reference.token_logps(
                 model,
                 ids,
                 labels,
-                attention_mask=mask,
-                position_ids=position_ids,
+                mask,
                 fused=self.fused,
                 chunk_size=self.fused_chunk_size,
+                position_ids=position_ids,
             )
 
         return compute

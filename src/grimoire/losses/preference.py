@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -143,10 +143,11 @@ def num_pairs(batch: dict[str, Any]) -> int:
     return int(batch["chosen_input_ids"].shape[0])
 
 
-def pair_token_logps(
-    model: torch.nn.Module, batch: dict[str, Any], *, fused: bool, chunk_size: int
-) -> tuple[TokenLogps, TokenLogps]:
-    """Per-token log-probs of the chosen and rejected responses from one concatenated forward."""
+def policy_compute(
+    model: torch.nn.Module, *, fused: bool, chunk_size: int
+) -> Callable[..., TokenLogps]:
+    """``compute(ids, labels, mask, position_ids)`` for :func:`pair_forward` and the KTO parts:
+    the model's per-token log-probs, with gradient."""
 
     def compute(ids, labels, mask, position_ids):
         return compute_token_logps(
@@ -159,7 +160,14 @@ def pair_token_logps(
             chunk_size=chunk_size,
         )
 
-    return pair_forward(batch, compute)
+    return compute
+
+
+def pair_token_logps(
+    model: torch.nn.Module, batch: dict[str, Any], *, fused: bool, chunk_size: int
+) -> tuple[TokenLogps, TokenLogps]:
+    """Per-token log-probs of the chosen and rejected responses from one concatenated forward."""
+    return pair_forward(batch, policy_compute(model, fused=fused, chunk_size=chunk_size))
 
 
 class PackedPairCollator:
@@ -172,21 +180,10 @@ class PackedPairCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        from ..data.packing import pack_samples
+        from ..data.packing import pack_row_sides
 
-        samples = [
-            {"input_ids": f[f"{side}input_ids"], "labels": f[f"{side}labels"]}
-            for side in ("chosen_", "rejected_")
-            for f in features
-        ]
-        batch: dict[str, Any] = pack_samples(samples, self.pad_token_id)
-        for key in features[0]:
-            if key.startswith(("chosen_", "rejected_")):
-                continue
-            values = [f[key] for f in features]
-            numeric = all(isinstance(v, bool | int | float) for v in values)
-            batch[key] = torch.tensor(values) if numeric else values
-        return batch
+        sides = ("chosen_", "rejected_")
+        return pack_row_sides(features, sides, self.pad_token_id, lambda key: key.startswith(sides))
 
 
 def _dataset_columns(dataset: Any) -> set[str]:
@@ -409,6 +406,7 @@ __all__ = [
     "pair_forward",
     "pair_rows",
     "pair_token_logps",
+    "policy_compute",
     "reduce_logps",
     "scalar_metrics",
     "split_logps",
