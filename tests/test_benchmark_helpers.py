@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks.osft_continual import frontier, interpolate
+from benchmarks.osft_continual import B_LETTERS, frontier, interpolate, task_rows
 
 
 def test_interpolate_matched_accuracy():
@@ -22,3 +22,28 @@ def test_frontier_keeps_the_best_retention_at_each_accuracy():
     assert frontier(points) == [(0.2, 0.9), (1.0, 0.6)]
     assert interpolate(points, 1.0) == pytest.approx(0.6)
     assert interpolate(points, 0.6) == pytest.approx(0.75)
+
+
+def _words(rows):
+    return [r["prompt"].split(" ", 1)[1].rstrip("=") for r in rows]
+
+
+@pytest.mark.parametrize("tasks", ["unseen-letters", "known-letters"])
+def test_task_rows_letters_and_answers(tasks):
+    a_train, a_tests, b_train, b_test = task_rows(tasks, seed=1)
+    # task B only ever uses m-x, and its answer is the first letter
+    assert {c for w in _words(b_train + b_test) for c in w} <= set(B_LETTERS)
+    assert all(r["answer"] == w[0] for r, w in zip(b_test, _words(b_test)))
+    # task A teaches m-x only in the known-letters design, through the copy task
+    a_letters = {c for w in _words(a_train) for c in w}
+    assert bool(a_letters & set(B_LETTERS)) == (tasks == "known-letters")
+    for r, w in zip(a_train, _words(a_train)):
+        expected = w if r["prompt"].startswith("copy") else w[::-1]
+        assert r["answer"] == r["response"] == expected
+    assert sorted(a_tests) == (
+        ["copy m-x", "reverse a-l"] if tasks == "known-letters" else ["reverse a-l"]
+    )
+    # held-out tests are not the training rows
+    train_prompts = {r["prompt"] for r in a_train}
+    for rows in a_tests.values():
+        assert sum(r["prompt"] in train_prompts for r in rows) < len(rows) // 2

@@ -121,39 +121,27 @@ def _round_up(n: int, multiple: int) -> int:
 # --------------------------------------------------------------------------- toy tasks
 
 
-def reverse_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
-    """``reverse: abc`` -> ``cba``. Exact-match checkable; chance accuracy is ~0."""
+def _letter_rows(
+    n: int, seed: int, task: str, answer, letters: str, min_len: int, max_len: int
+) -> list[dict[str, str]]:
+    """``{task} {word}=`` -> ``answer(word)`` for random words over ``letters``."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        word = "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(min_len, max_len)))
-        rows.append({"prompt": f"reverse {word}=", "response": word[::-1], "answer": word[::-1]})
-    return rows
-
-
-def shift_rows(n: int, seed: int, min_len: int = 3, max_len: int = 6) -> list[dict[str, str]]:
-    """``shift abc=`` -> ``bcd`` (each letter of a..l moved one place, cyclically). A second
-    task for continual-learning experiments: same alphabet as ``reverse_rows``, new mapping."""
-    letters = string.ascii_lowercase[:12]
-    rng = random.Random(seed + 10_000)
-    rows = []
-    for _ in range(n):
         word = "".join(rng.choices(letters, k=rng.randint(min_len, max_len)))
-        out = "".join(letters[(letters.index(c) + 1) % len(letters)] for c in word)
-        rows.append({"prompt": f"shift {word}=", "response": out, "answer": out})
+        rows.append({"prompt": f"{task} {word}=", "response": answer(word), "answer": answer(word)})
     return rows
 
 
-def length_rows(n: int, seed: int, min_len: int = 3, max_len: int = 9) -> list[dict[str, str]]:
-    """``count abcd=`` -> ``4``. A second task whose answers are digits, not letters."""
-    rng = random.Random(seed + 20_000)
-    rows = []
-    for _ in range(n):
-        word = "".join(rng.choices(string.ascii_lowercase[:12], k=rng.randint(min_len, max_len)))
-        rows.append(
-            {"prompt": f"count {word}=", "response": str(len(word)), "answer": str(len(word))}
-        )
-    return rows
+def reverse_rows(
+    n: int,
+    seed: int,
+    min_len: int = 3,
+    max_len: int = 6,
+    letters: str = string.ascii_lowercase[:12],
+) -> list[dict[str, str]]:
+    """``reverse abc=`` -> ``cba``. Exact-match checkable; chance accuracy is ~0."""
+    return _letter_rows(n, seed, "reverse", lambda w: w[::-1], letters, min_len, max_len)
 
 
 def first_letter_rows(
@@ -165,12 +153,19 @@ def first_letter_rows(
 ) -> list[dict[str, str]]:
     """``first abcd=`` -> ``a``. By default a second task on the same letters as
     ``reverse_rows``; ``letters="mnopqrstuvwx"`` gives one on letters task A never saw."""
-    rng = random.Random(seed + 30_000)
-    rows = []
-    for _ in range(n):
-        word = "".join(rng.choices(letters, k=rng.randint(min_len, max_len)))
-        rows.append({"prompt": f"first {word}=", "response": word[0], "answer": word[0]})
-    return rows
+    return _letter_rows(n, seed + 30_000, "first", lambda w: w[0], letters, min_len, max_len)
+
+
+def copy_rows(
+    n: int,
+    seed: int,
+    min_len: int = 3,
+    max_len: int = 6,
+    letters: str = string.ascii_lowercase[:12],
+) -> list[dict[str, str]]:
+    """``copy abc=`` -> ``abc``. With other letters than ``reverse_rows`` it teaches a model
+    those letters, so a later task on them starts from known tokens."""
+    return _letter_rows(n, seed + 40_000, "copy", lambda w: w, letters, min_len, max_len)
 
 
 def corrupt(text: str, rng: random.Random) -> str:
