@@ -31,6 +31,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 B_LETTERS = "mnopqrstuvwx"
+ALL_LETTERS = "abcdefghijkl" + B_LETTERS
 
 
 def accuracy(model, tokenizer, rows) -> float:
@@ -126,9 +127,22 @@ def task_rows(tasks: str, seed: int) -> tuple[list[dict], dict[str, list[dict]],
     so their (tied) embeddings are still at their random init.
     ``known-letters``: task A also copies words of m-x, so task B starts from known tokens, as a
     new task on a pretrained model does; task A's accuracy is the mean over both of its tests.
+    ``shared-letters``: every task uses all of a-x and only the instruction word tells them
+    apart, so task A (reverse and copy) and task B (first letter) compete for the same inputs.
     """
     from grimoire.tiny import copy_rows, first_letter_rows, reverse_rows
 
+    if tasks == "shared-letters":
+        a_train = reverse_rows(2000, 100 * seed, letters=ALL_LETTERS)
+        a_train = a_train[:1500] + copy_rows(1500, 100 * seed, letters=ALL_LETTERS)
+        random.Random(seed).shuffle(a_train)
+        a_tests = {
+            "reverse a-x": reverse_rows(200, 100 * seed + 1, letters=ALL_LETTERS),
+            "copy a-x": copy_rows(200, 100 * seed + 1, letters=ALL_LETTERS),
+        }
+        b_train = first_letter_rows(2000, 100 * seed, letters=ALL_LETTERS)
+        b_test = first_letter_rows(200, 100 * seed + 1, letters=ALL_LETTERS)
+        return a_train, a_tests, b_train, b_test
     a_train = reverse_rows(2000, 100 * seed)
     a_tests = {"reverse a-l": reverse_rows(200, 100 * seed + 1)}
     if tasks == "known-letters":
@@ -226,12 +240,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument(
         "--tasks",
-        choices=["unseen-letters", "known-letters"],
+        choices=["unseen-letters", "known-letters", "shared-letters"],
         default="unseen-letters",
-        help="task B on letters new to the model, or on letters task A also taught (see task_rows)",
+        help="how task B's inputs relate to task A's (see task_rows)",
     )
     ap.add_argument(
-        "--steps-a", type=int, help="default: 600 (unseen-letters), 800 (known-letters)"
+        "--steps-a", type=int, help="default: 600, 800 (known-letters), 1500 (shared-letters)"
     )
     ap.add_argument("--steps-b", type=int, default=200)
     ap.add_argument("--lr-a", type=float, default=1e-3)
@@ -252,9 +266,24 @@ def main() -> None:
         help="osft_train_non_targets for the OSFT runs (embeddings, norms, LM head)",
     )
     ap.add_argument("--json-out", help="also write every measured row to this JSON file")
+    ap.add_argument(
+        "--from-json",
+        nargs="+",
+        metavar="FILE",
+        help="train nothing: print the matched comparison of rows saved by --json-out (several "
+        "files are pooled, e.g. a denser full fine-tuning sweep run later)",
+    )
     args = ap.parse_args()
+    if args.from_json:
+        pooled: dict[tuple, dict] = {}
+        for path in args.from_json:
+            with open(path) as f:
+                for row in json.load(f):  # a run repeated across files is kept once
+                    pooled.setdefault((row["seed"], row["run"]), row)
+        compare(list(pooled.values()))
+        return
     if args.steps_a is None:
-        args.steps_a = 800 if args.tasks == "known-letters" else 600
+        args.steps_a = {"known-letters": 800, "shared-letters": 1500}.get(args.tasks, 600)
     args.non_targets = {"train": [True], "frozen": [False], "both": [True, False]}[args.non_targets]
     print(
         f"{args.tasks}: tiny Llama {args.layers}x{args.hidden}; task A {args.steps_a} steps at lr {args.lr_a:g}, task B "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from benchmarks.osft_continual import B_LETTERS, frontier, interpolate, task_rows
+from benchmarks.osft_continual import ALL_LETTERS, B_LETTERS, frontier, interpolate, task_rows
 
 
 def test_interpolate_matched_accuracy():
@@ -28,21 +28,25 @@ def _words(rows):
     return [r["prompt"].split(" ", 1)[1].rstrip("=") for r in rows]
 
 
-@pytest.mark.parametrize("tasks", ["unseen-letters", "known-letters"])
+@pytest.mark.parametrize("tasks", ["unseen-letters", "known-letters", "shared-letters"])
 def test_task_rows_letters_and_answers(tasks):
     a_train, a_tests, b_train, b_test = task_rows(tasks, seed=1)
-    # task B only ever uses m-x, and its answer is the first letter
-    assert {c for w in _words(b_train + b_test) for c in w} <= set(B_LETTERS)
+    b_letters = set(ALL_LETTERS if tasks == "shared-letters" else B_LETTERS)
+    assert {c for w in _words(b_train + b_test) for c in w} == b_letters
     assert all(r["answer"] == w[0] for r, w in zip(b_test, _words(b_test)))
-    # task A teaches m-x only in the known-letters design, through the copy task
+    # task A sees task B's letters except in the unseen-letters design
     a_letters = {c for w in _words(a_train) for c in w}
-    assert bool(a_letters & set(B_LETTERS)) == (tasks == "known-letters")
+    assert b_letters <= a_letters or tasks == "unseen-letters"
+    assert not (a_letters & set(B_LETTERS)) or tasks != "unseen-letters"
     for r, w in zip(a_train, _words(a_train)):
         expected = w if r["prompt"].startswith("copy") else w[::-1]
         assert r["answer"] == r["response"] == expected
-    assert sorted(a_tests) == (
-        ["copy m-x", "reverse a-l"] if tasks == "known-letters" else ["reverse a-l"]
-    )
+    expected_tests = {
+        "unseen-letters": ["reverse a-l"],
+        "known-letters": ["copy m-x", "reverse a-l"],
+        "shared-letters": ["copy a-x", "reverse a-x"],
+    }[tasks]
+    assert sorted(a_tests) == expected_tests
     # held-out tests are not the training rows
     train_prompts = {r["prompt"] for r in a_train}
     for rows in a_tests.values():
