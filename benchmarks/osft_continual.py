@@ -4,6 +4,7 @@ Task A: reverse a string of the letters a-l (``reverse abc=`` -> ``cba``).
 Task B: name the first letter of a string of the letters m-x (``first mno=`` -> ``m``).
 With ``--tasks known-letters`` task A also copies strings of m-x (``copy mno=`` -> ``mno``), so
 task B's tokens are known before it starts, and task A's accuracy is the mean of both tests.
+With ``--tasks shared-letters`` all tasks use a-x and only the instruction word differs.
 
 Forgetting and learning trade off through the learning rate, so one run per method says little:
 a low rate forgets nothing and learns nothing. This script sweeps the task-B learning rate for
