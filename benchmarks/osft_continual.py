@@ -31,8 +31,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+A_TO_L = "abcdefghijkl"
 B_LETTERS = "mnopqrstuvwx"
-ALL_LETTERS = "abcdefghijkl" + B_LETTERS
+ALL_LETTERS = A_TO_L + B_LETTERS
 
 
 def accuracy(model, tokenizer, rows) -> float:
@@ -121,6 +122,14 @@ def interpolate(points: list[tuple[float, float]], x: float) -> float | None:
     return None
 
 
+# design -> (reverse letters, copy letters or None, task-B letters, default task-A steps)
+DESIGNS = {
+    "unseen-letters": (A_TO_L, None, B_LETTERS, 600),
+    "known-letters": (A_TO_L, B_LETTERS, B_LETTERS, 800),
+    "shared-letters": (ALL_LETTERS, ALL_LETTERS, ALL_LETTERS, 1500),
+}
+
+
 def task_rows(tasks: str, seed: int) -> tuple[list[dict], dict[str, list[dict]], list, list]:
     """(task-A train rows, task-A test sets by name, task-B train rows, task-B test rows).
 
@@ -133,25 +142,15 @@ def task_rows(tasks: str, seed: int) -> tuple[list[dict], dict[str, list[dict]],
     """
     from grimoire.tiny import copy_rows, first_letter_rows, reverse_rows
 
-    if tasks == "shared-letters":
-        a_train = reverse_rows(2000, 100 * seed, letters=ALL_LETTERS)
-        a_train = a_train[:1500] + copy_rows(1500, 100 * seed, letters=ALL_LETTERS)
+    rev, cop, b_letters, _ = DESIGNS[tasks]
+    a_train = reverse_rows(2000, 100 * seed, letters=rev)
+    a_tests = {f"reverse {rev[0]}-{rev[-1]}": reverse_rows(200, 100 * seed + 1, letters=rev)}
+    if cop is not None:
+        a_train = a_train[:1500] + copy_rows(1500, 100 * seed, letters=cop)
         random.Random(seed).shuffle(a_train)
-        a_tests = {
-            "reverse a-x": reverse_rows(200, 100 * seed + 1, letters=ALL_LETTERS),
-            "copy a-x": copy_rows(200, 100 * seed + 1, letters=ALL_LETTERS),
-        }
-        b_train = first_letter_rows(2000, 100 * seed, letters=ALL_LETTERS)
-        b_test = first_letter_rows(200, 100 * seed + 1, letters=ALL_LETTERS)
-        return a_train, a_tests, b_train, b_test
-    a_train = reverse_rows(2000, 100 * seed)
-    a_tests = {"reverse a-l": reverse_rows(200, 100 * seed + 1)}
-    if tasks == "known-letters":
-        a_train = a_train[:1500] + copy_rows(1500, 100 * seed, letters=B_LETTERS)
-        random.Random(seed).shuffle(a_train)
-        a_tests["copy m-x"] = copy_rows(200, 100 * seed + 1, letters=B_LETTERS)
-    b_train = first_letter_rows(2000, 100 * seed, letters=B_LETTERS)
-    b_test = first_letter_rows(200, 100 * seed + 1, letters=B_LETTERS)
+        a_tests[f"copy {cop[0]}-{cop[-1]}"] = copy_rows(200, 100 * seed + 1, letters=cop)
+    b_train = first_letter_rows(2000, 100 * seed, letters=b_letters)
+    b_test = first_letter_rows(200, 100 * seed + 1, letters=b_letters)
     return a_train, a_tests, b_train, b_test
 
 
@@ -241,7 +240,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument(
         "--tasks",
-        choices=["unseen-letters", "known-letters", "shared-letters"],
+        choices=list(DESIGNS),
         default="unseen-letters",
         help="how task B's inputs relate to task A's (see task_rows)",
     )
@@ -284,7 +283,7 @@ def main() -> None:
         compare(list(pooled.values()))
         return
     if args.steps_a is None:
-        args.steps_a = {"known-letters": 800, "shared-letters": 1500}.get(args.tasks, 600)
+        args.steps_a = DESIGNS[args.tasks][3]
     args.non_targets = {"train": [True], "frozen": [False], "both": [True, False]}[args.non_targets]
     print(
         f"{args.tasks}: tiny Llama {args.layers}x{args.hidden}; task A {args.steps_a} steps at lr {args.lr_a:g}, task B "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import random
 import string
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -121,51 +123,41 @@ def _round_up(n: int, multiple: int) -> int:
 # --------------------------------------------------------------------------- toy tasks
 
 
-def _letter_rows(
-    n: int, seed: int, task: str, answer, letters: str, min_len: int, max_len: int
+# task -> (seed offset, answer). The offsets keep each task's word stream apart for one seed.
+LETTER_TASKS: dict[str, tuple[int, Callable[[str], str]]] = {
+    "reverse": (0, lambda w: w[::-1]),
+    "first": (30_000, lambda w: w[0]),
+    "copy": (40_000, lambda w: w),
+}
+
+
+def letter_rows(
+    task: str,
+    n: int,
+    seed: int,
+    min_len: int = 3,
+    max_len: int = 6,
+    letters: str = string.ascii_lowercase[:12],
 ) -> list[dict[str, str]]:
-    """``{task} {word}=`` -> ``answer(word)`` for random words over ``letters``."""
-    rng = random.Random(seed)
+    """``{task} {word}=`` -> answer, for random words over ``letters`` (default a-l).
+
+    ``reverse abc=`` -> ``cba``; ``first abc=`` -> ``a``; ``copy abc=`` -> ``abc``. Exact-match
+    checkable, and chance accuracy is ~0 for reverse and copy. Continual-learning experiments
+    pick ``letters`` per task, e.g. ``"mnopqrstuvwx"`` for letters another task never used.
+    """
+    offset, answer = LETTER_TASKS[task]
+    rng = random.Random(seed + offset)
     rows = []
     for _ in range(n):
         word = "".join(rng.choices(letters, k=rng.randint(min_len, max_len)))
-        rows.append({"prompt": f"{task} {word}=", "response": answer(word), "answer": answer(word)})
+        out = answer(word)
+        rows.append({"prompt": f"{task} {word}=", "response": out, "answer": out})
     return rows
 
 
-def reverse_rows(
-    n: int,
-    seed: int,
-    min_len: int = 3,
-    max_len: int = 6,
-    letters: str = string.ascii_lowercase[:12],
-) -> list[dict[str, str]]:
-    """``reverse abc=`` -> ``cba``. Exact-match checkable; chance accuracy is ~0."""
-    return _letter_rows(n, seed, "reverse", lambda w: w[::-1], letters, min_len, max_len)
-
-
-def first_letter_rows(
-    n: int,
-    seed: int,
-    min_len: int = 3,
-    max_len: int = 6,
-    letters: str = string.ascii_lowercase[:12],
-) -> list[dict[str, str]]:
-    """``first abcd=`` -> ``a``. By default a second task on the same letters as
-    ``reverse_rows``; ``letters="mnopqrstuvwx"`` gives one on letters task A never saw."""
-    return _letter_rows(n, seed + 30_000, "first", lambda w: w[0], letters, min_len, max_len)
-
-
-def copy_rows(
-    n: int,
-    seed: int,
-    min_len: int = 3,
-    max_len: int = 6,
-    letters: str = string.ascii_lowercase[:12],
-) -> list[dict[str, str]]:
-    """``copy abc=`` -> ``abc``. With other letters than ``reverse_rows`` it teaches a model
-    those letters, so a later task on them starts from known tokens."""
-    return _letter_rows(n, seed + 40_000, "copy", lambda w: w, letters, min_len, max_len)
+reverse_rows = partial(letter_rows, "reverse")
+first_letter_rows = partial(letter_rows, "first")
+copy_rows = partial(letter_rows, "copy")
 
 
 def corrupt(text: str, rng: random.Random) -> str:
