@@ -160,25 +160,25 @@ def test_dpo_trains_padding_free_with_token_budget(tiny_dir, tokenizer, tmp_path
     assert len(trainer.planner.plan(0, 0)) > 1
 
 
-def test_max_tokens_stops_after_that_many_loss_tokens(tiny_model, tokenizer, sft_rows, tmp_path):
+def test_max_tokens_stops_after_that_many_input_tokens(tiny_model, tokenizer, sft_rows, tmp_path):
     per_step = []
     from grimoire import TrainerCallback
 
     class Count(TrainerCallback):
         def on_step_end(self, trainer, step, loss, metrics):
-            per_step.append(trainer.state.loss_tokens_seen)
+            per_step.append(trainer.state.tokens_seen)
 
     trainer = train(
         tiny_model,
         tokenizer,
         sft_rows,
         SFTLoss(),
-        quiet_config(tmp_path, max_steps=100, batch_size=4, max_tokens=60),
+        quiet_config(tmp_path, max_steps=100, batch_size=4, max_tokens=200),
         callbacks=[Count()],
     )
     # Stops at the first step that reaches the budget, never later.
-    assert per_step[-1] >= 60 and (len(per_step) == 1 or per_step[-2] < 60)
-    assert trainer.global_step == len(per_step) < 100
+    assert per_step[-1] >= 200 and per_step[-2] < 200
+    assert 2 <= trainer.global_step == len(per_step) < 100
 
 
 def test_max_steps_runs_past_one_epoch_with_reshuffles(tiny_model, tokenizer, sft_rows, tmp_path):

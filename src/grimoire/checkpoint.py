@@ -32,8 +32,8 @@ class TrainerState:
     global_step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0  # optimizer steps already done in ``epoch``
-    tokens_seen: int = 0  # input tokens, all ranks
-    loss_tokens_seen: float = 0.0  # loss units (e.g. trained tokens), all ranks
+    tokens_seen: int = 0  # real (non-pad) input tokens of trained micro-batches, all ranks
+    loss_units_seen: float = 0.0  # the method's loss units (SFT: labelled tokens; DPO: pairs)
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -91,6 +91,8 @@ def write_state(folder: Path, state: TrainerState, extra: dict[str, Any] | None 
 
 def read_state(folder: Path) -> TrainerState:
     data = json.loads((folder / STATE_FILE).read_text())
+    if "loss_tokens_seen" in data:  # the name before 0.2 (it always counted loss units)
+        data.setdefault("loss_units_seen", data.pop("loss_tokens_seen"))
     fields = TrainerState.__dataclass_fields__
     return TrainerState(**{k: v for k, v in data.items() if k in fields})
 

@@ -303,7 +303,7 @@ class GrimoireTrainer:
         # One small all-reduce per step: callbacks and the log see global (all-rank) values.
         self._step_metrics = step_means.compute(acc)
         self._log_means.add(self._step_metrics, total)
-        self.state.loss_tokens_seen += total
+        self.state.loss_units_seen += total
         step_tokens = self._sum_over_ranks(tokens)
         self.state.tokens_seen += int(step_tokens)
         self._window["tokens"] += step_tokens
@@ -342,6 +342,7 @@ class GrimoireTrainer:
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": self._last_grad_norm,
             "tokens": self.state.tokens_seen,
+            "loss_units": self.state.loss_units_seen,
             "tokens_per_sec": self._window["tokens"] / elapsed,
             "elapsed": now - self.metrics_log.start,
             "peak_memory_mb": peak_memory_mb(),
@@ -366,7 +367,7 @@ class GrimoireTrainer:
         return (
             self._stop
             or self.global_step >= self.max_steps
-            or (max_tokens is not None and self.state.loss_tokens_seen >= max_tokens)
+            or (max_tokens is not None and self.state.tokens_seen >= max_tokens)
         )
 
     def _epoch_float(self) -> float:
