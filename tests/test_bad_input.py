@@ -49,7 +49,9 @@ def test_token_budget_smaller_than_a_row(tiny_model, tokenizer, sft_rows, tmp_pa
     longest = max(range(len(sft_rows)), key=lambda i: len(sft_rows[i]["input_ids"]))
     n = len(sft_rows[longest]["input_ids"])
     with pytest.raises(
-        DataError, match=rf"train row {longest}: {n} tokens exceed max_tokens_per_device=8"
+        DataError,
+        match=rf"train row {longest}: needs {n} tokens in one forward pass .*"
+        r"> max_tokens_per_device=8; set training.truncate_long_samples=true",
     ):
         _trainer(tiny_model, tokenizer, sft_rows, tmp_path, max_tokens_per_device=8)
 

@@ -63,17 +63,37 @@ def test_padding_free_step_equals_padded_step(tiny_dir, tokenizer, sft_rows, tmp
 
 
 def test_opt_in_truncation_to_budget(tiny_dir, tokenizer, sft_rows, tmp_path):
+    budget = 22
+    rows = sft_rows[:8]
+    assert max(len(r["input_ids"]) for r in rows) > budget, "some rows must need cutting"
     trainer = _one_step(
         tiny_dir,
         tokenizer,
-        sft_rows[:8],
+        rows,
         tmp_path,
         batch_size=8,
-        max_tokens_per_device=16,
+        max_tokens_per_device=budget,
         truncate_long_samples=True,
     )
     assert trainer.global_step == 1
-    assert max(trainer._lengths) == 16
+    micro = [trainer._collate(rows, m, True)[0] for m in trainer.planner.plan(0, 0)]
+    assert max(b["input_ids"].shape[1] for b in micro) <= budget
+    assert sum(int(b["seq_lens"].sum()) for b in micro) < sum(len(r["input_ids"]) for r in rows)
+
+
+def test_truncation_that_would_train_nothing_is_an_error(tiny_dir, tokenizer, sft_rows, tmp_path):
+    with pytest.raises(DataError) as err:
+        _one_step(
+            tiny_dir,
+            tokenizer,
+            sft_rows[:8],
+            tmp_path,
+            max_tokens_per_device=12,
+            truncate_long_samples=True,
+        )
+    msg = str(err.value)
+    assert "train row 1: cut to max_tokens_per_device=12" in msg
+    assert "input_ids would have no trained token left" in msg
 
 
 def test_pretokenized_rows_checked():

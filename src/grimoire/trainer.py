@@ -24,8 +24,9 @@ from accelerate.utils import set_seed
 from . import checkpoint as ckpt
 from .callbacks import CallbackList, ProgressCallback, TrainerCallback
 from .config import TrainingConfig
+from .data.budget import TokenBudget
 from .data.sampling import StepPlanner
-from .data.validation import sample_lengths, validate_token_columns
+from .data.validation import validate_token_columns
 from .errors import ConfigError, DataError
 from .metrics import JsonlLogger, WeightedMeans, peak_memory_mb, to_float
 from .modeling import (
@@ -36,7 +37,6 @@ from .modeling import (
     has_accelerator,
     pad_token_id_of,
     reset_accelerate_state,
-    truncate_row,
 )
 from .optim import build_optimizer, build_scheduler
 
@@ -91,20 +91,19 @@ class GrimoireTrainer:
         self.step_hooks: list[Any] = []  # objects with before/after_optimizer_step (e.g. OSFT)
         model = self._prepare_model(model, peft_config)
         pad_id = pad_token_id_of(tokenizer, model)
-        self.collator = data_collator or self._make_collator(loss_fn, pad_id)
+        self.collator, packed = self._make_collator(loss_fn, pad_id, data_collator)
+        self.budget = (
+            TokenBudget(config.max_tokens_per_device, loss_fn, packed, config.truncate_long_samples)
+            if config.max_tokens_per_device
+            else None
+        )
         self._validate_data(model)
 
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        budget = config.max_tokens_per_device
-        self.planner = StepPlanner(
-            num_samples=len(train_dataset),
-            batch_size=config.batch_size,
+        self.planner = self._planner(
+            train_dataset,
+            config.batch_size,
             grad_accum=config.gradient_accumulation_steps,
-            world_size=world,
-            rank=rank,
             seed=config.seed,
-            lengths=self._lengths if budget else None,
-            max_tokens_per_device=budget,
             repeat=int(getattr(loss_fn, "steps_per_batch", 1)),
         )
         self.max_steps = config.max_steps or self.planner.steps_per_epoch * config.num_epochs
@@ -190,12 +189,8 @@ class GrimoireTrainer:
         if self.eval_dataset is None:
             raise ValueError("evaluate() needs an eval_dataset")
         acc = self.accelerator
-        planner = StepPlanner(
-            num_samples=len(self.eval_dataset),
-            batch_size=self.config.effective_eval_batch_size,
-            world_size=acc.num_processes,
-            rank=acc.process_index,
-            shuffle=False,
+        planner = self._planner(
+            self.eval_dataset, self.config.effective_eval_batch_size, shuffle=False
         )
         was_training = self.model.training
         self.model.eval()
@@ -203,6 +198,7 @@ class GrimoireTrainer:
         for step in range(planner.steps_per_epoch):
             for indices in planner.plan(0, step):
                 batch, weight = self._collate(self.eval_dataset, indices or [0], bool(indices))
+                batch = self._to_device(batch)
                 with acc.autocast():
                     loss, metrics = self.loss_fn(self.model, batch, training=False)
                 means.add({"loss": loss, **metrics}, self._loss_units(batch) * weight)
@@ -381,44 +377,69 @@ class GrimoireTrainer:
 
     # ------------------------------------------------------------------ data
 
+    def _planner(self, dataset: Any, batch_size: int, **kwargs: Any) -> StepPlanner:
+        """Plan ``dataset``'s micro-batches for this rank, within the token budget if set."""
+        acc, budget = self.accelerator, self.budget
+        return StepPlanner(
+            num_samples=len(dataset),
+            batch_size=batch_size,
+            world_size=acc.num_processes,
+            rank=acc.process_index,
+            lengths=budget.costs(dataset) if budget else None,
+            max_tokens_per_device=budget.max_tokens if budget else None,
+            padded=bool(budget and not budget.packed),
+            **kwargs,
+        )
+
     def _step_batches(self, epoch: int, start_step: int):
-        """Yield each remaining step's micro-batches as ``(batch_on_device, keep)`` pairs."""
+        """Yield each remaining step's micro-batches as ``(batch_on_device, keep)`` pairs.
+
+        Workers (``dataloader_num_workers``) only collate, on CPU; tensors are moved to the
+        device here in the main process (a worker touching CUDA fails).
+        """
         steps = _StepDataset(self, epoch, start_step)
         workers = self.config.dataloader_num_workers
-        if workers == 0:
-            yield from (steps[i] for i in range(len(steps)))
-            return
-        loader = torch.utils.data.DataLoader(
-            steps, batch_size=None, num_workers=workers, collate_fn=lambda x: x
-        )
-        for item in loader:
+        items: Any = (steps[i] for i in range(len(steps)))
+        if workers > 0:
+            items = torch.utils.data.DataLoader(
+                steps, batch_size=None, num_workers=workers, collate_fn=lambda x: x
+            )
+        for item in items:
             yield [(self._to_device(b), keep) for b, keep in item]
 
     def _collate(self, dataset: Any, indices: list[int], real: bool) -> tuple[dict, float]:
+        """One micro-batch on CPU and its keep flag (0.0 for a rank-sync dummy)."""
         rows = [dataset[int(i)] for i in indices]
-        budget = self.config.max_tokens_per_device
-        if budget and self.config.truncate_long_samples:
-            rows = [truncate_row(r, budget) for r in rows]
-        batch = self.collator(rows)
-        return self._to_device(batch), 1.0 if real else 0.0
+        if self.budget is not None:
+            rows = [self.budget.fit(r) for r in rows]
+        return self.collator(rows), 1.0 if real else 0.0
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         device = self.accelerator.device
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
-    def _make_collator(self, loss_fn: Any, pad_id: int) -> Any:
+    def _make_collator(self, loss_fn: Any, pad_id: int, given: Any) -> tuple[Any, bool]:
+        """``(collator, packed)``: packed rows whenever padding-free or a token budget is asked
+        for and the method can pack; a budget with a method that cannot pack (reward modelling)
+        bins padded micro-batches instead. A user's ``data_collator`` is taken as padded unless
+        it says otherwise (``packed = True`` attribute)."""
         cfg = self.config
+        if given is not None:
+            return given, bool(getattr(given, "packed", False))
         if not (cfg.padding_free or cfg.max_tokens_per_device):
-            return loss_fn.create_collator(pad_id)
+            return loss_fn.create_collator(pad_id), False
         packed = getattr(loss_fn, "create_packed_collator", lambda _: None)(pad_id)
-        if packed is None:
+        if packed is not None:
+            return packed, True
+        if cfg.padding_free:
             raise ConfigError(
                 [
                     f"{type(loss_fn).__name__} does not support padding-free batches: unset "
-                    "training.padding_free / training.max_tokens_per_device"
+                    "training.padding_free (training.max_tokens_per_device alone still bounds "
+                    "its padded micro-batches)"
                 ]
             )
-        return packed
+        return loss_fn.create_collator(pad_id), False
 
     def _validate_data(self, model: torch.nn.Module) -> None:
         cfg = self.config
@@ -439,17 +460,10 @@ class GrimoireTrainer:
             problems += validate_token_columns(
                 ds, split, max_length=cfg.max_length, vocab_size=vocab
             )
-        self._lengths = sample_lengths(self.train_dataset) if not problems else []
-        budget = cfg.max_tokens_per_device
-        if budget and cfg.truncate_long_samples:
-            self._lengths = [min(n, budget) for n in self._lengths]
-        elif budget and not problems:
-            over = [(i, n) for i, n in enumerate(self._lengths) if n > budget]
-            problems += [
-                f"train row {i}: {n} tokens exceed max_tokens_per_device={budget} "
-                "(raise the budget, or tokenize with a smaller max_length)"
-                for i, n in over[:20]
-            ] + ([f"... and {len(over) - 20} more rows over budget"] if len(over) > 20 else [])
+        if self.budget is not None and not problems:
+            for split, ds in (("train", self.train_dataset), ("eval", self.eval_dataset)):
+                if ds is not None:
+                    problems += self.budget.problems(ds, split)
         if problems:
             raise DataError(problems, title="invalid training data (nothing was trained)")
 

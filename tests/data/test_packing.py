@@ -235,6 +235,61 @@ def test_bad_arguments(kwargs):
 
 
 # ----------------------------------------------------------------------------------------------
+# plan_global_batch(padded=True): cost = rows * longest sample
+# ----------------------------------------------------------------------------------------------
+
+
+def test_padded_exact_fit_rows_times_width():
+    # 3 rows x width 4 = 12: one micro-batch at budget 12, although the token sum is only 9
+    assert plan_global_batch([4, 3, 2], 1, 12, padded=True) == [[[0, 1, 2]]]
+    # at 11 the longest opens a bin of 11 // 4 = 2 rows; the 2 goes to a second bin
+    assert plan_global_batch([4, 3, 2], 1, 11, padded=True) == [[[0, 1], [2]]]
+    # packed mode fits all three in 11 tokens
+    assert plan_global_batch([4, 3, 2], 1, 11) == [[[0, 1, 2]]]
+
+
+def test_padded_sample_of_exactly_max_tokens():
+    # longest first: 10 alone (10 // 10 = 1 row), 7 alone (10 // 7 = 1), then 3
+    assert plan_global_batch([10, 3, 7], 1, 10, padded=True) == [[[0], [2], [1]]]
+
+
+def test_padded_lpt_hand_worked():
+    # Same LPT as packed mode (see test_lpt_hand_worked): r0 = {0, 4, 5}, r1 = {1, 2},
+    # r2 = {3, 6}. r0's 6 takes 10 // 6 = 1 row, so r0 needs two micro-batches; the others one,
+    # padded with a dummy.
+    plan = plan_global_batch([6, 5, 4, 5, 1, 1, 3], 3, 10, padded=True)
+    assert plan == [[[0], [4, 5]], [[1, 2], []], [[3, 6], []]]
+
+
+def test_padded_equal_lengths_ties_by_index():
+    assert plan_global_batch([2] * 7, 1, 6, padded=True) == [[[0, 1, 2], [3, 4, 5], [6]]]
+
+
+@pytest.mark.parametrize("min_micro", [0, 2])
+def test_padded_empty_input(min_micro):
+    plan = plan_global_batch([], 2, 8, min_micro, padded=True)
+    assert plan == [[[] for _ in range(min_micro)]] * 2
+
+
+def test_padded_sample_over_budget_names_it():
+    with pytest.raises(DataError, match=r"sample 2 has 9 tokens > max_tokens=8") as info:
+        plan_global_batch([8, 1, 9], 1, 8, padded=True)
+    assert "sample 0" not in str(info.value)
+    with pytest.raises(DataError, match="sample 0 has length 0"):
+        plan_global_batch([0, 1], 1, 8, padded=True)
+
+
+def test_padded_numba_and_fallback_identical():
+    pytest.importorskip("numba")
+    lengths = pareto_lengths(5, 5_000)
+    fast = plan_global_batch(lengths, 8, 8192, padded=True, use_numba=True)
+    assert fast == plan_global_batch(lengths, 8, 8192, padded=True, use_numba=False)
+    for rank in fast:
+        for mb in rank:
+            assert not mb or len(mb) * max(lengths[i] for i in mb) <= 8192
+
+
+# ----------------------------------------------------------------------------------------------
 # pack_samples
 # ----------------------------------------------------------------------------------------------
 

@@ -5,8 +5,11 @@ Two kinds of reference, both written here and sharing no code with the module un
 - NAIVE: a per-example Python loop over floats using only the ``math`` module (in double
   precision), written straight from each paper's formula. The log-sigmoid is the usual stable
   two-branch form so large-magnitude logits are checked too.
-- TRL-STYLE: torch re-implementations of how TRL's DPO/CPO/ORPO/KTO trainers turn log-probs into
-  losses (from their documented formulas), used for loss AND gradient parity within 1e-6.
+- TORCH: vectorised torch re-implementations of the same formulas, written here in the way
+  TRL's trainers turn log-probs into losses (not TRL's code), used for loss AND gradient
+  agreement within 1e-6.
+
+Parity with TRL's own code (TRL called on the same tensors) is in test_trl_parity.py.
 """
 
 from __future__ import annotations
@@ -112,11 +115,11 @@ def naive_bt(rc, rr, margins):
 
 
 # ------------------------------------------------------------------------------------------------
-# TRL-style torch references (how TRL's trainers compute the loss from log-probs)
+# torch references (the formulas as TRL-style tensor code, written here; not TRL's code)
 # ------------------------------------------------------------------------------------------------
 
 
-def trl_dpo(pc, pr, rc, rr, beta, label_smoothing, loss_type):
+def ref_dpo(pc, pr, rc, rr, beta, label_smoothing, loss_type):
     logratios = pc - pr
     ref_logratios = rc - rr
     logits = logratios - ref_logratios
@@ -139,7 +142,7 @@ def trl_dpo(pc, pr, rc, rr, beta, label_smoothing, loss_type):
     return losses, chosen_rewards, rejected_rewards
 
 
-def trl_cpo(c, r, beta, label_smoothing, loss_type, simpo_gamma=0.5):
+def ref_cpo(c, r, beta, label_smoothing, loss_type, simpo_gamma=0.5):
     logits = c - r
     if loss_type == "simpo":
         logits = logits - simpo_gamma / beta
@@ -168,14 +171,14 @@ def simpo_repo_loss(c, r, beta, gamma_beta_ratio, label_smoothing):
     )
 
 
-def trl_orpo(c, r, beta):
+def ref_orpo(c, r, beta):
     log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
     ratio = F.logsigmoid(log_odds)
     losses = beta * ratio  # TRL: loss = nll - losses.mean()
     return losses, beta * c.detach(), beta * r.detach(), ratio, log_odds
 
 
-def trl_kto(pc, pr, rc, rr, kl, beta, desirable_weight, undesirable_weight):
+def ref_kto(pc, pr, rc, rr, kl, beta, desirable_weight, undesirable_weight):
     chosen_logratios = pc - rc
     chosen_losses = 1 - F.sigmoid(beta * (chosen_logratios - kl))
     chosen_rewards = beta * chosen_logratios.detach()
@@ -186,7 +189,7 @@ def trl_kto(pc, pr, rc, rr, kl, beta, desirable_weight, undesirable_weight):
     return losses, chosen_rewards, rejected_rewards
 
 
-def trl_kto_kl(policy_kl_logps, ref_kl_logps, other_rank_kls=()):
+def ref_kto_kl(policy_kl_logps, ref_kl_logps, other_rank_kls=()):
     kl = (policy_kl_logps - ref_kl_logps).mean().detach()
     gathered = torch.stack([kl, *other_rank_kls])  # accelerator.gather_for_metrics
     return gathered.mean().clamp(min=0)
@@ -229,7 +232,7 @@ def close(actual: torch.Tensor, expected, rtol: float = 1e-5, atol: float = 1e-5
 
 
 def exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Parity with the TRL-style references: within 1e-6."""
+    """Agreement with the torch references: within 1e-6."""
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -354,11 +357,11 @@ def test_dpo_sigmoid_gradient_matches_analytic(seed, eps):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(("loss_type", "eps"), DPO_CASES)
-def test_dpo_trl_parity_losses_and_grads(seed, loss_type, eps):
+def test_dpo_matches_torch_reference_losses_and_grads(seed, loss_type, eps):
     beta = 0.1
     inputs = leaves(*seq_logps(seed))
     ours, metrics = dpo_loss(*inputs, beta=beta, label_smoothing=eps, loss_type=loss_type)
-    theirs, chosen_r, rejected_r = trl_dpo(*inputs, beta, eps, loss_type)
+    theirs, chosen_r, rejected_r = ref_dpo(*inputs, beta, eps, loss_type)
     exact(ours, theirs)
     exact(metrics["rewards/chosen"], chosen_r)
     exact(metrics["rewards/rejected"], rejected_r)
@@ -367,9 +370,9 @@ def test_dpo_trl_parity_losses_and_grads(seed, loss_type, eps):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_ipo_trl_parity_with_length_averaged_logps(seed):
-    # TRL's loss_type="ipo" averages token log-probs over the completion; gradients w.r.t. the
-    # per-token log-probs must match when we are given those averages.
+def test_ipo_matches_torch_reference_with_length_averaged_logps(seed):
+    # TRL's loss_type="ipo" averages token log-probs over the completion; given those averages,
+    # losses and gradients w.r.t. the per-token log-probs must match the torch reference.
     beta, T = 0.1, 12
     g = torch.Generator().manual_seed(100 + seed)
     tokens = [-torch.rand(B, T, generator=g) * 3 for _ in range(4)]
@@ -382,7 +385,7 @@ def test_ipo_trl_parity_with_length_averaged_logps(seed):
         return (tok[i] * masks[i]).sum(-1) / masks[i].sum(-1)
 
     ours, metrics = ipo_loss(*(averaged(i) for i in range(4)), beta=beta)
-    theirs, chosen_r, _ = trl_dpo(*(averaged(i) for i in range(4)), beta, 0.0, "ipo")
+    theirs, chosen_r, _ = ref_dpo(*(averaged(i) for i in range(4)), beta, 0.0, "ipo")
     exact(ours, theirs)
     exact(metrics["rewards/chosen"], chosen_r)
     for i, (a, b) in enumerate(zip(grads(ours.mean(), tok), grads(theirs.mean(), tok))):
@@ -439,12 +442,12 @@ def test_simpo_large_logits_stable():
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("eps", [0.0, 0.15])
-def test_simpo_trl_parity_losses_and_grads(seed, eps):
+def test_simpo_matches_torch_references_losses_and_grads(seed, eps):
     beta, gamma = 2.0, 0.8
     inputs = leaves(*avg_logps(seed))
     ours, metrics = simpo_loss(*inputs, beta=beta, gamma=gamma, label_smoothing=eps)
     # TRL CPOTrainer(loss_type="simpo") takes the absolute gamma as simpo_gamma ...
-    theirs, chosen_r, rejected_r = trl_cpo(*inputs, beta, eps, "simpo", simpo_gamma=gamma)
+    theirs, chosen_r, rejected_r = ref_cpo(*inputs, beta, eps, "simpo", simpo_gamma=gamma)
     exact(ours, theirs)
     exact(metrics["rewards/chosen"], chosen_r)
     exact(metrics["rewards/rejected"], rejected_r)
@@ -478,20 +481,20 @@ def test_cpo_matches_naive(seed, loss_type, eps):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(("loss_type", "eps"), CPO_CASES)
-def test_cpo_trl_parity_losses_and_grads(seed, loss_type, eps):
+def test_cpo_matches_torch_reference_losses_and_grads(seed, loss_type, eps):
     beta, alpha = 0.1, 1.0
     inputs = leaves(*seq_logps(seed)[:2])
     nll = leaves(torch.tensor(2.3))[0]  # token-mean NLL of the chosen tokens (scalar, as TRL)
     pref, metrics = cpo_loss(*inputs, beta=beta, label_smoothing=eps, loss_type=loss_type)
     ours = cpo_total_loss(pref, nll, alpha)
     assert ours.shape == (B,)
-    theirs, chosen_r, rejected_r = trl_cpo(*inputs, beta, eps, loss_type)
+    theirs, chosen_r, rejected_r = ref_cpo(*inputs, beta, eps, loss_type)
     exact(pref, theirs)
     exact(metrics["rewards/chosen"], chosen_r)
     exact(metrics["rewards/rejected"], rejected_r)
-    trl_total = theirs.mean() + alpha * nll  # TRL: loss = losses.mean() + cpo_alpha * nll
-    exact(ours.mean(), trl_total)
-    for a, b in zip(grads(ours.mean(), [*inputs, nll]), grads(trl_total, [*inputs, nll])):
+    ref_total = theirs.mean() + alpha * nll  # as TRL: loss = losses.mean() + cpo_alpha * nll
+    exact(ours.mean(), ref_total)
+    for a, b in zip(grads(ours.mean(), [*inputs, nll]), grads(ref_total, [*inputs, nll])):
         exact(a, b)
 
 
@@ -524,34 +527,34 @@ def test_orpo_matches_naive(seed, beta):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_orpo_trl_parity_losses_and_grads(seed):
-    # Averages <= -ln 2 take the same log1p(-exp(x)) branch as TRL: identical math.
+def test_orpo_matches_torch_reference_losses_and_grads(seed):
+    # Averages <= -ln 2 take the same log1p(-exp(x)) branch as the reference: identical math.
     beta = 0.1
     inputs = leaves(rand_uniform(30 * seed, -4.0, -0.7), rand_uniform(30 * seed + 1, -4.0, -0.7))
     ours, metrics = orpo_loss(*inputs, beta=beta)
-    theirs, chosen_r, rejected_r, ratio, log_odds = trl_orpo(*inputs, beta)
+    theirs, chosen_r, rejected_r, ratio, log_odds = ref_orpo(*inputs, beta)
     exact(ours, -theirs)
     exact(metrics["rewards/chosen"], chosen_r)
     exact(metrics["rewards/rejected"], rejected_r)
     exact(metrics["log_odds_ratio"], ratio.detach())
     exact(metrics["log_odds_chosen"], log_odds.detach())
     nll = torch.tensor(1.7)
-    ours_total, trl_total = nll + ours.mean(), nll - theirs.mean()
-    for a, b in zip(grads(ours_total, inputs), grads(trl_total, inputs)):
+    ours_total, ref_total = nll + ours.mean(), nll - theirs.mean()
+    for a, b in zip(grads(ours_total, inputs), grads(ref_total, inputs)):
         exact(a, b)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_orpo_near_zero_branch_matches_trl_in_float64(seed):
-    # For -ln 2 < avg < 0 we use log(-expm1(x)) (more accurate than TRL's log1p(-exp(x)) in
-    # float32); against TRL's formula evaluated in float64 both agree within 1e-6.
+def test_orpo_near_zero_branch_matches_float64_reference(seed):
+    # For -ln 2 < avg < 0 we use log(-expm1(x)) (more accurate than the reference's
+    # log1p(-exp(x)) in float32); against that formula evaluated in float64 both agree within 1e-6.
     beta = 0.1
     c = rand_uniform(40 * seed, -0.69, -0.02)
     r = rand_uniform(40 * seed + 1, -0.69, -0.02)
     inputs = leaves(c, r)
     ours, _ = orpo_loss(*inputs, beta=beta)
     ref_inputs = leaves(c.double(), r.double())
-    theirs = trl_orpo(*ref_inputs, beta)[0]
+    theirs = ref_orpo(*ref_inputs, beta)[0]
     exact(ours, -theirs.float())
     for a, b in zip(grads(ours.sum(), inputs), grads(-theirs.sum(), ref_inputs)):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
@@ -635,7 +638,7 @@ def test_kto_matches_naive(seed, kind, wd, wu, kl):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(("wd", "wu"), [(1.0, 1.0), (1.33, 0.7)])
-def test_kto_trl_parity_losses_and_grads(seed, wd, wu):
+def test_kto_matches_torch_reference_losses_and_grads(seed, wd, wu):
     beta = 0.1
     p, ref, desirable = kto_inputs(seed, "mixed")
     g = torch.Generator().manual_seed(60 + seed)
@@ -643,14 +646,14 @@ def test_kto_trl_parity_losses_and_grads(seed, wd, wu):
     ref_kl = pol_kl - 0.5 + torch.randn(B, generator=g)
     p, ref, pol_kl = leaves(p, ref, pol_kl)
     kl = kto_kl_estimate(pol_kl, ref_kl)
-    trl_kl = trl_kto_kl(pol_kl, ref_kl)
-    exact(kl, trl_kl)
+    expected_kl = ref_kto_kl(pol_kl, ref_kl)
+    exact(kl, expected_kl)
     assert not kl.requires_grad and kl.dim() == 0
     ours, metrics = kto_loss(
         p, ref, desirable, kl, beta=beta, desirable_weight=wd, undesirable_weight=wu
     )
     d = desirable
-    theirs, chosen_r, rejected_r = trl_kto(p[d], p[~d], ref[d], ref[~d], trl_kl, beta, wd, wu)
+    theirs, chosen_r, rejected_r = ref_kto(p[d], p[~d], ref[d], ref[~d], expected_kl, beta, wd, wu)
     exact(torch.cat((ours[d], ours[~d])), theirs)
     exact(metrics["rewards/chosen_sum"], chosen_r.sum())
     exact(metrics["rewards/rejected_sum"], rejected_r.sum())
@@ -673,7 +676,7 @@ def test_kto_kl_estimate_clamp_and_reduce_order():
     other_rank = torch.tensor(3.0)
     est = kto_kl_estimate(pol - 1, ref, reduce_fn=lambda t: torch.stack([t, other_rank]).mean())
     close(est, 1.0)
-    close(est, trl_kto_kl(pol - 1, ref, [other_rank]))
+    close(est, ref_kto_kl(pol - 1, ref, [other_rank]))
     with pytest.raises(ValueError, match="at least one"):
         kto_kl_estimate(torch.zeros(0), torch.zeros(0))
 
@@ -717,8 +720,8 @@ def test_bradley_terry_matches_naive(seed, margin_kind):
     close(big, naive_bt((rc * 500).tolist(), (rr * 500).tolist(), margins), atol=1e-4)
 
 
-def test_bradley_terry_gradient_parity():
-    # TRL RewardTrainer: loss = -logsigmoid(r_c - r_r - margin).mean()
+def test_bradley_terry_matches_torch_reference_losses_and_grads():
+    # The formula of TRL's RewardTrainer: loss = -logsigmoid(r_c - r_r - margin).mean()
     rc, rr = leaves(rand(1, scale=2.0), rand(2, scale=2.0))
     margin = rand_uniform(3, 0.0, 1.0)
     ours, _ = bradley_terry_loss(rc, rr, margin)

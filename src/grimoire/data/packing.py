@@ -302,12 +302,47 @@ def _check_lengths(lengths: np.ndarray, max_tokens: int) -> None:
         raise DataError(problems, title=title)
 
 
+def _padded_bins(
+    lengths: np.ndarray, rank_of: np.ndarray, num_ranks: int, max_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Padded micro-batches per rank, cost ``rows * longest``; returns ``(bin_of, rank_bins)``.
+
+    Each rank's samples, longest first (ties by index), are cut into consecutive runs; a run
+    opened by a sample of length ``w`` takes up to ``max_tokens // w`` samples. This is optimal
+    (fewest micro-batches): in any valid packing the micro-batch holding the longest sample has
+    at most ``max_tokens // w`` rows; swapping its other members for the next-longest samples and
+    then moving further next-longest ones into it (up to that cap) never raises any micro-batch's
+    cost, so some optimal packing starts with the greedy run; induct on the rest. The Python loop
+    runs once per micro-batch, not per sample.
+    """
+    order = np.argsort(-lengths, kind="stable")  # longest first, ties by index (as the kernel)
+    by_rank = order[np.argsort(rank_of[order], kind="stable")]  # grouped by rank, order kept
+    widths = lengths[by_rank].tolist()
+    counts = np.bincount(rank_of, minlength=num_ranks).tolist()
+    local = np.empty(len(lengths), dtype=np.int64)  # micro-batch of each position of by_rank
+    rank_bins = np.zeros(num_ranks, dtype=np.int64)
+    start = 0
+    for r in range(num_ranks):
+        end, pos, nb = start + counts[r], start, 0
+        while pos < end:
+            take = min(max_tokens // widths[pos], end - pos)
+            local[pos : pos + take] = nb
+            pos += take
+            nb += 1
+        rank_bins[r] = nb
+        start = end
+    bin_of = np.empty(len(lengths), dtype=np.int64)
+    bin_of[by_rank] = local
+    return bin_of, rank_bins
+
+
 def plan_global_batch(
     lengths: Sequence[int],
     num_ranks: int,
     max_tokens: int,
     min_micro_batches: int = 1,
     *,
+    padded: bool = False,
     use_numba: bool | None = None,
 ) -> list[list[list[int]]]:
     """Assign the samples of one optimizer step to ranks and token-budget micro-batches.
@@ -315,19 +350,22 @@ def plan_global_batch(
     Args:
         lengths: token count of each sample of the global batch; sample ``i`` is ``lengths[i]``.
         num_ranks: data-parallel world size.
-        max_tokens: token budget of one micro-batch (one packed row).
+        max_tokens: token budget of one micro-batch.
         min_micro_batches: every rank gets at least this many micro-batches.
+        padded: cost model of a micro-batch. ``False``: one packed ``[1, L]`` row costing the sum
+            of its samples' lengths. ``True``: a padded ``[rows, width]`` tensor costing
+            ``rows * width``, ``width`` being its longest sample.
         use_numba: ``None`` follows the module flag :data:`USE_NUMBA`; ``False`` forces the
             pure-Python path (identical output); ``True`` requires numba.
 
     Returns:
         ``plan[rank][micro]`` = ascending sample indices of that micro-batch. Every sample appears
-        exactly once, every micro-batch holds ``<= max_tokens`` tokens, and all ranks have the
-        same number of micro-batches ``M = max(min_micro_batches, most bins any rank needs)``
-        (collective ops in FSDP/DDP need every rank to run the same number of forward/backward
-        passes). Ranks that need fewer bins get trailing empty lists: dummy micro-batches the
-        trainer runs with loss weight 0. Empty ``lengths`` gives ``min_micro_batches`` empty
-        micro-batches per rank.
+        exactly once, every micro-batch costs ``<= max_tokens`` (under the chosen cost model),
+        and all ranks have the same number of micro-batches
+        ``M = max(min_micro_batches, most bins any rank needs)`` (collective ops in FSDP/DDP need
+        every rank to run the same number of forward/backward passes). Ranks that need fewer
+        bins get trailing empty lists: dummy micro-batches the trainer runs with loss weight 0.
+        Empty ``lengths`` gives ``min_micro_batches`` empty micro-batches per rank.
 
     Algorithm (balance first, then pack):
 
@@ -338,6 +376,13 @@ def plan_global_batch(
        nearly always ``ceil(rank_tokens / max_tokens)`` when samples are short relative to the
        budget), keeping the prefix-greedy packing instead if that happens to use fewer bins, so
        the result is never worse than the naive packer on the same rank.
+
+    With ``padded=True`` step 1 is the same LPT (token sums, so ranks are balanced in real
+    tokens), and step 2 becomes a greedy cut of each rank's samples sorted longest first (ties by
+    index): a micro-batch opened by a sample of length ``w`` takes the next ``max_tokens // w``
+    samples (it included), the most rows a ``[rows, w]`` tensor can have. That uses the fewest
+    micro-batches possible for the rank's samples under this cost (see :func:`_padded_bins`).
+    The kernel still runs its packed step 2 (discarded); it costs little next to the sort.
 
     The reverse order (bin-pack globally, then deal bins to ranks) only balances at bin
     granularity: with a handful of micro-batches per rank, one extra bin is a 10-30% imbalance,
@@ -369,6 +414,8 @@ def plan_global_batch(
     _check_lengths(arr, max_tokens)
 
     rank_of, bin_of, rank_bins = _run_kernel(arr, num_ranks, int(max_tokens), bool(use_numba))
+    if padded:  # keep the kernel's LPT rank assignment, replace its (packed) bins
+        bin_of, rank_bins = _padded_bins(arr, rank_of, num_ranks, int(max_tokens))
     num_micro = max(int(rank_bins.max()), min_micro_batches)
 
     # Group sample indices by (rank, micro) with one stable sort: indices come out ascending

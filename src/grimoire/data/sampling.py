@@ -39,6 +39,9 @@ class StepPlanner:
     #: Optimizer steps per global batch (>1 for online methods that take several policy updates
     #: on one rollout batch, e.g. GRPO's num_iterations): step ``s`` uses batch ``s // repeat``.
     repeat: int = 1
+    #: With ``max_tokens_per_device``: micro-batches are padded ``[rows, longest]`` tensors and
+    #: the budget bounds ``rows * longest`` instead of the packed row's token sum.
+    padded: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -66,7 +69,9 @@ class StepPlanner:
 
             assert self.lengths is not None, "a token budget needs sample lengths"
             lengths = [int(self.lengths[i]) for i in ids]
-            plan = plan_global_batch(lengths, self.world_size, self.max_tokens_per_device)
+            plan = plan_global_batch(
+                lengths, self.world_size, self.max_tokens_per_device, padded=self.padded
+            )
             return [[int(ids[j]) for j in micro] for micro in plan[self.rank]]
         # Strided split across ranks, then consecutive micro-batches; short final steps leave
         # some micro-batches smaller or empty (dummies) rather than dropping data.

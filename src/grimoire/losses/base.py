@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..data.budget import default_budget_tokens, truncate_sequences
+
 
 class GrimoireLoss:
     """Base class for training methods.
@@ -32,6 +34,10 @@ class GrimoireLoss:
       ``padding_free`` or ``max_tokens_per_device`` is set; None (default) = not supported.
     - ``prepare_step(trainer, micro_batches) -> micro_batches``: a method's own phase before the
       optimizer step (e.g. online generation + scoring); default: unchanged.
+    - ``budget_tokens(lengths, packed) -> int`` and ``fit_to_budget(row, budget) -> row``: what a
+      row costs in a forward pass under ``max_tokens_per_device`` and how to cut it to fit
+      (:mod:`grimoire.data.budget`); override when the method adds tokens the row does not hold
+      (KTO's KL rows, online completions).
     """
 
     #: Columns a tokenized example must have (checked before training).
@@ -59,6 +65,15 @@ class GrimoireLoss:
             if key.endswith("input_ids") and isinstance(value, Tensor):
                 return float(value.shape[0])
         return 1.0
+
+    def budget_tokens(self, lengths: dict[str, int], packed: bool) -> int:
+        """Tokens a row puts into the largest forward pass it takes part in; ``lengths`` maps
+        each of its sequences (``""``, ``"chosen_"``, ...) to its ``*input_ids`` length."""
+        return default_budget_tokens(lengths, packed)
+
+    def fit_to_budget(self, row: dict[str, Any], budget: int) -> dict[str, Any]:
+        """``row`` cut so that :meth:`budget_tokens` is within ``budget`` (opt-in truncation)."""
+        return truncate_sequences(row, budget)
 
     def setup(self, trainer: Any) -> None:
         """Called once by the trainer after ``accelerator.prepare``."""

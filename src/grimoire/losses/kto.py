@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..data.budget import default_budget_tokens, truncate_sequences
 from ..data.kto import KTO_COLUMNS, KTOCollator, PackedKTOCollator
 from ..errors import ConfigError
 from ..logprobs import TokenLogps
@@ -199,6 +200,21 @@ class KTOLoss(GrimoireLoss):
 
     def loss_weight(self, batch: dict[str, Any]) -> float:
         return float(num_rows(batch))
+
+    #: Appended to a budget error: the row's cost includes the KL row the collator adds.
+    budget_hint = ", plus its mismatched KL row of about the same length"
+
+    def budget_tokens(self, lengths: dict[str, int], packed: bool) -> int:
+        """A row and its mismatched KL row: in-batch pairs join prompt ``i`` with completion
+        ``i + 1``, a permutation, so a micro-batch's KL rows hold as many tokens as its own rows
+        (or fewer, cut to max_length): twice the row. Cached ``kl_input_ids`` count as they are."""
+        if "kl_" in lengths:
+            return default_budget_tokens(lengths, packed)
+        return 2 * lengths[""]
+
+    def fit_to_budget(self, row: dict[str, Any], budget: int) -> dict[str, Any]:
+        """Cut the row (and a cached KL row) so the pair of them fits."""
+        return truncate_sequences(row, budget if "kl_input_ids" in row else budget // 2)
 
     def setup(self, trainer: Any) -> None:
         self.reference.setup(trainer, self.logp_reduction)

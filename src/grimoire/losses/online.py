@@ -224,6 +224,35 @@ class OnlineMethod(GrimoireLoss):
         prompts); padding-free applies to the training micro-batches ``prepare_step`` builds."""
         return GRPOCollator(pad_token_id=pad_token_id)
 
+    # ------------------------------------------------------------------ token budget
+
+    def budget_tokens(self, lengths: dict[str, int], packed: bool) -> int:
+        """A prompt's unit is its group: ``G`` sequences of prompt + up to ``max_new_tokens``.
+
+        Bounds every pass the prompt takes part in: sampling (``G`` rows whose KV cache grows to
+        prompt + max_new_tokens), old-policy / reference / policy passes over the packed rollout.
+        """
+        return self.num_generations * (lengths["prompt_"] + self.max_new_tokens)
+
+    @property
+    def budget_hint(self) -> str:
+        return (
+            f", x num_generations={self.num_generations} with max_new_tokens="
+            f"{self.max_new_tokens} each; lowering either also helps"
+        )
+
+    def fit_to_budget(self, row: dict[str, Any], budget: int) -> dict[str, Any]:
+        """Keep the prompt's LAST tokens (the question and the generation prompt) so the group
+        fits; the ``prompt`` text given to reward functions stays whole."""
+        keep = budget // self.num_generations - self.max_new_tokens
+        if keep < 1:
+            return row  # cannot fit: TokenBudget.problems reports it
+        return {
+            **row,
+            "prompt_input_ids": list(row["prompt_input_ids"][-keep:]),
+            "prompt_attention_mask": list(row["prompt_attention_mask"][-keep:]),
+        }
+
     def validate_dataset(self, dataset: Any, split: str = "train") -> list[str]:
         problems = super().validate_dataset(dataset, split)
         names = set(
@@ -250,6 +279,7 @@ class OnlineMethod(GrimoireLoss):
         pad = getattr(tok, "pad_token_id", None)
         pad = pad if pad is not None else (eos if isinstance(eos, int) else 0)
         self.engine.bind(policy, pad, eos, trainer.accelerator.autocast)
+        self.engine.max_tokens = trainer.config.max_tokens_per_device
         self._check_lengths(trainer, policy)
         cfg = trainer.config
         self.pack_training = bool(

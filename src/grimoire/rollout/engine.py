@@ -154,7 +154,10 @@ class RolloutEngine:
 
     Call :meth:`bind` once (the methods do it in ``setup``) with the training model; then
     :meth:`generate`. ``generation_batch_size`` caps how many sequences one sampling call and
-    one log-prob forward process at a time (memory), never the results.
+    one log-prob forward process at a time (memory), never the results. ``max_tokens`` (set
+    from ``TrainingConfig.max_tokens_per_device`` by the methods) caps the tokens of one such
+    call: ``rows x (longest prompt + max_new_tokens)`` for sampling (the KV cache's final
+    size), ``rows x width`` for scoring. A prompt group is never split.
     """
 
     def __init__(
@@ -174,6 +177,7 @@ class RolloutEngine:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.generation_batch_size = generation_batch_size
+        self.max_tokens: int | None = None
         self.model: torch.nn.Module | None = None
         self.pad_token_id = 0
         self.eos_token_ids: list[int] = []
@@ -258,6 +262,8 @@ class RolloutEngine:
         """
         c = rollout.completion_ids.shape[1]
         chunk = self.generation_batch_size or input_ids.shape[0]
+        if self.max_tokens:  # padded rows: each costs the full width
+            chunk = max(1, min(chunk, self.max_tokens // input_ids.shape[1]))
         out = []
         for s in range(0, input_ids.shape[0], chunk):
             with self.autocast():
@@ -270,6 +276,27 @@ class RolloutEngine:
                 )
             out.append(logps)
         return torch.cat(out) * rollout.completion_mask
+
+    def prompt_chunks(self, prompts: list[list[int]], n: int) -> list[list[list[int]]]:
+        """Consecutive runs of whole prompts, one sampling call each: at most
+        ``generation_batch_size`` rows and, with ``max_tokens``, at most that many tokens once
+        the ``n`` completions per prompt are full (left padding to the run's longest included).
+        A prompt that alone exceeds ``max_tokens`` still gets its own call: the trainer rejects
+        such rows before training, so this only happens when the engine is used on its own."""
+        rows_cap = self.generation_batch_size or len(prompts) * n
+        runs: list[list[list[int]]] = []
+        for p in prompts:
+            if runs:
+                run = runs[-1]
+                width = max(len(p), *(len(q) for q in run)) + self.max_new_tokens
+                rows = (len(run) + 1) * n
+                if rows <= max(rows_cap, n) and (
+                    not self.max_tokens or rows * width <= self.max_tokens
+                ):
+                    run.append(p)
+                    continue
+            runs.append([p])
+        return runs
 
     def _cut_at_eos(self, ids: list[int]) -> list[int]:
         for i, t in enumerate(ids):
@@ -329,12 +356,10 @@ class HFGenerateEngine(RolloutEngine):
         assert model is not None
         config = self._generation_config(greedy)
         device = self.device
-        # Whole prompts per call (a group is never split), at most generation_batch_size rows.
-        per_call = max(1, (self.generation_batch_size or len(prompts) * n) // n)
         out: list[list[int]] = []
         with generation_mode(model):
-            for s in range(0, len(prompts), per_call):
-                chunk = [p for p in prompts[s : s + per_call] for _ in range(n)]
+            for group in self.prompt_chunks(prompts, n):
+                chunk = [p for p in group for _ in range(n)]
                 ids, mask = _pad(chunk, self.pad_token_id, left=True)
                 with self.autocast():
                     gen = model.generate(
