@@ -121,7 +121,8 @@ def _check_loss_type(loss_type: str, allowed: tuple[str, ...], label_smoothing: 
             f"expected one of {list(allowed)}"
         )
     _check_label_smoothing(label_smoothing)
-    # TRL silently ignores label_smoothing for hinge/ipo; a user who set it expected an effect.
+    # TRL silently ignores label_smoothing where it has no meaning; a user who set it expected an
+    # effect, so it is an error here.
     if label_smoothing > 0 and loss_type not in ("sigmoid", "robust"):
         raise ValueError(
             f"label_smoothing={label_smoothing} has no meaning for loss_type={loss_type!r}; "
@@ -209,7 +210,9 @@ def dpo_loss(
       / (1 - 2 eps)``.
 
     DPO's derivation is over sequence likelihoods, so pass SUMMED log-probs (TRL's default).
-    ``h`` is evaluated as ``(pc - pr) - (rc - rr)``, TRL's order, so float32 results match TRL's.
+    ``h`` is evaluated as ``(pc - pr) - (rc - rr)``; TRL 1.16 groups it as ``(pc - rc) - (pr -
+    rr)``, equal in exact arithmetic (tests/losses/test_trl_parity.py compares the two in float32).
+    TRL 1.16 ignores ``label_smoothing`` for ``"sigmoid"``; here it gives cDPO as written above.
 
     Args:
         policy_chosen_logps, policy_rejected_logps: ``[B]`` policy sequence log-probs.
@@ -399,11 +402,11 @@ def orpo_loss(
     ``1 - p`` to mean anything; with sums ``p ~ 0``, ``log(1 - p) ~ 0`` and the term degenerates
     to reference-free DPO on sums.
 
-    Stability (deviation from TRL, which computes ``log1p(-exp(avg))`` directly and gives -inf /
-    NaN when an average rounds to 0): ``log(1 - p)`` uses :func:`log1mexp` on ``avg`` clamped to
-    at most :data:`ORPO_MAX_AVG_LOGP` (-1e-6). The clamp only enters ``log(1 - p)``; the ``log p``
-    term keeps its gradient, so an (almost) certain rejected response is still pushed down.
-    Identical to TRL for ``avg <= -1e-6``.
+    Stability: ``log(1 - p)`` uses :func:`log1mexp` (TRL 1.16 uses the same branched form) on
+    ``avg`` clamped to at most :data:`ORPO_MAX_AVG_LOGP` (-1e-6), so an average that rounds to 0
+    gives a finite loss instead of -inf / NaN (the one deviation from TRL). The clamp only enters
+    ``log(1 - p)``; the ``log p`` term keeps its gradient, so an (almost) certain rejected
+    response is still pushed down. Identical to TRL for ``avg <= -1e-6``.
 
     Shapes: ``[B]``, ``[B]`` -> ``losses [B]``. Metrics (per-example ``[B]``, detached, TRL names
     and meanings): ``rewards/chosen = beta * avg_c``, ``rewards/rejected = beta * avg_r``,
