@@ -120,7 +120,7 @@ def main() -> None:
 
 def planner_throughput(n: int = 1_000_000, ranks: int = 8, budget: int = 32768) -> None:
     """Time the LPT + best-fit planner on ``n`` skewed lengths (numba, after JIT warm-up)."""
-    from grimoire.data.packing import HAVE_NUMBA, plan_global_batch, warmup_numba
+    from grimoire.data.planner import HAVE_NUMBA, plan_global_batch, warmup_numba
 
     lengths = skewed_lengths(n, seed=2)
     warmup_numba()

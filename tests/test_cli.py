@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from grimoire.cli_flags import MINI_TRAINER_FLAGS, markdown_table
 from grimoire.cli_schema import (
     DEFAULT_CONFIG,
     apply_mini_trainer_flags,
@@ -326,6 +327,65 @@ def test_global_batch_splits_over_ranks_and_accumulation(data):
         ]
     )
     assert config_from_args(args)["training"] == {"learning_rate": 2e-4, "seed": 9}
+
+
+def test_docs_flag_table_is_the_code_table():
+    # One list of mini_trainer flags (grimoire.cli_flags): the parser is built from it, and the
+    # table in docs/cli.md must be its rendering, row for row.
+    doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
+    block = doc[doc.index("| flag | becomes |") :].split("\n\n", 1)[0].strip()
+    assert block == markdown_table(), (
+        "docs/cli.md's mini_trainer flag table differs from grimoire.cli_flags.MINI_TRAINER_FLAGS; "
+        "replace it with the output of grimoire.cli_flags.markdown_table()"
+    )
+
+
+@pytest.mark.parametrize("flag", MINI_TRAINER_FLAGS, ids=lambda f: f.flag)
+def test_every_table_flag_parses_and_changes_the_config(flag):
+    value = {bool: [], int: ["8"], float: ["0.5"], str: ["x"]}[flag.kind]
+    _, args = parse_args([flag.flag, *value])
+    given = getattr(args, flag.dest)
+    assert given is not None
+    assert apply_mini_trainer_flags({}, {flag.dest: given}, world_size=1) != {}
+
+
+# --------------------------------------------------------------------------- loss.ref_model
+
+
+class RecordingLoss:
+    """A stand-in loss (``loss.type: tests.test_cli:RecordingLoss``) that keeps its arguments."""
+
+    def __init__(self, ref_model=None):
+        self.ref_model = ref_model
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monkeypatch, cache):
+    import grimoire.trainer
+    from grimoire import train as train_cli
+
+    raw = minimal(data[0], output_dir=str(tmp_path / "out"))
+    raw["loss"] = {"type": "tests.test_cli:RecordingLoss", "ref_model": "copy"}
+    assert validate_config(raw) == []
+    assert validate_config({**raw, "loss": {"type": "dpo", "ref_model": "copy"}}) == []
+    loaded: list[str] = []
+    monkeypatch.setattr(
+        train_cli, "load_model", lambda cfg, path, kind="causal_lm": loaded.append(path) or path
+    )
+    monkeypatch.setattr(grimoire.trainer, "GrimoireTrainer", lambda **kwargs: kwargs)
+    if cache:
+        # Caching from "a copy of the starting policy" is caching from the starting policy.
+        raw["loss"]["cache_reference"] = True
+        monkeypatch.setattr(train_cli, "cache_reference", lambda ref, ds, loss, cfg: ref)
+    run = train_cli.build_run(raw)
+    policy_path = str(tmp_path / "out" / "tiny-model")
+    if cache:
+        assert run.trainer["loss_fn"].ref_model is None
+        assert run.trainer["train_dataset"] == policy_path  # cached with the starting policy
+        assert loaded == [policy_path, policy_path]
+    else:
+        assert run.trainer["loss_fn"].ref_model == "copy"
+        assert loaded == [policy_path]  # the policy only: nothing is loaded from a path "copy"
 
 
 # --------------------------------------------------------------------------- summary and e2e

@@ -1,4 +1,4 @@
-"""Every offline method from YAML: preference data, a reference by path, reference caching."""
+"""Every method from YAML: preference data, a reference by path, by copy, reference caching."""
 
 from __future__ import annotations
 
@@ -82,18 +82,21 @@ def test_ref_model_inside_args_is_rejected(tmp_path, capsys):
     assert "loss.ref_model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["grpo", "rloo", "online_dpo", "raft"])
-def test_online_methods_train_from_yaml(tmp_path, method):
+# RLOO's KL penalty and online DPO's scores need a reference; with neither LoRA nor a model
+# path, the YAML asks for a frozen copy of the starting policy (ref_model: copy).
+@pytest.mark.parametrize(
+    ("method", "ref"), [("grpo", None), ("rloo", "copy"), ("online_dpo", "copy"), ("raft", None)]
+)
+def test_online_methods_train_from_yaml(tmp_path, method, ref):
     from grimoire.tiny import reverse_rows
 
-    raw = _raw(
-        tmp_path,
-        _write(tmp_path, reverse_rows(8, seed=0)),
-        {
-            "type": method,
-            "args": {"reward_funcs": ["char_match"], "num_generations": 4, "max_new_tokens": 6},
-        },
-    )
+    loss = {
+        "type": method,
+        "args": {"reward_funcs": ["char_match"], "num_generations": 4, "max_new_tokens": 6},
+    }
+    if ref is not None:
+        loss["ref_model"] = ref
+    raw = _raw(tmp_path, _write(tmp_path, reverse_rows(8, seed=0)), loss)
     raw["training"]["batch_size"] = 2
     run = build_run(raw)
     run.trainer.train()

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
+from grimoire import fused_head as fh
 from grimoire import logprobs as lp
 from grimoire.errors import ConfigError
 from grimoire.logprobs import IGNORE_INDEX, compute_token_logps, shift_labels
@@ -64,7 +65,7 @@ def padded_batch(vocab: int = 64, seed: int = 1) -> dict[str, Tensor]:
 
 
 def fused_ran(model: torch.nn.Module) -> bool:
-    state = lp._STATE.get(lp._unwrap(model))
+    state = fh._STATE.get(fh._unwrap(model))
     return state is not None and state.disabled is None and state.checked
 
 
@@ -305,9 +306,9 @@ def test_dropout_in_head_is_replayed_in_backward():
     hidden = torch.randn(9, 16, requires_grad=True)
     targets = torch.randint(0, 40, (9,))
     params = list(head.parameters())
-    spec = lp._ChunkSpec(head, [], False, "cpu", len(params))
+    spec = fh._ChunkSpec(head, [], False, "cpu", len(params))
     torch.manual_seed(7)
-    out = lp._HeadChunkLogps.apply(hidden, targets, spec, *params)
+    out = fh._HeadChunkLogps.apply(hidden, targets, spec, *params)
     g_hidden, g_w = torch.autograd.grad(out.sum(), [hidden, params[0]])
     torch.manual_seed(7)  # the same mask, through plain autograd
     ref = lp.logps_from_logits(head(hidden), targets)
@@ -332,7 +333,7 @@ def test_self_check_catches_undeclared_post_head_transform():
     w = torch.rand(4, 12, generator=torch.Generator().manual_seed(6))
     with pytest.warns(RuntimeWarning, match="full-logits path"):
         fused, g_fused = run(model, batch, fused=True, weights=w)
-    assert lp._STATE[model].disabled == "self-check mismatch"
+    assert fh._STATE[model].disabled == "self-check mismatch"
     full, g_full = run(model, batch, fused=False, weights=w)
     torch.testing.assert_close(fused.logps, full.logps, **FP32_TOL)
     assert_grads_close(g_fused, g_full, **FP32_TOL)

@@ -4,7 +4,6 @@ the padded loss, metrics and gradients."""
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,12 +11,13 @@ from tests.helpers.train_utils import quiet_config, train
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
+from grimoire.context import TrainingContext
 from grimoire.data import cache_reference_log_probs, tokenize_kto
 from grimoire.data.grpo import GRPOCollator, tokenize_grpo
 from grimoire.data.kto import KTOCollator, PackedKTOCollator
 from grimoire.losses import KTOLoss
 from grimoire.losses.grpo import GRPOMethod
-from grimoire.losses.online import pack_rollout_batch
+from grimoire.rollout.batches import pack_rollout_batch
 from grimoire.tiny import build_model, kto_rows, reverse_rows
 
 PAD = 0
@@ -132,20 +132,15 @@ def test_packed_grpo_pass_matches_padded(tiny_model, tokenizer, temperature):
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(4, seed=5)]
     method = GRPOMethod(
         [_length_reward], num_generations=4, max_new_tokens=6, temperature=temperature,
-        beta=0.1, num_iterations=2, loss_type="dapo",
+        beta=0.1, num_iterations=2, loss_type="dapo", ref_model="copy",
     )  # fmt: skip
-    trainer = SimpleNamespace(
-        accelerator=Accelerator(cpu=True),
-        tokenizer=tokenizer,
-        unwrapped_model=tiny_model,
-        config=quiet_config("/tmp/unused"),
-        train_dataset=rows,
-        eval_dataset=None,
-        state=SimpleNamespace(epoch=0, step_in_epoch=0),
+    ctx = TrainingContext(
+        quiet_config("/tmp/unused"), Accelerator(cpu=True), tokenizer, tiny_model, rows
     )
-    method.setup(trainer)
+    method.setup(ctx)
     assert not method.pack_training
-    padded = method.prepare_step(trainer, [GRPOCollator(tokenizer.pad_token_id)(rows[:2])])[0]
+    prompts = GRPOCollator(tokenizer.pad_token_id)(rows[:2])
+    padded = method.rollouts.step(ctx, [(prompts, 1.0)])[0][0][0]
     # The tiny model rarely samples EOS: end some completions early (as EOS would) so the
     # samples differ in completion length too, then redo the padded reference pass.
     c = padded["completion_mask"].shape[1]
@@ -176,17 +171,18 @@ def test_grpo_trains_padding_free(tiny_dir, tokenizer, tmp_path):
     torch.manual_seed(0)
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(8, seed=2)]
     method = GRPOMethod(
-        [_length_reward], num_generations=4, max_new_tokens=6, beta=0.04, num_iterations=2
-    )
+        [_length_reward], num_generations=4, max_new_tokens=6, beta=0.04, num_iterations=2,
+        ref_model="copy",
+    )  # fmt: skip
     seen: list[dict] = []
-    prepare = method.prepare_step
+    build = method.build_batches
 
-    def recording_prepare(trainer, micro_batches):
-        out = prepare(trainer, micro_batches)
+    def recording_build(ctx, groups):
+        out, metrics = build(ctx, groups)
         seen.extend(out)
-        return out
+        return out, metrics
 
-    method.prepare_step = recording_prepare
+    method.build_batches = recording_build
     trainer = GrimoireTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_dir),
         tokenizer=tokenizer,

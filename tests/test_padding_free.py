@@ -76,7 +76,7 @@ def test_opt_in_truncation_to_budget(tiny_dir, tokenizer, sft_rows, tmp_path):
         truncate_long_samples=True,
     )
     assert trainer.global_step == 1
-    micro = [trainer._collate(rows, m, True)[0] for m in trainer.planner.plan(0, 0)]
+    micro = [trainer.loader.collate(m, True)[0] for m in trainer.planner.plan(0, 0)]
     assert max(b["input_ids"].shape[1] for b in micro) <= budget
     assert sum(int(b["seq_lens"].sum()) for b in micro) < sum(len(r["input_ids"]) for r in rows)
 

@@ -314,11 +314,44 @@ def test_tensorboard_tracker_receives_metrics(tiny_model, tokenizer, sft_rows, t
 
 
 def test_refuses_to_train_alone_under_a_multi_process_launch(monkeypatch):
-    from grimoire.trainer import _check_world_size
+    from grimoire.modeling import check_world_size
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"PartialState\(cpu=True\)"):
-        _check_world_size(1)
-    _check_world_size(2)  # a real 2-process group passes
+        check_world_size(1)
+    check_world_size(2)  # a real 2-process group passes
     monkeypatch.setenv("WORLD_SIZE", "1")
-    _check_world_size(1)
+    check_world_size(1)
+
+
+def test_dataloader_workers_collate_and_the_main_process_moves(
+    tiny_dir, tokenizer, sft_rows, tmp_path, monkeypatch
+):
+    """With 2 DataLoader workers the run is the same as without, and every device move happens
+    in the main process (a worker touching CUDA would fail)."""
+    import os
+
+    moves = tmp_path / "moves.txt"
+    original = GrimoireTrainer._to_device
+
+    def recording(self, batch):
+        with moves.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        return original(self, batch)
+
+    monkeypatch.setattr(GrimoireTrainer, "_to_device", recording)
+    logs = []
+    for workers in (0, 2):
+        record = RecordLosses()
+        train(
+            AutoModelForCausalLM.from_pretrained(tiny_dir),
+            tokenizer,
+            sft_rows[:24],
+            SFTLoss(),
+            quiet_config(tmp_path / str(workers), max_steps=3, dataloader_num_workers=workers),
+            callbacks=[record],
+        )
+        logs.append(record.losses)
+    assert logs[0] == logs[1]
+    pids = moves.read_text().split()
+    assert len(pids) == 2 * 3 and set(pids) == {str(os.getpid())}

@@ -153,3 +153,55 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
             f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
             f"unexpected {result.unexpected_keys[:5]}"
         )
+
+
+def save(
+    root: Path,
+    step: int,
+    accelerator: Any,
+    write_model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainerState,
+    extra_state: dict[str, Any],
+    save_total_limit: int | None,
+) -> Path:
+    """Write ``checkpoint-<step>`` atomically: everything goes into a temporary folder that is
+    renamed only once every rank has written its part (``write_model(folder)`` writes the model).
+    """
+    tmp, final = begin(root, step)
+    if accelerator.is_main_process:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    write_model(tmp)
+    if accelerator.is_main_process:
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        write_state(tmp, state, extra_state)
+    torch.save(rng_state(), tmp / f"rng_state_{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        commit(tmp, final)
+        rotate(root, save_total_limit)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def resume(
+    path: Path, model: torch.nn.Module, hooks: list[Any], optimizer: Any, scheduler: Any, rank: int
+) -> TrainerState:
+    """Restore weights (or a hook's own reparametrised weights), optimizer, scheduler and this
+    rank's RNG from ``path``; returns the saved :class:`TrainerState`."""
+    loaders = [h for h in hooks if hasattr(h, "load_extra")]
+    for hook in loaders:
+        hook.load_extra(model, path)
+    if not loaders:
+        load_model_weights(model, path)
+    optimizer.load_state_dict(torch_load(path / "optimizer.pt"))
+    scheduler.load_state_dict(torch_load(path / "scheduler.pt"))
+    rng_file = path / f"rng_state_{rank}.pt"
+    if rng_file.exists():
+        set_rng_state(torch_load(rng_file))
+    return read_state(path)

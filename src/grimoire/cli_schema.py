@@ -1,9 +1,10 @@
-"""The YAML/CLI schema of ``grimoire train``: loading, overrides, mini_trainer flags, validation.
+"""The YAML/CLI schema of ``grimoire train``: loading, overrides, validation.
 
 Nothing here loads a model or a dataset: :func:`validate_config` only reads the config (and
 imports the loss/tokenizer/callback classes it names, to check their arguments), so every
 problem in every section is reported in one :class:`ConfigError` before anything expensive runs.
-See ``docs/cli.md`` for the schema and the flag mapping.
+See ``docs/cli.md`` for the schema; the mini_trainer flags applied by :func:`load_config` are
+:mod:`grimoire.cli_flags`' (re-exported here).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import dataclasses
 import importlib.util
 import inspect
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from . import registry
+from .cli_flags import MINI_TRAINER_BASE, apply_mini_trainer_flags
 from .config import TrainingConfig, check_type
 from .data.sources import source_problems
 from .errors import ConfigError, did_you_mean
@@ -61,6 +62,9 @@ TINY_PREFIX = "tiny:"
 TINY_ARCHS = ("llama", "qwen2", "gemma2")
 #: Arguments the CLI supplies itself to every tokenize function.
 TOKENIZE_RESERVED = ("tokenizer",)
+#: ``loss.ref_model`` value that asks the loss for a frozen copy of the starting policy: passed
+#: through as the string ``ref_model="copy"`` instead of loading a model from that path.
+REF_MODEL_COPY = "copy"
 
 
 # --------------------------------------------------------------------------- YAML
@@ -190,87 +194,6 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     return raw
 
 
-# --------------------------------------------------------------------------- mini_trainer flags
-
-#: The base config when only mini_trainer flags are given: mini_trainer's own defaults
-#: (one epoch, no per-epoch checkpoints, no warmup unless asked) on pre-tokenized data.
-MINI_TRAINER_BASE: dict[str, Any] = {
-    "loss": {"type": "sft"},
-    "training": {"num_epochs": 1, "save_on_epoch_end": False, "warmup_ratio": 0.0},
-}
-
-#: flag (argparse dest) -> dotted config key, for flags that map one-to-one.
-MINI_TRAINER_DIRECT = {
-    "model_name_or_path": "model.name_or_path",
-    "output_dir": "training.output_dir",
-    "max_tokens_per_gpu": "training.max_tokens_per_device",
-    "learning_rate": "training.learning_rate",
-    "num_warmup_steps": "training.warmup_steps",
-    "lr_scheduler": "training.lr_scheduler",
-    "seed": "training.seed",
-    "max_epochs": "training.num_epochs",
-    "use_liger_kernels": "training.use_liger",
-    "osft": "training.osft",
-    "osft_unfreeze_rank_ratio": "training.osft_unfreeze_rank_ratio",
-    "checkpoint_at_epoch": "training.save_on_epoch_end",
-    "wandb_project": "wandb.project",
-    "wandb_entity": "wandb.entity",
-    "wandb_run_name": "training.run_name",
-}
-
-
-def apply_mini_trainer_flags(
-    raw: dict[str, Any], flags: Mapping[str, Any], world_size: int | None = None
-) -> dict[str, Any]:
-    """A copy of ``raw`` with mini_trainer-style flags mapped onto the schema.
-
-    ``flags`` maps argparse dests (``batch_size``, ``data_path``, ...) to values; ``None``
-    means "not given". ``--batch-size`` is mini_trainer's *global* batch (samples per optimizer
-    step): it becomes ``training.batch_size = N / (world_size * gradient_accumulation_steps)``
-    with ``world_size`` from ``$WORLD_SIZE`` (default 1). See docs/cli.md for the full table.
-    """
-    raw = copy.deepcopy(raw)
-    given = {k: v for k, v in flags.items() if v is not None}
-
-    def put(dotted: str, value: Any) -> None:
-        *parents, leaf = dotted.split(".")
-        node = raw
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[leaf] = value
-
-    for dest, dotted in MINI_TRAINER_DIRECT.items():
-        if dest in given:
-            put(dotted, given[dest])
-    if "max_steps" in given:
-        # mini_trainer uses 0 for "no step limit".
-        put("training.max_steps", given["max_steps"] or None)
-    if "data_path" in given:
-        # mini_trainer reads pre-tokenized JSONL (input_ids/labels[/len]).
-        raw["dataset"] = {"jsonl": given["data_path"], "tokenize": {"type": "pretokenized"}}
-    if "wandb_project" in given or "wandb_entity" in given or "wandb_run_name" in given:
-        put("training.log_with", "wandb")
-    if given.get("save_final_checkpoint"):
-        out = raw.get("training", {}).get("output_dir", TrainingConfig.output_dir)
-        put("save_to", str(Path(out) / "final"))
-    if "batch_size" in given:
-        world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-        accum = raw.get("training", {}).get("gradient_accumulation_steps", 1)
-        per_step = world * accum if isinstance(accum, int) and accum > 0 else world
-        global_batch = given["batch_size"]
-        if global_batch % per_step:
-            raise ConfigError(
-                [
-                    f"--batch-size {global_batch} (global) is not divisible by world_size {world} x "
-                    f"gradient_accumulation_steps {accum}"
-                ]
-            )
-        put("training.batch_size", global_batch // per_step)
-    return raw
-
-
 # --------------------------------------------------------------------------- validation
 
 
@@ -385,7 +308,10 @@ def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
         return None, ["loss.type: required (e.g. sft, or package.module:MyLoss)"]
     args = dict(loss.get("args") or {})
     if "ref_model" in args:
-        p.append("loss.args.ref_model: give the reference as loss.ref_model (a path or hub name)")
+        p.append(
+            "loss.args.ref_model: give the reference as loss.ref_model (a path, a hub name, or "
+            f"{REF_MODEL_COPY!r} for a frozen copy of the starting policy)"
+        )
     if loss.get("ref_model") and not loss.get("cache_reference"):
         args["ref_model"] = None  # checked against the loss's signature like any argument
     p += _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
@@ -511,6 +437,7 @@ def _resolve_and_check(
 __all__ = [
     "DEFAULT_CONFIG",
     "MINI_TRAINER_BASE",
+    "REF_MODEL_COPY",
     "ConfigLoader",
     "apply_mini_trainer_flags",
     "apply_overrides",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -9,6 +10,8 @@ import torch
 from accelerate import Accelerator
 
 from .config import TrainingConfig
+from .errors import ConfigError
+from .reference import is_quantized
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
@@ -86,12 +89,6 @@ def configure_deepspeed(accelerator: Accelerator, config: TrainingConfig) -> Non
     ds.pop("train_batch_size", None)
 
 
-def truncate_row(row: Mapping[str, Any], max_tokens: int) -> dict[str, Any]:
-    """Cut every token-aligned list column of ``row`` to ``max_tokens`` (opt-in truncation)."""
-    cols = [k for k in row if k.endswith(("input_ids", "labels", "attention_mask", "position_ids"))]
-    return {k: (v[:max_tokens] if k in cols else v) for k, v in row.items()}
-
-
 def count_tokens(batch: Mapping[str, Any]) -> float:
     """Real (non-pad) input tokens in a collated batch, over every ``*input_ids`` column."""
     total = 0.0
@@ -100,3 +97,105 @@ def count_tokens(batch: Mapping[str, Any]) -> float:
             mask = batch.get(key.replace("input_ids", "attention_mask"))
             total += float(mask.sum()) if isinstance(mask, torch.Tensor) else float(value.numel())
     return total
+
+
+def resolve_mixed_precision(config: TrainingConfig) -> str:
+    """The precision accelerate is asked for; fp16 needs CUDA (its loss scaler)."""
+    if config.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError(
+            ["mixed_precision='fp16' needs a CUDA GPU; on CPU use 'bf16' (fast with AMX) or 'no'"]
+        )
+    return config.mixed_precision
+
+
+def prepare_model(
+    model: torch.nn.Module, peft_config: Any, config: TrainingConfig, accelerator: Accelerator
+) -> tuple[torch.nn.Module, list[Any]]:
+    """Liger, LoRA (k-bit preparation for quantized bases), checkpointing, dropout, OSFT.
+
+    Returns the model to train and the optimizer-step hooks it needs (OSFT's projection).
+    """
+    quantized = is_quantized(model)
+    if quantized and peft_config is None:
+        raise ConfigError(["a quantized model can only be trained with LoRA: pass peft_config"])
+    if config.osft and peft_config is not None:
+        raise ConfigError(["OSFT and LoRA cannot be combined: drop peft_config or set osft=False"])
+    if config.use_liger:
+        from .kernels import apply_liger
+
+        apply_liger(model)
+    if peft_config is not None:
+        from peft import get_peft_model, prepare_model_for_kbit_training
+
+        if quantized:
+            model = prepare_model_for_kbit_training(
+                model,
+                use_gradient_checkpointing=config.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False},
+            )
+        model = get_peft_model(model, peft_config)
+    if config.gradient_checkpointing:
+        enable_checkpointing(model)
+    if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    if config.disable_dropout:
+        disable_dropout(model)
+    hooks: list[Any] = []
+    if config.osft:
+        from .osft import attach_osft
+
+        hooks.append(attach_osft(model, config, accelerator))
+    return model, hooks
+
+
+def save_hf(
+    out: Any,
+    accelerator: Accelerator,
+    wrapped: torch.nn.Module,
+    tokenizer: Any,
+    hooks: list[Any],
+    merge_adapter: bool = False,
+    for_resume: bool = False,
+) -> None:
+    """Write a ``from_pretrained``-loadable model (+ tokenizer) from the main process.
+
+    A hook that reparametrises weights (OSFT) exports dense HF weights, and for a resume keeps
+    its own factors beside them so they are restored exactly.
+    """
+    import copy
+    from pathlib import Path
+
+    state_dict = accelerator.get_state_dict(wrapped)  # gathers FSDP / ZeRO-3 shards
+    if not accelerator.is_main_process:
+        return
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = accelerator.unwrap_model(wrapped)
+    for hook in hooks:
+        if hasattr(hook, "export_state_dict"):
+            state_dict = hook.export_state_dict(state_dict)
+        if for_resume and hasattr(hook, "save_extra"):
+            hook.save_extra(out)
+    if merge_adapter and hasattr(model, "merge_and_unload"):
+        copy.deepcopy(model).merge_and_unload().save_pretrained(out, safe_serialization=True)
+    else:
+        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(out)
+
+
+def check_world_size(num_processes: int) -> None:
+    """Refuse to train alone when the launcher started several processes.
+
+    accelerate's process state is a per-process singleton: if something built it before the
+    trainer (e.g. ``PartialState()`` with its default ``cpu=False`` on a CPU-only machine), every
+    torchrun worker would run the whole job by itself and they would overwrite each other's files.
+    """
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and num_processes != launched:
+        raise RuntimeError(
+            f"the launcher started {launched} processes (WORLD_SIZE) but accelerate sees "
+            f"{num_processes}; accelerate's process state was created before GrimoireTrainer "
+            "with different settings. On a machine without a GPU create it as "
+            "PartialState(cpu=True), or let GrimoireTrainer create it first."
+        )

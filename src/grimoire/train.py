@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from . import registry
+from .cli_flags import MINI_TRAINER_DESTS, add_mini_trainer_flags
 from .cli_schema import (
+    REF_MODEL_COPY,
     TINY_PREFIX,
     is_dataset_ref,
     load_config,
@@ -94,13 +96,18 @@ def build_run(raw: Mapping[str, Any]) -> Run:
     loss_cfg = raw.get("loss") or {"type": "sft"}
     loss_cls = registry.resolve(loss_cfg["type"], registry.LOSSES, "loss.type")
     model_kind = getattr(loss_cls, "model_kind", "causal_lm")
+    ref_spec, cache = loss_cfg.get("ref_model"), loss_cfg.get("cache_reference")
+    ref_path = ref_spec if ref_spec != REF_MODEL_COPY else None
     ref_model = None
-    if loss_cfg.get("ref_model") or loss_cfg.get("cache_reference"):
-        # Default reference for caching: the starting policy itself (the usual DPO reference).
-        ref_path = _materialize_model(loss_cfg.get("ref_model") or model_path, config.output_dir)
+    if ref_path or cache:
+        # Default reference for caching: the starting policy itself (the usual DPO reference,
+        # and what "copy" means).
+        ref_path = _materialize_model(ref_path or model_path, config.output_dir)
         ref_model = load_model(model_cfg, ref_path, model_kind)
     args = dict(loss_cfg.get("args") or {})
-    if ref_model is not None and not loss_cfg.get("cache_reference"):
+    if ref_spec == REF_MODEL_COPY and not cache:
+        args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
+    elif ref_model is not None and not cache:
         args["ref_model"] = ref_model
     try:
         loss_fn = loss_cls(**args)
@@ -390,56 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate the config and exit (same as the validate command)",
     )
-    m = p.add_argument_group("mini_trainer-compatible flags (applied after the YAML, before --set)")
-    for flag, kind in (
-        ("--model-name-or-path", str),
-        ("--data-path", str),
-        ("--output-dir", str),
-        ("--batch-size", int),
-        ("--max-tokens-per-gpu", int),
-        ("--learning-rate", float),
-        ("--num-warmup-steps", int),
-        ("--lr-scheduler", str),
-        ("--seed", int),
-        ("--max-epochs", int),
-        ("--max-steps", int),
-        ("--osft-unfreeze-rank-ratio", float),
-        ("--wandb-project", str),
-        ("--wandb-entity", str),
-        ("--wandb-run-name", str),
-    ):
-        m.add_argument(flag, type=kind, default=None)
-    for flag in (
-        "--use-liger-kernels",
-        "--osft",
-        "--save-final-checkpoint",
-        "--checkpoint-at-epoch",
-    ):
-        m.add_argument(flag, action="store_true", default=None)
+    add_mini_trainer_flags(p)
     return p
-
-
-MINI_TRAINER_DESTS = (
-    "model_name_or_path",
-    "data_path",
-    "output_dir",
-    "batch_size",
-    "max_tokens_per_gpu",
-    "learning_rate",
-    "num_warmup_steps",
-    "lr_scheduler",
-    "seed",
-    "max_epochs",
-    "max_steps",
-    "osft_unfreeze_rank_ratio",
-    "wandb_project",
-    "wandb_entity",
-    "wandb_run_name",
-    "use_liger_kernels",
-    "osft",
-    "save_final_checkpoint",
-    "checkpoint_at_epoch",
-)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[str, argparse.Namespace]:

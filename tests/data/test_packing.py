@@ -14,13 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grimoire.data import packing
-from grimoire.data.packing import (
-    pack_samples,
-    padding_fraction,
-    plan_global_batch,
-    segment_sum,
-)
+from grimoire.data import packing, planner
+from grimoire.data.packing import pack_samples, padding_fraction, segment_sum
+from grimoire.data.planner import plan_global_batch
 from grimoire.errors import DataError
 from grimoire.logprobs import IGNORE_INDEX, shift_labels
 
@@ -139,9 +135,15 @@ def test_module_flag_forces_fallback(monkeypatch):
     def boom(*args):
         raise AssertionError("numba kernel used although USE_NUMBA is False")
 
-    monkeypatch.setattr(packing, "_plan_kernel_numba", boom)
-    monkeypatch.setattr(packing, "USE_NUMBA", False)
+    monkeypatch.setattr(planner, "_plan_kernel_numba", boom)
+    monkeypatch.setattr(planner, "USE_NUMBA", False)
     assert plan_global_batch([6, 5, 4, 5], 1, 10) == [[[0, 2], [1, 3]]]
+
+
+def test_collation_does_not_import_the_planner():
+    """Collating never loads numba: the planner lives in its own module."""
+    assert not hasattr(packing, "plan_global_batch")
+    assert not hasattr(packing, "USE_NUMBA")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

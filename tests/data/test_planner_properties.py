@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grimoire.data.packing import plan_global_batch
+from grimoire.data.planner import plan_global_batch
 from grimoire.data.sampling import StepPlanner
 
 SETTINGS = settings(max_examples=150, deadline=None)

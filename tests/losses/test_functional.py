@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from grimoire.losses import functional, kto_functional
 from grimoire.losses.functional import (
     ORPO_MAX_AVG_LOGP,
     bradley_terry_loss,
@@ -411,6 +412,22 @@ def test_ipo_matches_naive_and_dpo_ipo(seed):
     same, _ = dpo_loss(pc, pr, rc, rr, beta=0.3, loss_type="ipo")
     assert torch.equal(losses, same)
     assert metrics.keys() >= PAIR_KEYS
+    # CPO's "ipo" is the same function of h = c - r (a reference of 0).
+    zero = torch.zeros_like(pc)
+    cpo_ipo, _ = cpo_loss(pc - rc, pr - rr, beta=0.3, loss_type="ipo")
+    close(cpo_ipo, ipo_loss(pc - rc, pr - rr, zero, zero, beta=0.3)[0])
+
+
+def test_default_logp_reduction_averages_for_ipo_only():
+    assert functional.default_logp_reduction("ipo") == "mean"
+    for loss_type in functional.DPO_LOSS_TYPES + functional.CPO_LOSS_TYPES:
+        if loss_type != "ipo":
+            assert functional.default_logp_reduction(loss_type) == "sum"
+
+
+def test_kto_math_is_reexported_from_functional():
+    assert functional.kto_loss is kto_functional.kto_loss
+    assert functional.kto_kl_estimate is kto_functional.kto_kl_estimate
 
 
 # ------------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def test_rloo_online_dpo_raft_raise_heldout_reward(warm_dir, heldout, baseline, 
     kw = dict(num_generations=g, max_new_tokens=MAX_NEW_TOKENS)
     method = {
         "rloo": lambda: RLOOMethod([char_match_reward], beta=0.0, **kw),
-        "online_dpo": lambda: OnlineDPOMethod([char_match_reward], **kw),
+        "online_dpo": lambda: OnlineDPOMethod([char_match_reward], ref_model="copy", **kw),
         "raft": lambda: RAFTMethod([char_match_reward], **kw),
     }[name]()
     after = _rl(warm_dir, tmp_path, method, steps, heldout, prompts_per_step=16, lr=lr)

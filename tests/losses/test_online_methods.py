@@ -6,17 +6,16 @@ from __future__ import annotations
 import copy
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 from tests.helpers.train_utils import RecordLosses, quiet_config
 
 from grimoire import GrimoireTrainer
+from grimoire.context import TrainingContext
 from grimoire.data.grpo import GRPOCollator, tokenize_grpo
 from grimoire.errors import ConfigError, DataError
 from grimoire.losses.grpo import GRPOMethod
-from grimoire.losses.online import EMPTY_WEIGHT
 from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
@@ -41,20 +40,14 @@ def prompt_rows(tokenizer):
 
 
 def _setup(method, model, tokenizer, rows, **config):
-    """Call ``method.setup`` with a minimal trainer stand-in (no training loop)."""
+    """Call ``method.setup`` with the context a trainer would give it (no training loop)."""
     from accelerate import Accelerator
 
-    trainer = SimpleNamespace(
-        accelerator=Accelerator(cpu=True),
-        tokenizer=tokenizer,
-        unwrapped_model=model,
-        config=quiet_config("/tmp/unused", **config),
-        train_dataset=rows,
-        eval_dataset=None,
-        state=SimpleNamespace(epoch=0, step_in_epoch=0),
+    ctx = TrainingContext(
+        quiet_config("/tmp/unused", **config), Accelerator(cpu=True), tokenizer, model, rows
     )
-    method.setup(trainer)
-    return trainer
+    method.setup(ctx)
+    return ctx
 
 
 def _perturb(model, scale=0.02):
@@ -83,9 +76,11 @@ def _rows_of(batch):
     return out
 
 
-def _step(method, trainer, rows, tokenizer, n=4):
+def _step(method, ctx, rows, tokenizer, n=4):
+    """The rollout stage on one prompt micro-batch: ``(training batch, rollout metrics)``."""
     mb = GRPOCollator(tokenizer.pad_token_id)(rows[:n])
-    return method.prepare_step(trainer, [mb])[0]
+    batches, metrics, _ = method.rollouts.step(ctx, [(mb, 1.0)])
+    return batches[0][0], metrics
 
 
 # ------------------------------------------------------------------ losses vs naive references
@@ -95,10 +90,10 @@ def test_grpo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
     torch.manual_seed(0)
     method = GRPOMethod(
         [length_reward], num_generations=4, max_new_tokens=5, temperature=0.8, beta=0.1,
-        epsilon=0.2, epsilon_high=0.3, num_iterations=2, loss_type="dapo",
+        epsilon=0.2, epsilon_high=0.3, num_iterations=2, loss_type="dapo", ref_model="copy",
     )  # fmt: skip
     trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
-    batch = _step(method, trainer, prompt_rows, tokenizer, n=2)
+    batch, rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
     # Move the policy so ratio != 1 and the KL is non-zero (the reference is a frozen copy).
     _perturb(tiny_model)
     tiny_model.eval()
@@ -127,18 +122,20 @@ def test_grpo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
     assert float(loss.detach()) == pytest.approx(num / den, rel=1e-4, abs=1e-6)
     assert float(metrics["clip_ratio/region_mean"]) == pytest.approx(clipped / den)
     assert method.loss_weight(batch) == den
-    assert metrics["rewards/mean"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-5)
+    assert rollout_metrics["rewards/mean"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-5)
 
 
 def test_rloo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
     torch.manual_seed(1)
-    method = RLOOMethod([length_reward], num_generations=3, max_new_tokens=5, beta=0.2)
+    method = RLOOMethod(
+        [length_reward], num_generations=3, max_new_tokens=5, beta=0.2, ref_model="copy"
+    )
     trainer = _setup(method, tiny_model, tokenizer, prompt_rows)  # reference = this copy
     _perturb(tiny_model)
     sampler = copy.deepcopy(tiny_model)  # the policy that samples (KL is sampler vs reference)
-    batch = _step(method, trainer, prompt_rows, tokenizer, n=2)
+    batch, rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
     _perturb(tiny_model)  # ...and the policy being trained has moved on
-    loss, metrics = method(tiny_model.eval(), batch)
+    loss, _metrics = method(tiny_model.eval(), batch)
     rows = _rows_of(batch)
     ref_model = method.reference.ref_model
     shaped, kls = [], []
@@ -155,16 +152,18 @@ def test_rloo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
         adv = shaped[i] - sum(others) / 2
         total += -adv * sum(_naive_token_logps(tiny_model, prompt, comp))
     assert float(loss.detach()) == pytest.approx(total / len(rows), rel=1e-4, abs=1e-6)
-    assert metrics["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-4, abs=1e-6)
-    assert abs(metrics["kl"]) > 1e-4
+    assert rollout_metrics["kl"] == pytest.approx(sum(kls) / len(kls), rel=1e-4, abs=1e-6)
+    assert abs(rollout_metrics["kl"]) > 1e-4
     assert method.loss_weight(batch) == len(rows)
 
 
 def test_online_dpo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
     torch.manual_seed(2)
-    method = OnlineDPOMethod([length_reward], num_generations=4, max_new_tokens=6, beta=0.5)
+    method = OnlineDPOMethod(
+        [length_reward], num_generations=4, max_new_tokens=6, beta=0.5, ref_model="copy"
+    )
     trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
-    batch = _step(method, trainer, prompt_rows, tokenizer, n=3)
+    batch, _rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=3)
     k = batch["num_pairs"]
     assert k >= 1  # random completions differ in length
     _perturb(tiny_model)
@@ -192,20 +191,20 @@ def test_raft_trains_on_winners_only(tiny_model, tokenizer, prompt_rows):
     torch.manual_seed(3)
     method = RAFTMethod([length_reward], num_generations=4, max_new_tokens=6)
     trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
-    batch = _step(method, trainer, prompt_rows, tokenizer, n=3)
+    batch, _rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=3)
     rows = _rows_of(batch)
     assert len(rows) == 3  # one winner per group, no threshold
     loss, _ = method(tiny_model.eval(), batch)
     lps = [lp for p, c in rows for lp in _naive_token_logps(tiny_model, p, c)]
     assert float(loss.detach()) == pytest.approx(-sum(lps) / len(lps), rel=1e-4)
     assert method.loss_weight(batch) == len(lps)
-    # A threshold nobody reaches: a placeholder row with zero loss and (almost) zero weight.
+    # A threshold nobody reaches: a placeholder row with zero loss and zero weight.
     strict = RAFTMethod([length_reward], num_generations=2, max_new_tokens=4, reward_threshold=9)
     trainer = _setup(strict, tiny_model, tokenizer, prompt_rows)
-    empty = _step(strict, trainer, prompt_rows, tokenizer, n=2)
-    assert empty["completion_mask"].sum() == 0 and empty["rollout_metrics"]["raft/kept_frac"] == 0
+    empty, empty_metrics = _step(strict, trainer, prompt_rows, tokenizer, n=2)
+    assert empty["completion_mask"].sum() == 0 and empty_metrics["raft/kept_frac"] == 0
     assert float(strict(tiny_model, empty)[0].detach()) == 0.0
-    assert strict.loss_weight(empty) == EMPTY_WEIGHT
+    assert strict.loss_weight(empty) == 0.0
 
 
 # ------------------------------------------------------------------ machinery
@@ -222,8 +221,8 @@ def test_dynamic_sampling_drops_flat_groups(tiny_model, tokenizer, prompt_rows):
         [first_prompt_flat], num_generations=4, max_new_tokens=6, dynamic_sampling=True
     )
     trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
-    batch = _step(method, trainer, prompt_rows, tokenizer, n=3)
-    m = batch["rollout_metrics"]
+    batch, rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=3)
+    m = rollout_metrics
     dropped = m["dynamic_sampling/dropped_frac"]
     assert dropped >= 1 / 3 and batch["input_ids"].shape[0] == round(12 * (1 - dropped))
     assert m["frac_reward_zero_std"] == dropped
@@ -234,15 +233,14 @@ def test_num_iterations_reuses_the_rollout(tiny_model, tokenizer, prompt_rows):
     method = GRPOMethod([length_reward], num_generations=2, max_new_tokens=4, num_iterations=2)
     assert method.steps_per_batch == 2 and method.needs_old_logps
     trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
-    mb = GRPOCollator(tokenizer.pad_token_id)(prompt_rows[:2])
-    first = method.prepare_step(trainer, [mb])[0]
-    trainer.state.step_in_epoch = 1  # the planner repeats the same prompts
-    second = method.prepare_step(trainer, [mb])[0]
+    first, _ = _step(method, trainer, prompt_rows, tokenizer, n=2)
+    trainer.step.step_in_epoch = 1  # the planner repeats the same prompts
+    second, metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
     assert second["input_ids"] is first["input_ids"]  # same completions, same old log-probs
     assert second["old_logps"] is first["old_logps"]
-    assert second["rollout_metrics"]["time/generation"] == 0.0
-    trainer.state.step_in_epoch = 2  # next rollout batch: fresh samples
-    third = method.prepare_step(trainer, [mb])[0]
+    assert metrics["time/generation"] == 0.0
+    trainer.step.step_in_epoch = 2  # next rollout batch: fresh samples
+    third, _ = _step(method, trainer, prompt_rows, tokenizer, n=2)
     assert third["input_ids"] is not first["input_ids"]
 
 
@@ -253,8 +251,8 @@ def test_lora_reference_is_the_base_model(tiny_model, tokenizer, prompt_rows):
     policy = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     method = GRPOMethod([length_reward], num_generations=2, max_new_tokens=4, beta=0.1)
     trainer = _setup(method, policy, tokenizer, prompt_rows)
-    assert method.reference.mode == "adapter"
-    batch = _step(method, trainer, prompt_rows, tokenizer, n=2)
+    assert method.reference.source == "adapters"
+    batch, _rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
     with torch.no_grad():  # make the adapter non-trivial
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -308,7 +306,7 @@ def test_trainer_runs_grpo_with_clipping_on_second_iteration(tiny_dir, tokenizer
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(8, seed=2)]
     method = GRPOMethod(
         ["char_match", length_reward], reward_weights=[1.0, 0.5], num_generations=4,
-        max_new_tokens=6, num_iterations=2, beta=0.04, epsilon_high=0.28,
+        max_new_tokens=6, num_iterations=2, beta=0.04, epsilon_high=0.28, ref_model="copy",
     )  # fmt: skip
     record = RecordLosses()
     trainer = GrimoireTrainer(
@@ -364,9 +362,37 @@ def test_trainer_lora_bf16_checkpointing(tiny_dir, tokenizer, tmp_path):
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
         callbacks=[record],
     )
-    assert trainer.loss_fn.reference.mode == "adapter"
+    assert trainer.loss_fn.reference.source == "adapters"
     trainer.train()
     assert trainer.model.training
     for rec in record.records:
         assert math.isfinite(rec["loss"]) and math.isfinite(rec["kl"])
     assert record.records[-1]["kl"] > 0
+
+
+@pytest.mark.parametrize("corrected", [False, True])
+def test_bias_corrected_kl_multiplies_k3_by_the_ratio(
+    tiny_model, tokenizer, prompt_rows, corrected
+):
+    torch.manual_seed(6)
+    method = GRPOMethod(
+        [length_reward], num_generations=2, max_new_tokens=4, beta=0.3, num_iterations=2,
+        ref_model="copy", use_bias_correction_kl=corrected,
+    )  # fmt: skip
+    ctx = _setup(method, tiny_model, tokenizer, prompt_rows)
+    batch, _ = _step(method, ctx, prompt_rows, tokenizer, n=2)
+    _perturb(tiny_model)
+    tiny_model.eval()
+    loss, _ = method(tiny_model, batch)
+    num, den = 0.0, 0
+    for i, (prompt, comp) in enumerate(_rows_of(batch)):
+        adv = float(batch["advantages"][i])
+        cm = batch["completion_mask"][i].bool()
+        olds, refs = batch["old_logps"][i][cm].tolist(), batch["ref_logps"][i][cm].tolist()
+        for lp, lo, lr in zip(_naive_token_logps(tiny_model, prompt, comp), olds, refs):
+            ratio = math.exp(lp - lo)
+            surrogate = min(ratio * adv, min(max(ratio, 0.8), 1.2) * adv)
+            kl = math.exp(lr - lp) - (lr - lp) - 1
+            num += -surrogate + 0.3 * kl * (ratio if corrected else 1.0)
+            den += 1
+    assert float(loss.detach()) == pytest.approx(num / den, rel=1e-4, abs=1e-6)

@@ -192,6 +192,24 @@ def test_ipo_matches_naive(policy, ref, pairs, reduction):
     check_metrics(metrics, expected)
 
 
+def test_ipo_loss_and_dpo_ipo_agree_by_default(policy, ref, pairs):
+    # One IPO: the same math and the same default reduction (token averages, TRL's convention),
+    # whichever class the user picks.
+    ipo, dpo_ipo = (
+        IPOLoss(beta=0.2, ref_model=ref),
+        DPOLoss(beta=0.2, ref_model=ref, loss_type="ipo"),
+    )
+    assert ipo.logp_reduction == dpo_ipo.logp_reduction == "mean"
+    assert DPOLoss().logp_reduction == "sum"  # every other loss type keeps sums
+    batch = PreferenceCollator(PAD)(pairs)
+    loss_a, metrics_a = ipo(policy, batch)
+    loss_b, metrics_b = dpo_ipo(policy, batch)
+    assert loss_a.item() == loss_b.item()
+    assert {k: float(v) for k, v in metrics_a.items()} == {
+        k: float(v) for k, v in metrics_b.items()
+    }
+
+
 # ------------------------------------------------------------------------------------------------
 # reference-free: SimPO, CPO, ORPO
 # ------------------------------------------------------------------------------------------------

@@ -79,12 +79,12 @@ def _worker(model_dir: str, out_dir: str, batch: int) -> None:
     class Recording(GRPOMethod):
         """Records, per step and micro-batch, the prompt of every generated row."""
 
-        def build_batches(self, trainer, micro_batches, rollouts, scored):
+        def build_batches(self, ctx, groups):
             step = []
-            for mb, r in zip(micro_batches, rollouts):
-                step.append([p for p in mb["prompt"] for _ in range(r.group_size)])
+            for g in groups:
+                step.append([p for p in g.prompts["prompt"] for _ in range(g.rollout.group_size)])
             self.log.append(step)
-            return super().build_batches(trainer, micro_batches, rollouts, scored)
+            return super().build_batches(ctx, groups)
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(32, seed=5)]
@@ -95,7 +95,7 @@ def _worker(model_dir: str, out_dir: str, batch: int) -> None:
     )  # fmt: skip
     method = Recording(
         ["char_match"], num_generations=G, max_new_tokens=6, beta=0.04, num_iterations=2,
-        scale_rewards="batch", dynamic_sampling=True,
+        scale_rewards="batch", dynamic_sampling=True, ref_model="copy",
     )  # fmt: skip
     method.log: list[list[list[str]]] = []
     trainer = GrimoireTrainer(

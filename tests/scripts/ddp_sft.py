@@ -33,6 +33,7 @@ config = TrainingConfig(
     logging_steps=1,
     lr_scheduler="constant",
     warmup_ratio=0.0,
+    **extra,
 )
 trainer = GrimoireTrainer(
     model=AutoModelForCausalLM.from_pretrained(model_dir),

@@ -19,12 +19,12 @@ import torch
 from ..errors import DataError
 from ..logprobs import IGNORE_INDEX
 from .common import collate_prefixed
+from .packing import pack_row_sides
 from .preference import (
     _check_lengths,
     _is_conversational,
     _missing_or_empty,
-    encode_prompt_response,
-    truncate_prompt_responses,
+    tokenize_prompt_responses,
 )
 
 #: Columns produced by :func:`tokenize_kto`.
@@ -84,32 +84,17 @@ def tokenize_kto(
         raise DataError(problems)
     label = _as_label(example[label_field], label_field, fn)
     prompt, completion = example[prompt_field], example[completion_field]
-    prompt_ids, ids, labels = encode_prompt_response(
+    [row] = tokenize_prompt_responses(
         tokenizer,
         prompt,
-        completion,
+        [(completion_field, completion)],
         prompt_field=prompt_field,
-        response_field=completion_field,
         fn=fn,
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
         conversational=_is_conversational(prompt, completion),
     )
-    prompt_ids, [(ids, labels)] = truncate_prompt_responses(
-        prompt_ids, [(ids, labels)], max_length, max_prompt_length, tokenizer.bos_token_id
-    )
-    if all(x == IGNORE_INDEX for x in labels):
-        raise DataError(
-            [
-                f"{fn}: field {completion_field!r} has no trainable token left after truncation "
-                f"to max_length={max_length} (raise max_length or lower max_prompt_length)"
-            ]
-        )
-    input_ids = prompt_ids + ids
-    return {
-        "input_ids": input_ids,
-        "attention_mask": [1] * len(input_ids),
-        "labels": [IGNORE_INDEX] * len(prompt_ids) + labels,
-        "label": label,
-    }
+    return {**row, "label": label}
 
 
 def split_prompt_completion(
@@ -203,8 +188,6 @@ class PackedKTOCollator(KTOCollator):
     """
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        from .packing import pack_row_sides  # lazy: packing pulls in numba
-
         batch = pack_row_sides(
             self.with_kl_pairs(features),
             ("", "kl_"),

@@ -3,7 +3,8 @@
 A row is a prompt with a preferred (``chosen``) and a dispreferred (``rejected``) response, as
 plain strings or as chat messages. Both responses share the prompt tokens exactly, so every
 difference between the two sequences' log-probs comes from the responses. The helpers
-``encode_prompt_response`` and ``truncate_prompt_responses`` are shared with the KTO tokenizer.
+``encode_prompt_response``, ``truncate_prompt_responses`` and ``tokenize_prompt_responses`` are
+shared with the KTO tokenizer.
 
 Truncation (when ``prompt + longest response > max_length``): the prompt is shortened first,
 keeping its END (the question right before the answer matters most; a leading BOS token is kept),
@@ -148,6 +149,68 @@ def truncate_prompt_responses(
     return prompt_ids, [(list(i[:budget]), list(lab[:budget])) for i, lab in responses]
 
 
+def tokenize_prompt_responses(
+    tokenizer,
+    prompt: Any,
+    responses: Sequence[tuple[str, Any]],
+    *,
+    prompt_field: str,
+    fn: str,
+    max_length: int,
+    max_prompt_length: int | None,
+    conversational: bool,
+) -> list[dict[str, list[int]]]:
+    """``prompt`` followed by each ``(field, response)``, truncated together: one
+    ``{"input_ids", "attention_mask", "labels"}`` per response (prompt tokens labelled -100).
+
+    The tokenization shared by :func:`tokenize_preference` (two responses) and
+    :func:`grimoire.data.kto.tokenize_kto` (one): :func:`encode_prompt_response` for each (the
+    first response's prompt tokens are the shared prompt), :func:`truncate_prompt_responses`,
+    then a ``DataError`` naming every response left with no trainable token.
+    """
+    encoded = [
+        encode_prompt_response(
+            tokenizer,
+            prompt,
+            response,
+            prompt_field=prompt_field,
+            response_field=field,
+            fn=fn,
+            conversational=conversational,
+        )
+        for field, response in responses
+    ]
+    prompt_ids, cut = truncate_prompt_responses(
+        encoded[0][0],
+        [(ids, labels) for _, ids, labels in encoded],
+        max_length,
+        max_prompt_length,
+        tokenizer.bos_token_id,
+    )
+    untrained = [
+        field
+        for (field, _), (_, labels) in zip(responses, cut)
+        if all(x == IGNORE_INDEX for x in labels)
+    ]
+    if untrained:
+        raise DataError(
+            [
+                f"{fn}: field {f!r} has no trainable token left after truncation to "
+                f"max_length={max_length} (raise max_length or lower max_prompt_length)"
+                for f in untrained
+            ]
+        )
+    mask = [IGNORE_INDEX] * len(prompt_ids)
+    return [
+        {
+            "input_ids": prompt_ids + ids,
+            "attention_mask": [1] * (len(prompt_ids) + len(ids)),
+            "labels": mask + labels,
+        }
+        for ids, labels in cut
+    ]
+
+
 def _check_lengths(max_length: int, max_prompt_length: int | None, fn: str) -> None:
     if max_length < 2:
         raise ValueError(f"{fn}: max_length must be >= 2, got {max_length}")
@@ -244,35 +307,17 @@ def tokenize_preference(
                     "no leading messages to use as the prompt"
                 ]
             )
-    conversational = _is_conversational(prompt, chosen, rejected)
-    kw = dict(prompt_field=prompt_field, fn=fn, conversational=conversational)
-    prompt_ids, c_ids, c_labels = encode_prompt_response(
-        tokenizer, prompt, chosen, response_field=chosen_field, **kw
+    chosen_row, rejected_row = tokenize_prompt_responses(
+        tokenizer,
+        prompt,
+        [(chosen_field, chosen), (rejected_field, rejected)],
+        prompt_field=prompt_field,
+        fn=fn,
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        conversational=_is_conversational(prompt, chosen, rejected),
     )
-    _, r_ids, r_labels = encode_prompt_response(
-        tokenizer, prompt, rejected, response_field=rejected_field, **kw
-    )
-    prompt_ids, [(c_ids, c_labels), (r_ids, r_labels)] = truncate_prompt_responses(
-        prompt_ids,
-        [(c_ids, c_labels), (r_ids, r_labels)],
-        max_length,
-        max_prompt_length,
-        tokenizer.bos_token_id,
-    )
-    untrained = [
-        f
-        for f, lab in ((chosen_field, c_labels), (rejected_field, r_labels))
-        if all(x == IGNORE_INDEX for x in lab)
-    ]
-    if untrained:
-        raise DataError(
-            [
-                f"{fn}: field {f!r} has no trainable token left after truncation to "
-                f"max_length={max_length} (raise max_length or lower max_prompt_length)"
-                for f in untrained
-            ]
-        )
-    if c_ids == r_ids:
+    if chosen_row["input_ids"] == rejected_row["input_ids"]:
         raise DataError(
             [
                 f"{fn}: {chosen_field!r} and {rejected_field!r} are identical after truncation to "
@@ -280,12 +325,11 @@ def tokenize_preference(
                 "(raise max_length)"
             ]
         )
-    out: dict[str, Any] = {}
-    mask = [IGNORE_INDEX] * len(prompt_ids)
-    for side, ids, labels in (("chosen", c_ids, c_labels), ("rejected", r_ids, r_labels)):
-        out[f"{side}_input_ids"] = prompt_ids + ids
-        out[f"{side}_attention_mask"] = [1] * (len(prompt_ids) + len(ids))
-        out[f"{side}_labels"] = mask + labels
+    out: dict[str, Any] = {
+        f"{side}_{key}": value
+        for side, row in (("chosen", chosen_row), ("rejected", rejected_row))
+        for key, value in row.items()
+    }
     if margin_field is not None:
         value = example.get(margin_field)
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -339,5 +383,6 @@ __all__ = [
     "pad_right",
     "split_implicit_prompt",
     "tokenize_preference",
+    "tokenize_prompt_responses",
     "truncate_prompt_responses",
 ]

@@ -65,7 +65,7 @@ class StepPlanner:
         """This rank's micro-batches for ``(epoch, step)``; ``[]`` marks a dummy micro-batch."""
         ids = self.step_indices(epoch, step)
         if self.max_tokens_per_device is not None:
-            from .packing import plan_global_batch
+            from .planner import plan_global_batch  # lazy: the planner imports numba
 
             assert self.lengths is not None, "a token budget needs sample lengths"
             lengths = [int(self.lengths[i]) for i in ids]

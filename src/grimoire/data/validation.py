@@ -4,22 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import DataError
 from ..logprobs import IGNORE_INDEX
+from .budget import TokenBudget, column_values, columns_of
 
 MAX_LISTED = 20
-
-
-def _columns(dataset: Any) -> list[str]:
-    names = getattr(dataset, "column_names", None)
-    if names is None:
-        names = list(dataset[0].keys()) if len(dataset) else []
-    return list(names)
-
-
-def _column(dataset: Any, name: str) -> list:
-    if hasattr(dataset, "column_names"):
-        return list(dataset[name])
-    return [row[name] for row in dataset]
 
 
 def validate_token_columns(
@@ -32,11 +21,11 @@ def validate_token_columns(
     response, or a prompt that filled the context).
     """
     problems: list[str] = []
-    columns = _columns(dataset)
+    columns = columns_of(dataset)
     for ids_col in [c for c in columns if c.endswith("input_ids")]:
         prefix = ids_col[: -len("input_ids")]
-        ids = _column(dataset, ids_col)
-        labels = _column(dataset, f"{prefix}labels") if f"{prefix}labels" in columns else None
+        ids = column_values(dataset, ids_col)
+        labels = column_values(dataset, f"{prefix}labels") if f"{prefix}labels" in columns else None
         for i, row in enumerate(ids):
             where = f"{split} row {i}: {ids_col}"
             if max_length is not None and len(row) > max_length:
@@ -69,10 +58,29 @@ def validate_token_columns(
     return problems
 
 
-def sample_lengths(dataset: Any) -> list[int]:
-    """Tokens per sample, over every ``*input_ids`` column (chosen + rejected for pairs)."""
-    cols = [c for c in _columns(dataset) if c.endswith("input_ids")]
-    if not cols:
-        return [1] * len(dataset)
-    per_col = [[len(r) for r in _column(dataset, c)] for c in cols]
-    return [sum(parts) for parts in zip(*per_col)]
+def validate_training_data(
+    method: Any,
+    datasets: dict[str, Any],
+    max_length: int | None,
+    vocab_size: int | None,
+    budget: TokenBudget | None,
+) -> None:
+    """Every problem with the train / eval datasets, raised together before training: empty
+    splits, the method's own checks (columns, classes), token columns, then rows that cannot fit
+    the token budget."""
+    problems: list[str] = []
+    for split, ds in datasets.items():
+        if ds is None:
+            continue
+        if len(ds) == 0:
+            problems.append(f"{split} dataset is empty")
+            continue
+        if hasattr(method, "validate_dataset"):
+            problems += method.validate_dataset(ds, split)
+        problems += validate_token_columns(ds, split, max_length=max_length, vocab_size=vocab_size)
+    if budget is not None and not problems:
+        for split, ds in datasets.items():
+            if ds is not None:
+                problems += budget.problems(ds, split)
+    if problems:
+        raise DataError(problems, title="invalid training data (nothing was trained)")

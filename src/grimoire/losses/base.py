@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.budget import default_budget_tokens, truncate_sequences
+from ..data.budget import columns_of, default_budget_tokens, truncate_sequences
 
 
 class GrimoireLoss:
@@ -26,14 +26,16 @@ class GrimoireLoss:
       micro-batch by ``weight / total_weight_of_the_optimizer_step`` (summed over ranks) so that
       gradient accumulation, token-budget micro-batches and N ranks optimise the same objective as
       one big batch.
-    - ``setup(trainer)``: called once after the model is prepared (move a reference model to the
-      device, build a rollout engine, ...).
+    - ``setup(ctx)``: called once before training with a
+      :class:`~grimoire.context.TrainingContext` (config, accelerator, tokenizer, the unwrapped
+      policy, datasets): place a reference model, bind a rollout engine, read options. It is the
+      method's only view of the trainer.
     - ``validate_dataset(dataset, split) -> list[str]``: problems with the tokenized data, named by
       row, collected before training starts.
     - ``create_packed_collator(pad_token_id)``: the padding-free collator used when
       ``padding_free`` or ``max_tokens_per_device`` is set; None (default) = not supported.
-    - ``prepare_step(trainer, micro_batches) -> micro_batches``: a method's own phase before the
-      optimizer step (e.g. online generation + scoring); default: unchanged.
+    - ``rollouts``: a :class:`~grimoire.rollout.stage.RolloutStage` for methods that generate
+      (``needs_generation``); the trainer runs it before the step's losses.
     - ``budget_tokens(lengths, packed) -> int`` and ``fit_to_budget(row, budget) -> row``: what a
       row costs in a forward pass under ``max_tokens_per_device`` and how to cut it to fit
       (:mod:`grimoire.data.budget`); override when the method adds tokens the row does not hold
@@ -75,14 +77,12 @@ class GrimoireLoss:
         """``row`` cut so that :meth:`budget_tokens` is within ``budget`` (opt-in truncation)."""
         return truncate_sequences(row, budget)
 
-    def setup(self, trainer: Any) -> None:
-        """Called once by the trainer after ``accelerator.prepare``."""
+    def setup(self, ctx: Any) -> None:
+        """Called once by the trainer before training (see the class docstring)."""
 
     def validate_dataset(self, dataset: Any, split: str = "train") -> list[str]:
         """Problems with ``dataset`` (missing columns); subclasses add method-specific checks."""
-        names = set(getattr(dataset, "column_names", None) or [])
-        if not names and len(dataset):
-            names = set(dataset[0].keys())
+        names = set(columns_of(dataset))
         missing = [c for c in self.required_columns if c not in names]
         if missing:
             return [
@@ -90,6 +90,3 @@ class GrimoireLoss:
                 f"it has {sorted(names)} (tokenize it with the matching grimoire.data function)"
             ]
         return []
-
-    def prepare_step(self, trainer: Any, micro_batches: list[dict[str, Any]]) -> list[dict]:
-        return micro_batches

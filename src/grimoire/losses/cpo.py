@@ -11,8 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .functional import CPO_LOSS_TYPES, _check_beta, _check_loss_type, cpo_loss, cpo_total_loss
-from .preference import PairwiseLoss, check_reduction, chosen_nll, reduce_logps, scalar_metrics
+from .dpo import check_loss_type_args
+from .functional import CPO_LOSS_TYPES, cpo_loss, cpo_total_loss
+from .preference import PairwiseLoss, chosen_nll, reduce_logps, scalar_metrics
 
 
 class CPOLoss(PairwiseLoss):
@@ -23,7 +24,8 @@ class CPOLoss(PairwiseLoss):
         cpo_alpha: weight of the NLL term (TRL's ``cpo_alpha``; the paper uses 1).
         label_smoothing: cDPO-style smoothing for ``"sigmoid"``.
         loss_type: ``"sigmoid"`` (paper), ``"hinge"`` or ``"ipo"``.
-        logp_reduction: default None = ``"sum"``, except ``"mean"`` for ``"ipo"`` (TRL).
+        logp_reduction: default None: ``"sum"``, except ``"mean"`` for ``"ipo"`` (TRL; decided by
+            :func:`~grimoire.losses.functional.default_logp_reduction`, as for DPO and IPO).
 
     ``NLL(chosen)`` is the token-mean NLL over all chosen tokens of the micro-batch (TRL). With
     gradient accumulation the trainer weights micro-batches by pairs, so that term is a
@@ -42,15 +44,13 @@ class CPOLoss(PairwiseLoss):
         fused_chunk_size: int = 1024,
     ):
         super().__init__(fused=fused, fused_chunk_size=fused_chunk_size)
-        _check_beta(beta)
-        _check_loss_type(loss_type, CPO_LOSS_TYPES, label_smoothing)
+        self.logp_reduction = check_loss_type_args(
+            "CPOLoss", beta, loss_type, CPO_LOSS_TYPES, label_smoothing, logp_reduction
+        )
         if not cpo_alpha >= 0:
             raise ValueError(f"cpo_alpha must be >= 0, got {cpo_alpha}")
-        if logp_reduction is None:
-            logp_reduction = "mean" if loss_type == "ipo" else "sum"
         self.beta, self.cpo_alpha = beta, cpo_alpha
         self.label_smoothing, self.loss_type = label_smoothing, loss_type
-        self.logp_reduction = check_reduction(logp_reduction, "CPOLoss")
 
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .functional import DPO_LOSS_TYPES, _check_beta, _check_loss_type, dpo_loss
+from .checks import _check_beta, _check_loss_type
+from .functional import DPO_LOSS_TYPES, default_logp_reduction, dpo_loss
 from .preference import (
     PairwiseLoss,
     ReferenceLogps,
@@ -23,6 +24,25 @@ from .preference import (
 )
 
 REF_PAIR_COLUMNS: tuple[str, str] = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def check_loss_type_args(
+    owner: str,
+    beta: float,
+    loss_type: str,
+    allowed: tuple[str, ...],
+    label_smoothing: float,
+    logp_reduction: str | None,
+) -> str:
+    """Constructor checks of the ``loss_type`` families (DPO, IPO, CPO), so a bad setting fails
+    at construction rather than at the first step. Returns the log-prob reduction to use:
+    ``logp_reduction``, or when None the loss type's default
+    (:func:`~grimoire.losses.functional.default_logp_reduction`)."""
+    _check_beta(beta)
+    _check_loss_type(loss_type, allowed, label_smoothing)
+    if logp_reduction is None:
+        logp_reduction = default_logp_reduction(loss_type)
+    return check_reduction(logp_reduction, owner)
 
 
 class DPOLoss(PairwiseLoss):
@@ -37,7 +57,9 @@ class DPOLoss(PairwiseLoss):
         label_smoothing: assumed label-flip rate for ``"sigmoid"`` (cDPO) and ``"robust"`` (rDPO).
         loss_type: ``"sigmoid"`` (DPO), ``"hinge"`` (SLiC), ``"ipo"`` or ``"robust"``.
         logp_reduction: ``"sum"`` (the paper's sequence log-likelihood) or ``"mean"`` (per-token
-            average).
+            average). Default None: :func:`~grimoire.losses.functional.default_logp_reduction`,
+            i.e. ``"sum"``, except ``"mean"`` for ``"ipo"`` (TRL), so ``DPOLoss(loss_type="ipo")``
+            is exactly :class:`~grimoire.losses.ipo.IPOLoss`.
         fused, fused_chunk_size: passed to :func:`grimoire.logprobs.compute_token_logps`.
 
     Loss: the mean over the micro-batch's pairs (``loss_weight`` = pairs). Metrics (scalar
@@ -53,18 +75,18 @@ class DPOLoss(PairwiseLoss):
         ref_model: torch.nn.Module | None = None,
         label_smoothing: float = 0.0,
         loss_type: str = "sigmoid",
-        logp_reduction: str = "sum",
+        logp_reduction: str | None = None,
         fused: bool = True,
         fused_chunk_size: int = 1024,
     ):
         super().__init__(fused=fused, fused_chunk_size=fused_chunk_size)
         name = type(self).__name__
-        _check_beta(beta)
-        _check_loss_type(loss_type, DPO_LOSS_TYPES, label_smoothing)  # fail at construction
+        self.logp_reduction = check_loss_type_args(
+            name, beta, loss_type, DPO_LOSS_TYPES, label_smoothing, logp_reduction
+        )
         self.beta = beta
         self.label_smoothing = label_smoothing
         self.loss_type = loss_type
-        self.logp_reduction = check_reduction(logp_reduction, name)
         self.reference = ReferenceLogps(ref_model, name, REF_PAIR_COLUMNS)
 
     @property
@@ -112,4 +134,4 @@ class DPOLoss(PairwiseLoss):
         return losses.mean(), scalar_metrics(metrics)
 
 
-__all__ = ["REF_PAIR_COLUMNS", "DPOLoss"]
+__all__ = ["REF_PAIR_COLUMNS", "DPOLoss", "check_loss_type_args"]

@@ -8,10 +8,11 @@ the per-token log-probs, see :class:`grimoire.logprobs.TokenLogps`) and returns
   reduces it (usually ``.mean()``), so micro-batch weighting stays the trainer's business.
 - ``metrics``: ``dict[str, Tensor]``, all detached. Pairwise methods return *per-example* ``[B]``
   tensors (``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
-  ``logps/chosen``, ``logps/rejected``) so the caller can weight/gather them exactly like the loss;
-  KTO, whose batches mix desirable and undesirable rows, returns sums and counts instead (TRL's
-  ``rewards/chosen_sum`` / ``count/chosen`` convention), which aggregate correctly across
-  micro-batches and ranks even when a micro-batch holds no row of one kind.
+  ``logps/chosen``, ``logps/rejected``) so the caller can weight/gather them exactly like the loss.
+
+KTO's math (sums and counts instead of per-example metrics) is in
+:mod:`grimoire.losses.kto_functional` and re-exported here; the input checks every method shares
+are in :mod:`grimoire.losses.checks`.
 
 All math runs in float32 whatever the input dtype: bf16 has ~3 significant digits, and the
 differences of sequence log-probs (``-300.1 - (-300.4)``) that every method is built on would be
@@ -19,23 +20,34 @@ mostly rounding noise. Gradients still flow back to the input dtype through the 
 
 Metric names and reward definitions follow TRL's trainers so dashboards are comparable; the
 reduction each method expects (sum vs length-average) is in each docstring and in
-``docs/losses.md``.
+``docs/losses.md``; for the ``loss_type`` families it is :func:`default_logp_reduction`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from .checks import (
+    Metrics,
+    _check_label_smoothing,
+    _check_loss_type,
+    _check_shapes,
+    _check_weight,
+    _checked_f32,
+    _f32,
+)
+from .kto_functional import kto_kl_estimate, kto_loss
 
 __all__ = [
     "DPO_LOSS_TYPES",
     "bradley_terry_loss",
     "cpo_loss",
     "cpo_total_loss",
+    "default_logp_reduction",
     "dpo_loss",
     "ipo_loss",
     "kto_kl_estimate",
@@ -44,8 +56,6 @@ __all__ = [
     "orpo_loss",
     "simpo_loss",
 ]
-
-Metrics = dict[str, Tensor]
 
 #: ``loss_type`` values accepted by :func:`dpo_loss`.
 DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo", "robust")
@@ -59,6 +69,27 @@ CPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "hinge", "ipo")
 ORPO_MAX_AVG_LOGP: float = -1e-6
 
 _LN2 = math.log(2.0)
+
+
+def default_logp_reduction(loss_type: str) -> str:
+    """The sequence log-prob reduction (``"sum"`` or ``"mean"``) a ``loss_type`` uses by default.
+
+    The one place that decides it, for :class:`~grimoire.losses.dpo.DPOLoss`,
+    :class:`~grimoire.losses.ipo.IPOLoss` and :class:`~grimoire.losses.cpo.CPOLoss` alike, so
+    ``IPOLoss()`` and ``DPOLoss(loss_type="ipo")`` compute the same loss. TRL 1.16's convention:
+    SUMS (the sequence log-likelihoods the papers derive with) for every loss type except
+    ``"ipo"``, which takes per-token AVERAGES (``TokenLogps.mean()``), in TRL's DPO and CPO
+    trainers alike.
+
+    Why IPO averages: the IPO paper (Azar et al., arXiv 2310.12036) writes ``h`` with sums, but
+    unlike DPO's sigmoid its squared loss never saturates, so with sums ``h`` scales with response
+    length (tens to hundreds of nats) while the target ``1/(2 beta)`` does not; the fixed target
+    then means different things for short and long pairs and the gradient ``2 (h - target)``
+    grows with length. Averages keep ``h`` O(1) and comparable across lengths (TRL's DPOTrainer
+    notes that the IPO authors confirmed the paper's results use this normalised form). Pass
+    ``logp_reduction="sum"`` for the paper-exact formula, with ``beta`` re-tuned for it.
+    """
+    return "mean" if loss_type == "ipo" else "sum"
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,47 +118,6 @@ def log1mexp(x: Tensor) -> Tensor:
     x_near = torch.where(near_zero, x, -_LN2)
     x_far = torch.where(near_zero, -_LN2, x)
     return torch.where(near_zero, torch.log(-torch.expm1(x_near)), torch.log1p(-torch.exp(x_far)))
-
-
-def _f32(*tensors: Tensor) -> tuple[Tensor, ...]:
-    return tuple(t.float() for t in tensors)
-
-
-def _check_shapes(**tensors: Tensor) -> None:
-    # Strict equality, not broadcastability: a [B] vs [B, 1] mix-up would silently broadcast to a
-    # [B, B] loss whose mean is a meaningless number.
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) > 1:
-        raise ValueError(f"log-prob tensors must all have the same shape [B]; got {shapes}")
-
-
-def _check_beta(beta: float, name: str = "beta") -> None:
-    if not (math.isfinite(beta) and beta > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {beta}")
-
-
-def _check_label_smoothing(label_smoothing: float) -> None:
-    # eps = 0.5 makes the sigmoid loss constant (zero gradient) and divides by 0 in rDPO.
-    if not 0.0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-
-
-def _check_loss_type(loss_type: str, allowed: tuple[str, ...], label_smoothing: float) -> None:
-    if loss_type not in allowed:
-        from grimoire.errors import did_you_mean
-
-        raise ValueError(
-            f"unknown loss_type {loss_type!r}{did_you_mean(loss_type, allowed)}; "
-            f"expected one of {list(allowed)}"
-        )
-    _check_label_smoothing(label_smoothing)
-    # TRL silently ignores label_smoothing where it has no meaning; a user who set it expected an
-    # effect, so it is an error here.
-    if label_smoothing > 0 and loss_type not in ("sigmoid", "robust"):
-        raise ValueError(
-            f"label_smoothing={label_smoothing} has no meaning for loss_type={loss_type!r}; "
-            "it applies to 'sigmoid' (cDPO) and 'robust' (rDPO) only"
-        )
 
 
 def _smoothed_sigmoid_loss(logits: Tensor, label_smoothing: float) -> Tensor:
@@ -203,13 +193,14 @@ def dpo_loss(
       ``-(1 - eps) log sigma(z) - eps log sigma(-z)``.
     - ``"hinge"`` (SLiC-HF, Zhao et al. 2023, arXiv 2305.10425, as TRL): ``relu(1 - z)``.
     - ``"ipo"`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from
-      Human Preferences", arXiv 2310.12036): ``(h - 1 / (2 beta))^2``; see
-      :func:`ipo_loss` for which reduction to pass.
+      Human Preferences", arXiv 2310.12036): ``(h - 1 / (2 beta))^2``; pass AVERAGED log-probs
+      for it (see :func:`default_logp_reduction`).
     - ``"robust"`` (rDPO, Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language Models
       with Noisy Feedback", arXiv 2403.00409): ``(-(1 - eps) log sigma(z) + eps log sigma(-z))
       / (1 - 2 eps)``.
 
-    DPO's derivation is over sequence likelihoods, so pass SUMMED log-probs (TRL's default).
+    DPO's derivation is over sequence likelihoods, so pass SUMMED log-probs (TRL's default) for
+    every loss type but ``"ipo"``.
     ``h`` is evaluated as ``(pc - pr) - (rc - rr)``; TRL 1.16 groups it as ``(pc - rc) - (pr -
     rr)``, equal in exact arithmetic (tests/losses/test_trl_parity.py compares the two in float32).
     TRL 1.16 ignores ``label_smoothing`` for ``"sigmoid"``; here it gives cDPO as written above.
@@ -227,17 +218,14 @@ def dpo_loss(
         ``rewards/accuracies`` (1.0 where chosen reward > rejected), ``logps/chosen``,
         ``logps/rejected`` (policy), all detached.
     """
-    _check_shapes(
+    pc, pr, rc, rr = _checked_f32(
+        beta,
         policy_chosen_logps=policy_chosen_logps,
         policy_rejected_logps=policy_rejected_logps,
         ref_chosen_logps=ref_chosen_logps,
         ref_rejected_logps=ref_rejected_logps,
     )
-    _check_beta(beta)
     _check_loss_type(loss_type, DPO_LOSS_TYPES, label_smoothing)
-    pc, pr, rc, rr = _f32(
-        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
-    )
     h = (pc - pr) - (rc - rr)
     losses = _pairwise_loss(h, beta, label_smoothing, loss_type)
     # Implicit rewards beta * log(pi / pi_ref) (DPO section 5); the reference is a constant here.
@@ -259,15 +247,10 @@ def ipo_loss(
 
         h = (pc - rc) - (pr - rr);   loss = (h - 1 / (2 beta))^2
 
-    Which reduction to pass. The paper writes ``h`` with SEQUENCE log-likelihoods (sums). TRL's
-    ``loss_type="ipo"`` instead divides every log-prob by its completion length (token AVERAGE)
-    before forming ``h``. Pass AVERAGED log-probs by default (``TokenLogps.mean()``; what our
-    IPOLoss does): unlike DPO's sigmoid, the squared loss never saturates, so with sums ``h`` scales
-    with response length (tens to hundreds of nats) while the target ``1/(2 beta)`` does not; the
-    fixed target then means different things for short and long pairs and the gradients
-    (``2 (h - target)``) grow with length. Averages keep ``h`` O(1) and comparable across lengths.
-    Pass sums (IPOLoss's "sum" option) only for the paper-exact objective, usually with a larger
-    ``beta`` re-tuned for it. The math here is identical either way.
+    This is :func:`dpo_loss` with ``loss_type="ipo"``: one implementation, shared with
+    :func:`cpo_loss`'s ``"ipo"``. Which reduction to pass: token AVERAGES by default (TRL's
+    convention; the paper writes sums), as :func:`default_logp_reduction` explains. The math here
+    is identical either way.
 
     Shapes: four ``[B]`` tensors -> ``losses [B]``. Metrics as :func:`dpo_loss` (implicit rewards
     ``beta (pc - rc)``, ``beta (pr - rr)`` computed from whatever reduction was passed, as TRL).
@@ -315,12 +298,12 @@ def simpo_loss(
     for "simpo"): ``rewards/chosen = beta * avg_c``, ``rewards/rejected = beta * avg_r``,
     ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected`` (averages).
     """
-    _check_shapes(chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps)
-    _check_beta(beta)
+    c, r = _checked_f32(
+        beta, chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps
+    )
     if not math.isfinite(gamma):
         raise ValueError(f"gamma must be finite, got {gamma}")
     _check_label_smoothing(label_smoothing)
-    c, r = _f32(chosen_avg_logps, rejected_avg_logps)
     losses = _smoothed_sigmoid_loss(beta * (c - r) - gamma, label_smoothing)
     return losses, _pairwise_metrics(beta * c, beta * r, c, r)
 
@@ -345,17 +328,15 @@ def cpo_loss(
     ``L = mean_B(losses) + alpha * NLL(chosen)`` (TRL ``cpo_alpha``, default 1.0). That NLL is a
     token-level quantity, so the loss class computes it and combines with :func:`cpo_total_loss`.
 
-    Pass SUMMED log-probs for "sigmoid"/"hinge" (TRL's default for CPO); TRL averages them for
-    "ipo" (see :func:`ipo_loss` for why).
+    Pass SUMMED log-probs for "sigmoid"/"hinge" (TRL's default for CPO) and AVERAGED ones for
+    "ipo", as TRL does (:func:`default_logp_reduction`).
 
     Shapes: ``[B]``, ``[B]`` -> ``losses [B]``. Metrics (per-example ``[B]``, as TRL):
     ``rewards/chosen = beta * c``, ``rewards/rejected = beta * r``, ``rewards/margins``,
     ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``.
     """
-    _check_shapes(chosen_logps=chosen_logps, rejected_logps=rejected_logps)
-    _check_beta(beta)
+    c, r = _checked_f32(beta, chosen_logps=chosen_logps, rejected_logps=rejected_logps)
     _check_loss_type(loss_type, CPO_LOSS_TYPES, label_smoothing)
-    c, r = _f32(chosen_logps, rejected_logps)
     losses = _pairwise_loss(c - r, beta, label_smoothing, loss_type)
     return losses, _pairwise_metrics(beta * c, beta * r, c, r)
 
@@ -377,8 +358,7 @@ def cpo_total_loss(pref_losses: Tensor, chosen_nll: Tensor, alpha: float = 1.0) 
             f"chosen_nll must be a scalar or match pref_losses {tuple(pref_losses.shape)}, "
             f"got {tuple(chosen_nll.shape)}"
         )
-    if not (math.isfinite(alpha) and alpha >= 0):
-        raise ValueError(f"alpha must be a finite number >= 0, got {alpha}")
+    _check_weight(alpha, "alpha")
     return pref_losses.float() + alpha * chosen_nll.float()
 
 
@@ -414,9 +394,9 @@ def orpo_loss(
     ``log_odds_ratio`` = ``log sigma(lor)`` (TRL logs the log-sigmoid under this name) and
     ``log_odds_chosen`` = ``lor`` itself.
     """
-    _check_shapes(chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps)
-    _check_beta(beta)
-    c, r = _f32(chosen_avg_logps, rejected_avg_logps)
+    c, r = _checked_f32(
+        beta, chosen_avg_logps=chosen_avg_logps, rejected_avg_logps=rejected_avg_logps
+    )
     log_odds_c = c - log1mexp(c.clamp(max=ORPO_MAX_AVG_LOGP))
     log_odds_r = r - log1mexp(r.clamp(max=ORPO_MAX_AVG_LOGP))
     lor = log_odds_c - log_odds_r
@@ -425,118 +405,6 @@ def orpo_loss(
     metrics = _pairwise_metrics(beta * c, beta * r, c, r)
     metrics["log_odds_ratio"] = ratio.detach()
     metrics["log_odds_chosen"] = lor.detach()
-    return losses, metrics
-
-
-# --------------------------------------------------------------------------------------------
-# KTO
-# --------------------------------------------------------------------------------------------
-
-
-def kto_kl_estimate(
-    policy_mismatched_logps: Tensor,
-    ref_mismatched_logps: Tensor,
-    reduce_fn: Callable[[Tensor], Tensor] | None = None,
-) -> Tensor:
-    r"""KTO's reference point ``z0``: a batch estimate of ``KL(pi || pi_ref)``, detached, >= 0.
-
-    Paper: Ethayarajh et al., "KTO: Model Alignment as Prospect Theoretic Optimization",
-    arXiv 2402.01306 (section 4.1)::
-
-        z0 = max(0, mean_j [log pi(y'_j | x_j) - log pi_ref(y'_j | x_j)])
-
-    over MISMATCHED pairs ``(x_j, y'_j)`` (each prompt with another row's completion, i.e. the
-    batch's completions shifted by one), so the estimate is not biased by the very completions
-    being scored. Pass SUMMED log-probs, like :func:`kto_loss`. It is detached: gradients through
-    ``z0`` destabilise training (paper) and TRL detaches too.
-
-    ``reduce_fn`` (optional) maps this rank's scalar mean to the global one BEFORE the clamp, as
-    TRL does (``gather(kl).mean().clamp(min=0)``), e.g. ``lambda t: accelerator.gather(t).mean()``.
-    That mean of rank means equals the global mean only for equal per-rank counts; the caller may
-    pass a sum/count all-reduce instead. Collective ops are the caller's job.
-
-    Shapes: ``[M]``, ``[M]`` -> scalar float32 (0-d) tensor.
-    """
-    _check_shapes(
-        policy_mismatched_logps=policy_mismatched_logps, ref_mismatched_logps=ref_mismatched_logps
-    )
-    if policy_mismatched_logps.numel() == 0:
-        raise ValueError("kto_kl_estimate needs at least one mismatched pair (got an empty batch)")
-    p, ref = _f32(policy_mismatched_logps, ref_mismatched_logps)
-    kl = (p - ref).mean().detach()
-    if reduce_fn is not None:
-        kl = reduce_fn(kl).float().reshape(())
-    # Clamp after the cross-rank mean: clamping per rank first would bias the estimate upwards.
-    return kl.clamp(min=0).detach()
-
-
-def kto_loss(
-    policy_logps: Tensor,
-    ref_logps: Tensor,
-    is_desirable: Tensor,
-    kl: Tensor | float,
-    beta: float = 0.1,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-) -> tuple[Tensor, Metrics]:
-    r"""KTO: prospect-theoretic value of each unpaired example against the reference point ``kl``.
-
-    Paper: Ethayarajh et al., "KTO: Model Alignment as Prospect Theoretic Optimization",
-    arXiv 2402.01306 (as implemented by TRL). With ``r = policy - ref``, ``z0 = kl``::
-
-        desirable:   w_d * (1 - sigma(beta * (r - z0)))
-        undesirable: w_u * (1 - sigma(beta * (z0 - r)))
-
-    Pass SUMMED log-probs (paper and TRL). ``kl`` comes from :func:`kto_kl_estimate` (already
-    detached, cross-rank reduced and clamped by the caller; it is detached again here so no
-    gradient can flow through it). The paper recommends weights with
-    ``w_d * n_desirable / (w_u * n_undesirable)`` in ``[1, 4/3]``.
-
-    Args:
-        policy_logps, ref_logps: ``[B]`` sequence log-probs of each row's own completion.
-        is_desirable: ``[B]`` bool, True for desirable ("chosen") rows.
-        kl: scalar reference point ``z0`` (0-d or 1-element tensor, or float).
-
-    Returns:
-        ``losses [B]`` in the input order (the mean equals TRL's mean over its chosen-then-rejected
-        concatenation), and scalar metrics (sums + counts, so the caller can aggregate
-        micro-batches/ranks that lack one kind): ``rewards/chosen_sum``, ``rewards/rejected_sum``
-        (sum of ``beta * r`` over desirable / undesirable rows), ``logps/chosen_sum``,
-        ``logps/rejected_sum`` (policy), ``count/chosen``, ``count/rejected``, ``kl``.
-    """
-    _check_shapes(policy_logps=policy_logps, ref_logps=ref_logps, is_desirable=is_desirable)
-    if is_desirable.dtype != torch.bool:
-        raise ValueError(f"is_desirable must be a bool tensor, got {is_desirable.dtype}")
-    _check_beta(beta)
-    for name, w in (
-        ("desirable_weight", desirable_weight),
-        ("undesirable_weight", undesirable_weight),
-    ):
-        if not (math.isfinite(w) and w >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {w}")
-    p, ref = _f32(policy_logps, ref_logps)
-    z0 = torch.as_tensor(kl, dtype=torch.float32, device=p.device).detach()
-    if z0.numel() != 1:
-        raise ValueError(f"kl must be a scalar, got shape {tuple(z0.shape)}")
-    z0 = z0.reshape(())
-    r = p - ref
-    chosen_losses = desirable_weight * (1 - torch.sigmoid(beta * (r - z0)))
-    rejected_losses = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - r)))
-    # Both branches are finite everywhere, so torch.where's masked gradients are exact.
-    losses = torch.where(is_desirable, chosen_losses, rejected_losses)
-
-    rewards = (beta * r).detach()
-    zero = torch.zeros((), dtype=torch.float32, device=p.device)
-    undesirable = ~is_desirable
-    metrics: Metrics = {
-        "rewards/chosen_sum": torch.where(is_desirable, rewards, zero).sum(),
-        "rewards/rejected_sum": torch.where(undesirable, rewards, zero).sum(),
-        "logps/chosen_sum": torch.where(is_desirable, p.detach(), zero).sum(),
-        "logps/rejected_sum": torch.where(undesirable, p.detach(), zero).sum(),
-        "count/chosen": is_desirable.sum().float(),
-        "count/rejected": undesirable.sum().float(),
-        "kl": z0,
-    }
     return losses, metrics
 
 

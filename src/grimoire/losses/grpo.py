@@ -39,8 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rollout.engine import Rollout, RolloutEngine
 from ..rollout.rewards import RewardFn
+from ..rollout.stage import ScoredGroup
 from .online import OnlineMethod
 from .online_functional import (
     LOSS_TYPES,
@@ -67,6 +67,10 @@ class GRPOMethod(OnlineMethod):
         dynamic_sampling: drop groups whose rewards are all equal (zero advantage; DAPO). Drop
             only: the batch is not refilled, so it shrinks; the dropped fraction is logged as
             ``dynamic_sampling/dropped_frac``.
+        use_bias_correction_kl: multiply the k3 KL term by the importance ratio
+            ``pi / pi_old`` (TRL's option of the same name, off by default as there): the k3
+            estimator is unbiased for samples of ``pi``, and the ratio corrects for the samples
+            coming from ``pi_old``. Only differs from off when ``num_iterations > 1``.
 
     Loss weights (so the trainer's global normalisation gives the objective of ``loss_type``):
     tokens for "dapo", sequences for "grpo" / "dr_grpo", 1 per micro-batch for "bnpo" (see
@@ -76,23 +80,15 @@ class GRPOMethod(OnlineMethod):
     def __init__(
         self,
         reward_funcs: RewardFn | str | Sequence[RewardFn | str],
-        reward_weights: Sequence[float] | None = None,
-        num_generations: int = 8,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 256,
-        beta: float = 0.0,
+        *,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         num_iterations: int = 1,
         loss_type: str = "dapo",
         scale_rewards: str = "group",
         dynamic_sampling: bool = False,
-        ref_model: torch.nn.Module | None = None,
-        generation_batch_size: int | None = None,
-        engine: RolloutEngine | None = None,
-        log_entropy: bool = True,
+        use_bias_correction_kl: bool = False,
+        **kwargs: Any,
     ):
         problems = []
         if loss_type not in LOSS_TYPES:
@@ -109,20 +105,7 @@ class GRPOMethod(OnlineMethod):
             problems.append(f"num_iterations must be an int >= 1, got {num_iterations!r}")
         if problems:
             raise ValueError("GRPOMethod: " + "; ".join(problems))
-        super().__init__(
-            reward_funcs,
-            reward_weights,
-            num_generations=num_generations,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
-            beta=beta,
-            ref_model=ref_model,
-            generation_batch_size=generation_batch_size,
-            engine=engine,
-            log_entropy=log_entropy,
-        )
+        super().__init__(reward_funcs, **kwargs)
         self.epsilon = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.num_iterations = num_iterations
@@ -130,6 +113,7 @@ class GRPOMethod(OnlineMethod):
         self.loss_type = loss_type
         self.scale_rewards = scale_rewards
         self.dynamic_sampling = dynamic_sampling
+        self.use_bias_correction_kl = use_bias_correction_kl
 
     @property
     def needs_old_logps(self) -> bool:
@@ -137,34 +121,34 @@ class GRPOMethod(OnlineMethod):
         return self.num_iterations > 1
 
     def build_batches(
-        self,
-        trainer: Any,
-        micro_batches: list[dict[str, Any]],
-        rollouts: list[Rollout],
-        scored: list[dict[str, Any]],
-    ) -> list[dict[str, Any]]:
-        batch_std = self._batch_std(scored) if self.scale_rewards == "batch" else None
+        self, ctx: Any, groups: list[ScoredGroup]
+    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        batch_std = self._batch_std(ctx, groups) if self.scale_rewards == "batch" else None
         g = self.num_generations
-        out = []
-        for rollout, s in zip(rollouts, scored):
-            rewards = s["rewards"]
+        out, flat_groups = [], []
+        for group in groups:
+            rewards = group.rewards
             advantages = group_advantages(rewards, g, self.scale_rewards, batch_std=batch_std)
             rows = list(range(rewards.numel()))
             if self.dynamic_sampling:
                 flat = equal_reward_groups(rewards, g)
                 rows = [i for i in rows if not bool(flat[i // g])]
-                s["metrics"]["dynamic_sampling/dropped_frac"] = float(flat.float().mean())
-            batch = self.rollout_batch(rollout, rows, s)
+                flat_groups.append(flat.float())
+            batch = self.training_batch(group, rows)
             batch["advantages"] = advantages[torch.tensor(rows or [0], device=rewards.device)]
             if self.beta > 0:
                 batch["ref_logps"] = self.reference_logps(batch)
             out.append(batch)
-        return out
+        metrics = {}
+        if flat_groups:
+            metrics["dynamic_sampling/dropped_frac"] = float(torch.cat(flat_groups).mean())
+        return out, metrics
 
-    def _batch_std(self, scored: list[dict[str, Any]]) -> float:
-        """Unbiased std of every reward of the global step (all micro-batches, all ranks)."""
-        r = torch.cat([s["rewards"] for s in scored]).double()
-        n, s1, s2 = self.all_reduce_sum([float(r.numel()), float(r.sum()), float((r * r).sum())])
+    def _batch_std(self, ctx: Any, groups: list[ScoredGroup]) -> float:
+        """Unbiased std of every reward of the step's real groups, all ranks (one all-reduce;
+        ranks without a real group contribute nothing but still take part)."""
+        r = torch.cat([g.rewards for g in groups]).double() if groups else torch.zeros(0)
+        n, s1, s2 = ctx.all_reduce_sum([float(r.numel()), float(r.sum()), float((r * r).sum())])
         if n < 2:
             return 0.0
         return math.sqrt(max(0.0, (s2 - s1 * s1 / n) / (n - 1)))
@@ -182,6 +166,8 @@ class GRPOMethod(OnlineMethod):
         metrics: dict[str, Any] = {}
         if self.beta > 0:
             kl = k3_kl(logps, batch["ref_logps"])
+            if self.use_bias_correction_kl:
+                kl = kl * torch.exp(logps - old)  # with gradient, as TRL
             per_token = per_token + self.beta * kl
             metrics["kl"] = masked_mean(kl, mask)
         loss = reduce_token_loss(per_token, mask, self.loss_type, self.max_new_tokens)

@@ -1,32 +1,33 @@
 """IPO: ``IPOLoss``, DPO's machinery with the squared-regression loss.
 
 Azar et al., "A General Theoretical Paradigm to Understand Learning from Human Preferences",
-arXiv 2310.12036. Math: :func:`grimoire.losses.functional.ipo_loss`.
+arXiv 2310.12036. Math: :func:`grimoire.losses.functional.ipo_loss`, which is
+:func:`~grimoire.losses.functional.dpo_loss` with ``loss_type="ipo"``.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .dpo import DPOLoss
-from .functional import ipo_loss
 
 
 class IPOLoss(DPOLoss):
     """``loss = mean_B (h - 1 / (2 beta))^2`` with ``h`` the DPO log-ratio difference.
 
-    ``logp_reduction="mean"`` by default (TRL's convention: per-token averaged log-probs keep
-    ``h`` O(1) and comparable across lengths, because the squared loss never saturates);
-    ``"sum"`` gives the paper's sequence-likelihood objective (re-tune ``beta`` for it). The
-    reference options, metrics and weighting are those of :class:`DPOLoss`.
+    Exactly ``DPOLoss(loss_type="ipo")``, defaults included: ``logp_reduction=None`` resolves to
+    ``"mean"`` (TRL's convention: per-token averaged log-probs keep ``h`` O(1) and comparable
+    across lengths, because the squared loss never saturates; see
+    :func:`~grimoire.losses.functional.default_logp_reduction`); ``"sum"`` gives the paper's
+    sequence-likelihood objective (re-tune ``beta`` for it). The reference options, metrics and
+    weighting are those of :class:`DPOLoss`.
     """
 
     def __init__(
         self,
         beta: float = 0.1,
         ref_model: torch.nn.Module | None = None,
-        logp_reduction: str = "mean",
+        logp_reduction: str | None = None,
         fused: bool = True,
         fused_chunk_size: int = 1024,
     ):
@@ -38,11 +39,6 @@ class IPOLoss(DPOLoss):
             fused=fused,
             fused_chunk_size=fused_chunk_size,
         )
-
-    def pair_losses(
-        self, pc: Tensor, pr: Tensor, rc: Tensor, rr: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        return ipo_loss(pc, pr, rc, rr, beta=self.beta)
 
 
 __all__ = ["IPOLoss"]

@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..data.budget import default_budget_tokens, truncate_sequences
+from ..data.budget import column_values, columns_of, default_budget_tokens, truncate_sequences
 from ..data.kto import KTO_COLUMNS, KTOCollator, PackedKTOCollator
 from ..errors import ConfigError
 from ..logprobs import TokenLogps
+from ..reference import Reference
 from .base import GrimoireLoss
-from .functional import _check_beta, kto_kl_estimate, kto_loss
+from .checks import _check_beta
+from .kto_functional import kto_kl_estimate, kto_loss
 from .preference import (
-    ReferenceLogps,
     check_reduction,
     policy_compute,
     reduce_logps,
@@ -132,7 +133,7 @@ def joint_logps(
 
 
 def _label_counts(dataset: Any) -> tuple[int, int]:
-    labels = dataset["label"] if hasattr(dataset, "column_names") else [r["label"] for r in dataset]
+    labels = column_values(dataset, "label")
     desirable = sum(bool(x) for x in labels)
     return desirable, len(labels) - desirable
 
@@ -143,7 +144,7 @@ class KTOLoss(GrimoireLoss):
     Args:
         beta: reward scale (> 0).
         ref_model: frozen reference; optional with a LoRA policy or cached ``ref_logps`` /
-            ``ref_kl_logps`` columns (see :class:`grimoire.losses.preference.ReferenceLogps`).
+            ``ref_kl_logps`` columns (see :class:`grimoire.reference.Reference`).
         desirable_weight, undesirable_weight: class weights ``w_d``, ``w_u``; the paper
             recommends ``w_d * n_d / (w_u * n_u)`` in ``[1, 4/3]`` (checked on the train set).
         logp_reduction: ``"sum"`` (paper and TRL) or ``"mean"``.
@@ -184,7 +185,9 @@ class KTOLoss(GrimoireLoss):
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
         self.logp_reduction = check_reduction(logp_reduction, "KTOLoss")
         self.fused, self.fused_chunk_size = fused, fused_chunk_size
-        self.reference = ReferenceLogps(ref_model, "KTOLoss", REF_KTO_COLUMNS)
+        self.reference = Reference(ref_model, "KTOLoss", REF_KTO_COLUMNS)
+        #: KL pairs are cut to the run's max_length (set in setup; None: not cut).
+        self._kl_max_length: int | None = None
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
@@ -193,10 +196,10 @@ class KTOLoss(GrimoireLoss):
     # ------------------------------------------------------------------ hooks
 
     def create_collator(self, pad_token_id: int) -> KTOCollator:
-        return KTOCollator(pad_token_id=pad_token_id)
+        return KTOCollator(pad_token_id=pad_token_id, max_length=self._kl_max_length)
 
     def create_packed_collator(self, pad_token_id: int) -> PackedKTOCollator:
-        return PackedKTOCollator(pad_token_id=pad_token_id)
+        return PackedKTOCollator(pad_token_id=pad_token_id, max_length=self._kl_max_length)
 
     def loss_weight(self, batch: dict[str, Any]) -> float:
         return float(num_rows(batch))
@@ -216,13 +219,11 @@ class KTOLoss(GrimoireLoss):
         """Cut the row (and a cached KL row) so the pair of them fits."""
         return truncate_sequences(row, budget if "kl_input_ids" in row else budget // 2)
 
-    def setup(self, trainer: Any) -> None:
-        self.reference.setup(trainer, self.logp_reduction)
-        collator = getattr(trainer, "collator", None)
-        if isinstance(collator, KTOCollator) and collator.max_length is None:
-            collator.max_length = trainer.config.max_length  # bound the mismatched pairs too
-        cols = set(getattr(trainer.train_dataset, "column_names", None) or trainer.train_dataset[0])
-        if trainer.config.batch_size < 2 and "kl_input_ids" not in cols:
+    def setup(self, ctx: Any) -> None:
+        self.reference.setup(ctx, self.logp_reduction)
+        self._kl_max_length = ctx.config.max_length  # bounds the mismatched pairs too
+        cols = set(columns_of(ctx.train_dataset))
+        if ctx.config.batch_size < 2 and "kl_input_ids" not in cols:
             raise ConfigError(
                 [
                     "KTOLoss needs batch_size >= 2: the KL reference point pairs each prompt with "
@@ -263,32 +264,12 @@ class KTOLoss(GrimoireLoss):
 
     # ------------------------------------------------------------------ loss
 
-    def _compute(
-        self, model: torch.nn.Module, reference: bool = False
-    ) -> Callable[..., TokenLogps]:
-        """``compute(ids, labels, mask, position_ids)``: policy or (no-grad) reference logps."""
-        if not reference:
-            return policy_compute(model, fused=self.fused, chunk_size=self.fused_chunk_size)
-
-        def compute(ids, labels, mask, position_ids):
-            return self.reference.token_logps(
-                model,
-                ids,
-                labels,
-                mask,
-                fused=self.fused,
-                chunk_size=self.fused_chunk_size,
-                position_ids=position_ids,
-            )
-
-        return compute
-
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
     ) -> tuple[Tensor, dict[str, Tensor]]:
         own, kl_rows = kto_parts(batch)
         red = self.logp_reduction
-        policy_fn = self._compute(model)
+        policy_fn = policy_compute(model, fused=self.fused, chunk_size=self.fused_chunk_size)
         policy = reduce_logps(own.token_logps(policy_fn), red)
         with torch.no_grad():
             policy_kl = reduce_logps(kl_rows.token_logps(policy_fn), red)
@@ -297,7 +278,10 @@ class KTOLoss(GrimoireLoss):
             ref, ref_kl = (t.to(policy.device) for t in cached)
         else:
             # One reference forward over the rows and their KL pairs.
-            ref_t, ref_kl_t = joint_logps(batch, own, kl_rows, self._compute(model, True))
+            ref_fn = self.reference.compute(
+                model, fused=self.fused, chunk_size=self.fused_chunk_size
+            )
+            ref_t, ref_kl_t = joint_logps(batch, own, kl_rows, ref_fn)
             ref, ref_kl = reduce_logps(ref_t, red), reduce_logps(ref_kl_t, red)
         kl = kto_kl_estimate(policy_kl, ref_kl, reduce_fn=cross_rank_mean(policy_kl.shape[0]))
         losses, sums = kto_loss(

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rollout.engine import Rollout, RolloutEngine
 from ..rollout.rewards import RewardFn
+from ..rollout.stage import ScoredGroup
+from .checks import _check_loss_type
 from .functional import DPO_LOSS_TYPES, dpo_loss
 from .online import OnlineMethod
 from .online_functional import best_worst_pairs
@@ -45,40 +46,22 @@ class OnlineDPOMethod(OnlineMethod):
     def __init__(
         self,
         reward_funcs: RewardFn | str | Sequence[RewardFn | str],
-        reward_weights: Sequence[float] | None = None,
         num_generations: int = 2,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 256,
         beta: float = 0.1,
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
-        ref_model: torch.nn.Module | None = None,
-        generation_batch_size: int | None = None,
-        engine: RolloutEngine | None = None,
         log_entropy: bool = False,
+        **kwargs: Any,
     ):
         if not beta > 0:
             raise ValueError(f"OnlineDPOMethod: beta must be > 0 (DPO's temperature), got {beta}")
-        if loss_type not in DPO_LOSS_TYPES:
-            raise ValueError(
-                f"OnlineDPOMethod: loss_type must be one of {list(DPO_LOSS_TYPES)}, "
-                f"got {loss_type!r}"
-            )
+        _check_loss_type(loss_type, DPO_LOSS_TYPES, label_smoothing)  # as DPOLoss does
         super().__init__(
             reward_funcs,
-            reward_weights,
             num_generations=num_generations,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
             beta=beta,
-            ref_model=ref_model,
-            generation_batch_size=generation_batch_size,
-            engine=engine,
             log_entropy=log_entropy,
+            **kwargs,
         )
         self.loss_type = loss_type
         self.label_smoothing = label_smoothing
@@ -91,24 +74,19 @@ class OnlineDPOMethod(OnlineMethod):
     def logp_temperature(self) -> float:
         return 1.0
 
-    def build_batch(self, rollout: Rollout, scored: dict[str, Any]) -> dict[str, Any]:
-        pairs = best_worst_pairs(scored["rewards"], self.num_generations)
-        rows = [c for c, _ in pairs] + [r for _, r in pairs]
-        batch = self.rollout_batch(rollout, rows, scored)
+    def build_batch(self, group: ScoredGroup) -> tuple[dict[str, Any], dict[str, float]]:
+        rewards = group.rewards
+        pairs = best_worst_pairs(rewards, self.num_generations)
+        batch = self.training_batch(group, [c for c, _ in pairs] + [r for _, r in pairs])
         batch["num_pairs"] = len(pairs)
-        batch["rollout_metrics"]["pairs/frac_groups"] = len(pairs) / max(1, rollout.num_groups)
+        metrics = {"pairs/frac_groups": len(pairs) / max(1, group.rollout.num_groups)}
+        metrics["pairs/reward_gap"] = 0.0
         if pairs:
-            rewards = scored["rewards"]
-            chosen = torch.tensor([c for c, _ in pairs])
-            rejected = torch.tensor([r for _, r in pairs])
-            batch["rollout_metrics"]["pairs/reward_gap"] = float(
-                (rewards[chosen.to(rewards.device)] - rewards[rejected.to(rewards.device)]).mean()
-            )
-            ref = self.reference_logps(batch).sum(-1)
-            batch["ref_logps"] = ref
-        else:
-            batch["rollout_metrics"]["pairs/reward_gap"] = 0.0
-        return batch
+            chosen = torch.tensor([c for c, _ in pairs], device=rewards.device)
+            rejected = torch.tensor([r for _, r in pairs], device=rewards.device)
+            metrics["pairs/reward_gap"] = float((rewards[chosen] - rewards[rejected]).mean())
+            batch["ref_logps"] = self.reference_logps(batch).sum(-1)
+        return batch, metrics
 
     def compute_loss(
         self, model: torch.nn.Module, batch: dict[str, Any]

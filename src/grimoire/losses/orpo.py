@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .functional import _check_beta, orpo_loss
+from .checks import _check_beta
+from .functional import orpo_loss
 from .preference import PairwiseLoss, chosen_nll, scalar_metrics
 
 

@@ -3,36 +3,29 @@
 - :func:`pair_token_logps`: ONE forward over chosen and rejected stacked along the batch
   dimension (``[2B, T]``), so a DDP/FSDP-wrapped model is called once per micro-batch and the
   two halves see the same weights, dropout state and kernels.
-- :class:`ReferenceLogps`: where reference log-probs come from, in this order:
-  (3) cached columns in the batch (``ref_chosen_logps``/``ref_rejected_logps``, KTO
-  ``ref_logps``/``ref_kl_logps``, from :func:`grimoire.data.cache.cache_reference_log_probs`);
-  (1) an explicit ``ref_model`` (moved to the device, eval mode, frozen; never DDP-wrapped);
-  (2) a LoRA policy with its adapters disabled (no second copy of the weights).
-  Reference forwards run under ``no_grad`` inside the trainer's autocast, so they use the same
-  precision as the policy forward.
+- Reference log-probs come from :class:`grimoire.reference.Reference` (cached columns, a frozen
+  ``ref_model``, the LoRA base with adapters disabled, or an opt-in copy); ``ReferenceLogps``
+  adds the pair layout's shortcut.
 - :class:`PairwiseLoss`: the common base of the pairwise losses (columns, collator, weight).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..data.preference import PREFERENCE_COLUMNS, PreferenceCollator, pad_right
-from ..errors import ConfigError
 from ..logprobs import IGNORE_INDEX, TokenLogps, compute_token_logps
+from ..reference import REDUCTION_COLUMN, Reference, is_peft_model, model_dtype, unwrap
 from .base import GrimoireLoss
 
 logger = logging.getLogger(__name__)
 
 LOGP_REDUCTIONS: tuple[str, ...] = ("sum", "mean")
-#: Column recording which reduction cached reference log-probs were computed with.
-REDUCTION_COLUMN = "ref_logps_reduction"
 
 
 def check_reduction(value: str, owner: str) -> str:
@@ -51,21 +44,6 @@ def reduce_logps(logps: TokenLogps, reduction: str) -> Tensor:
 def scalar_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
     """Per-example ``[B]`` metrics -> detached float scalars (means over the micro-batch)."""
     return {k: v.detach().float().mean() for k, v in metrics.items()}
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module inside DDP-style wrappers (``.module``), else ``model`` itself."""
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
-def is_peft_model(model: torch.nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(model, PeftModel)
 
 
 def stack_rows(
@@ -186,178 +164,14 @@ class PackedPairCollator:
         return pack_row_sides(features, sides, self.pad_token_id, lambda key: key.startswith(sides))
 
 
-def _dataset_columns(dataset: Any) -> set[str]:
-    if dataset is None:
-        return set()
-    names = getattr(dataset, "column_names", None)
-    if names is None:
-        names = list(dataset[0].keys()) if len(dataset) else []
-    return set(names)
-
-
-def _first_value(dataset: Any, column: str) -> Any:
-    return dataset[0][column] if len(dataset) else None
-
-
-def model_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    """The policy's compute dtype: its input embeddings' (LoRA adapters may be float32)."""
-    emb = getattr(model, "get_input_embeddings", lambda: None)()
-    if emb is not None and getattr(emb, "weight", None) is not None:
-        return emb.weight.dtype
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-
-
-class ReferenceLogps:
-    """Reference log-probs for a loss: cached columns, a frozen model, or disabled adapters.
-
-    Args:
-        ref_model: an explicit frozen reference (option 1) or None.
-        owner: the loss's name, for error messages.
-        cache_columns: the batch columns that hold cached reference log-probs (option 3).
-    """
-
-    def __init__(
-        self, ref_model: torch.nn.Module | None, owner: str, cache_columns: tuple[str, ...]
-    ):
-        self.ref_model = ref_model
-        self.owner = owner
-        self.cache_columns = cache_columns
-        self._peft_model: torch.nn.Module | None = None
-
-    # ---------------------------------------------------------------- set-up
-
-    def setup(self, trainer: Any, expected_reduction: str) -> None:
-        """Freeze and place the reference, or check that another source exists (else raise)."""
-        policy = trainer.unwrapped_model
-        if self.ref_model is not None:
-            ref = self.ref_model
-            quantized = getattr(ref, "is_quantized", False) or getattr(ref, "hf_quantizer", None)
-            dtype, ref_dtype = model_dtype(policy), model_dtype(ref)
-            if not quantized and dtype is not None and ref_dtype is not None and dtype != ref_dtype:
-                # Same weights precision as the policy: otherwise policy and reference differ by
-                # rounding alone and the implicit rewards are not 0 at step 0.
-                logger.info(
-                    "%s: casting ref_model from %s to the policy's %s", self.owner, ref_dtype, dtype
-                )
-                ref = ref.to(dtype)
-            if not quantized:
-                ref = ref.to(trainer.accelerator.device)
-            ref.eval()
-            ref.requires_grad_(False)
-            self.ref_model = ref
-        elif is_peft_model(policy):
-            self._peft_model = policy
-        splits = (("train", trainer.train_dataset), ("eval", trainer.eval_dataset))
-        problems = []
-        for split, ds in splits:
-            if ds is None:
-                continue
-            cols = _dataset_columns(ds)
-            cached = all(c in cols for c in self.cache_columns)
-            if cached:
-                found = _first_value(ds, REDUCTION_COLUMN) if REDUCTION_COLUMN in cols else None
-                if found is not None and found != expected_reduction:
-                    problems.append(
-                        f"{self.owner}: the {split} dataset's cached reference log-probs are "
-                        f"{found!r}-reduced but the loss uses logp_reduction="
-                        f"{expected_reduction!r}; re-run cache_reference_log_probs(..., "
-                        f"reduction={expected_reduction!r})"
-                    )
-            elif self.ref_model is None and self._peft_model is None:
-                problems.append(
-                    f"{self.owner} needs reference log-probs for the {split} dataset and has none: "
-                    "pass ref_model=<a frozen copy of the starting model>, train with "
-                    "peft_config=LoraConfig(...) (the base model with adapters disabled is the "
-                    "reference), or precompute columns "
-                    f"{list(self.cache_columns)} with grimoire.data.cache.cache_reference_log_probs"
-                )
-        if problems:
-            raise ConfigError(problems)
-
-    # ---------------------------------------------------------------- use
-
-    def cached(self, batch: dict[str, Any], expected_reduction: str) -> tuple[Tensor, ...] | None:
-        """The cached columns as float tensors when the batch has them all, else None."""
-        if not all(c in batch for c in self.cache_columns):
-            return None
-        found = batch.get(REDUCTION_COLUMN)
-        if isinstance(found, list | tuple):
-            found = found[0] if found else None
-        if found is not None and found != expected_reduction:
-            raise ValueError(
-                f"{self.owner}: cached reference log-probs are {found!r}-reduced but "
-                f"logp_reduction={expected_reduction!r}"
-            )
-        return tuple(torch.as_tensor(batch[c]).float() for c in self.cache_columns)
-
-    @contextlib.contextmanager
-    def _reference_model(self, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
-        """Yield the module whose forward is the reference forward."""
-        if self.ref_model is not None:
-            yield self.ref_model
-            return
-        peft_model = self._peft_model
-        if peft_model is None and is_peft_model(unwrap(policy)):
-            peft_model = unwrap(policy)  # called without trainer.setup (e.g. directly in tests)
-        if peft_model is None:
-            raise ConfigError(
-                [
-                    f"{self.owner}: no reference: pass ref_model=, train a LoRA policy, or add "
-                    f"cached columns {list(self.cache_columns)} "
-                    "(grimoire.data.cache.cache_reference_log_probs)"
-                ]
-            )
-        # The wrapped policy is called (not the peft model inside it) so FSDP can gather its
-        # shards; eval mode so dropout does not perturb the reference.
-        was_training = peft_model.training
-        peft_model.eval()
-        try:
-            with peft_model.disable_adapter():
-                yield policy
-        finally:
-            peft_model.train(was_training)
-
-    @torch.no_grad()
-    def token_logps(
-        self,
-        policy: torch.nn.Module,
-        input_ids: Tensor,
-        labels: Tensor,
-        attention_mask: Tensor | None,
-        *,
-        fused: bool,
-        chunk_size: int,
-        position_ids: Tensor | None = None,
-    ) -> TokenLogps:
-        """Reference per-token log-probs of ``labels`` (no gradient)."""
-        with self._reference_model(policy) as ref:
-            return compute_token_logps(
-                ref,
-                input_ids,
-                labels,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                fused=fused,
-                chunk_size=chunk_size,
-            )
+class ReferenceLogps(Reference):
+    """:class:`grimoire.reference.Reference` with the pair layout's shortcut."""
 
     def pair_logps(
         self, policy: torch.nn.Module, batch: dict[str, Any], *, fused: bool, chunk_size: int
     ) -> tuple[TokenLogps, TokenLogps]:
         """Reference chosen / rejected per-token log-probs, padded or packed batch alike."""
-
-        def compute(ids, labels, mask, position_ids):
-            return self.token_logps(
-                policy,
-                ids,
-                labels,
-                mask,
-                fused=fused,
-                chunk_size=chunk_size,
-                position_ids=position_ids,
-            )
-
-        return pair_forward(batch, compute)
+        return pair_forward(batch, self.compute(policy, fused=fused, chunk_size=chunk_size))
 
 
 class PairwiseLoss(GrimoireLoss):

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rollout.engine import Rollout, RolloutEngine
 from ..rollout.rewards import RewardFn
+from ..rollout.stage import ScoredGroup
 from .online import OnlineMethod
 from .online_functional import best_of_n
 
@@ -35,48 +35,33 @@ class RAFTMethod(OnlineMethod):
     """
 
     min_generations = 1
+    hidden_args = ("beta", "ref_model")
 
     def __init__(
         self,
         reward_funcs: RewardFn | str | Sequence[RewardFn | str],
-        reward_weights: Sequence[float] | None = None,
-        num_generations: int = 8,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 256,
         reward_threshold: float | None = None,
-        generation_batch_size: int | None = None,
-        engine: RolloutEngine | None = None,
         log_entropy: bool = False,
+        **kwargs: Any,
     ):
-        super().__init__(
-            reward_funcs,
-            reward_weights,
-            num_generations=num_generations,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
-            beta=0.0,
-            generation_batch_size=generation_batch_size,
-            engine=engine,
-            log_entropy=log_entropy,
-        )
+        unknown = sorted(set(kwargs) & set(self.hidden_args))
+        if unknown:
+            raise TypeError(f"RAFTMethod has no reference model: unexpected argument(s) {unknown}")
+        super().__init__(reward_funcs, log_entropy=log_entropy, **kwargs)
         self.reward_threshold = reward_threshold
 
     @property
     def logp_temperature(self) -> float:
         return 1.0
 
-    def build_batch(self, rollout: Rollout, scored: dict[str, Any]) -> dict[str, Any]:
-        rewards = scored["rewards"]
+    def build_batch(self, group: ScoredGroup) -> tuple[dict[str, Any], dict[str, float]]:
+        rewards = group.rewards
         winners = best_of_n(rewards, self.num_generations, self.reward_threshold)
-        batch = self.rollout_batch(rollout, winners, scored)
-        m = batch["rollout_metrics"]
-        m["raft/kept_frac"] = len(winners) / max(1, rollout.num_groups)
-        m["raft/winner_reward_mean"] = float(rewards[winners].mean()) if winners else 0.0
-        return batch
+        metrics = {
+            "raft/kept_frac": len(winners) / max(1, group.rollout.num_groups),
+            "raft/winner_reward_mean": float(rewards[winners].mean()) if winners else 0.0,
+        }
+        return self.training_batch(group, winners), metrics
 
     def compute_loss(
         self, model: torch.nn.Module, batch: dict[str, Any]

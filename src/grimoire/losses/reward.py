@@ -63,8 +63,8 @@ class RewardModelLoss(GrimoireLoss):
     def loss_weight(self, batch: dict[str, Any]) -> float:
         return float(batch["chosen_input_ids"].shape[0])
 
-    def setup(self, trainer: Any) -> None:
-        config = _config(trainer.model)
+    def setup(self, ctx: Any) -> None:
+        config = _config(ctx.unwrapped_model)
         pad = getattr(config, "pad_token_id", None)
         num_labels = getattr(config, "num_labels", None)
         problems = []
@@ -74,7 +74,7 @@ class RewardModelLoss(GrimoireLoss):
                 f"AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) "
                 f"(it has num_labels={num_labels})"
             )
-        tok_pad = getattr(trainer.tokenizer, "pad_token_id", None)
+        tok_pad = getattr(ctx.tokenizer, "pad_token_id", None)
         if pad is None:
             problems.append(
                 "RewardModelLoss: model.config.pad_token_id is None, so transformers cannot find "

@@ -17,14 +17,15 @@ every completion of the global batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..rollout.engine import Rollout, RolloutEngine
 from ..rollout.rewards import RewardFn
+from ..rollout.stage import ScoredGroup
 from .online import OnlineMethod
 from .online_functional import masked_mean, rloo_advantages
 
@@ -40,55 +41,48 @@ class RLOOMethod(OnlineMethod):
     def __init__(
         self,
         reward_funcs: RewardFn | str | Sequence[RewardFn | str],
-        reward_weights: Sequence[float] | None = None,
         num_generations: int = 4,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 256,
         beta: float = 0.05,
         normalize_advantages: bool = False,
-        ref_model: torch.nn.Module | None = None,
-        generation_batch_size: int | None = None,
-        engine: RolloutEngine | None = None,
-        log_entropy: bool = True,
+        **kwargs: Any,
     ):
-        super().__init__(
-            reward_funcs,
-            reward_weights,
-            num_generations=num_generations,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
-            beta=beta,
-            ref_model=ref_model,
-            generation_batch_size=generation_batch_size,
-            engine=engine,
-            log_entropy=log_entropy,
-        )
+        super().__init__(reward_funcs, num_generations=num_generations, beta=beta, **kwargs)
         self.normalize_advantages = normalize_advantages
 
     @property
     def needs_old_logps(self) -> bool:
         return self.beta > 0  # the KL penalty needs the sampling policy's log-probs
 
-    def build_batch(self, rollout: Rollout, scored: dict[str, Any]) -> dict[str, Any]:
-        rows = list(range(rollout.completion_ids.shape[0]))
-        batch = self.rollout_batch(rollout, rows, scored)
-        rewards = scored["rewards"].float()
-        if self.beta > 0:
-            ref = self.reference_logps(batch)
-            kl = (batch["old_logps"] - ref).sum(-1)
-            rewards = rewards - self.beta * kl
-            batch["rollout_metrics"]["kl"] = float(kl.mean())
-            batch["rollout_metrics"]["rewards/penalized_mean"] = float(rewards.mean())
-        adv = rloo_advantages(rewards, self.num_generations)
-        if self.normalize_advantages and adv.numel() > 1:
-            adv = adv / (adv.std() + 1e-8)
-        batch["advantages"] = adv
-        batch.pop("old_logps", None)  # not needed by the loss
-        return batch
+    def build_batches(
+        self, ctx: Any, groups: list[ScoredGroup]
+    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        batches, advantages, kl_sum, penalized_sum = [], [], 0.0, 0.0
+        for group in groups:
+            batch = self.training_batch(group, range(group.rewards.numel()))
+            rewards = group.rewards.float()
+            if self.beta > 0:
+                kl = (batch["old_logps"] - self.reference_logps(batch)).sum(-1)
+                rewards = rewards - self.beta * kl
+                kl_sum += float(kl.sum())
+                penalized_sum += float(rewards.sum())
+            batch.pop("old_logps", None)  # not needed by the loss
+            advantages.append(rloo_advantages(rewards, self.num_generations))
+            batches.append(batch)
+        if self.normalize_advantages:
+            # Over the step's whole generation batch (every real group of every rank): the
+            # result must not depend on how the step is split into micro-batches or processes.
+            a = torch.cat(advantages).double() if advantages else torch.zeros(0)
+            n, s1, s2 = ctx.all_reduce_sum([float(a.numel()), float(a.sum()), float((a * a).sum())])
+            mean = s1 / max(n, 1.0)
+            std = math.sqrt(max(0.0, (s2 - n * mean * mean) / (n - 1))) if n > 1 else 0.0
+            advantages = [(adv - mean) / (std + 1e-8) for adv in advantages]
+        for batch, adv in zip(batches, advantages):
+            batch["advantages"] = adv.float()
+        metrics = {}
+        n_local = sum(float(g.rewards.numel()) for g in groups)
+        if self.beta > 0 and n_local:
+            metrics = {"kl": kl_sum / n_local, "rewards/penalized_mean": penalized_sum / n_local}
+        return batches, metrics
 
     def compute_loss(
         self, model: torch.nn.Module, batch: dict[str, Any]

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .functional import _check_beta, _check_label_smoothing, simpo_loss
+from .checks import _check_beta, _check_label_smoothing
+from .functional import simpo_loss
 from .preference import PairwiseLoss, scalar_metrics
 
 

@@ -1,0 +1,138 @@
+"""Rows -> planner -> collator: the micro-batches of each optimizer step, on CPU.
+
+:class:`StepLoader` joins the stages that precede the model: the planner (which rows each rank
+trains on at each step, within the token budget if one is set), the budget's row fitting, and the
+method's collator. It yields, per step, this rank's micro-batches as ``(batch, keep)`` pairs
+(``keep = 0.0`` marks a rank-sync dummy). Batches stay on CPU here: DataLoader workers only
+collate, and the trainer moves tensors to the device in the main process (a worker that touched
+CUDA would fail).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .budget import TokenBudget
+from .sampling import StepPlanner
+
+
+class StepLoader:
+    """Per-step micro-batches of ``dataset`` for one rank.
+
+    Args:
+        dataset: rows (``datasets.Dataset`` or a list of dicts).
+        collator: the method's collator (padded or packed).
+        planner: the :class:`StepPlanner` for this rank.
+        budget: the run's :class:`TokenBudget`, or None.
+    """
+
+    def __init__(
+        self, dataset: Any, collator: Any, planner: StepPlanner, budget: TokenBudget | None
+    ):
+        self.dataset, self.collator, self.planner, self.budget = dataset, collator, planner, budget
+
+    @classmethod
+    def build(
+        cls,
+        dataset: Any,
+        collator: Any,
+        budget: TokenBudget | None,
+        *,
+        batch_size: int,
+        world_size: int,
+        rank: int,
+        **planner_kwargs: Any,
+    ) -> StepLoader:
+        planner = StepPlanner(
+            num_samples=len(dataset),
+            batch_size=batch_size,
+            world_size=world_size,
+            rank=rank,
+            lengths=budget.costs(dataset) if budget else None,
+            max_tokens_per_device=budget.max_tokens if budget else None,
+            padded=bool(budget and not budget.packed),
+            **planner_kwargs,
+        )
+        return cls(dataset, collator, planner, budget)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.planner.steps_per_epoch
+
+    def collate(self, indices: list[int], real: bool) -> tuple[dict[str, Any], float]:
+        """One micro-batch and its keep flag (0.0 for a dummy)."""
+        rows = [self.dataset[int(i)] for i in indices]
+        if self.budget is not None:
+            rows = [self.budget.fit(r) for r in rows]
+        return self.collator(rows), 1.0 if real else 0.0
+
+    def step(self, epoch: int, step: int) -> list[tuple[dict[str, Any], float]]:
+        """The micro-batches of ``(epoch, step)``; a dummy reruns one real row with keep 0."""
+        plan = self.planner.plan(epoch, step)
+        fallback = next((m for m in plan if m), None) or [
+            int(self.planner.step_indices(epoch, 0)[0])
+        ]
+        return [self.collate(m or fallback[:1], bool(m)) for m in plan]
+
+    def epoch(
+        self, epoch: int, start_step: int, num_workers: int = 0
+    ) -> Iterator[list[tuple[dict[str, Any], float]]]:
+        """Each remaining step of ``epoch``, optionally collated ahead by DataLoader workers."""
+        steps = _Steps(self, epoch, start_step)
+        if num_workers == 0:
+            yield from (steps[i] for i in range(len(steps)))
+            return
+        yield from torch.utils.data.DataLoader(
+            steps, batch_size=None, num_workers=num_workers, collate_fn=_identity
+        )
+
+    def all_batches(self) -> Iterator[tuple[dict[str, Any], float]]:
+        """Every micro-batch of one unshuffled pass (evaluation)."""
+        for step in range(self.steps_per_epoch):
+            yield from self.step(0, step)
+
+
+def packed_layout(loss_fn: Any, config: Any, pad_id: int, given: Any = None) -> bool:
+    """Whether micro-batches are packed rows: whenever padding-free or a token budget is asked
+    for and the method can pack; a budget with a method that cannot (reward modelling) bins
+    padded micro-batches instead. A user's ``data_collator`` counts as padded unless it has
+    ``packed = True``."""
+    if given is not None:
+        return bool(getattr(given, "packed", False))
+    if not (config.padding_free or config.max_tokens_per_device):
+        return False
+    if getattr(loss_fn, "create_packed_collator", lambda _: None)(pad_id) is not None:
+        return True
+    if config.padding_free:
+        raise ConfigError(
+            [
+                f"{type(loss_fn).__name__} does not support padding-free batches: unset "
+                "training.padding_free (training.max_tokens_per_device alone still bounds "
+                "its padded micro-batches)"
+            ]
+        )
+    return False
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _Steps(torch.utils.data.Dataset):
+    """Map-style view of one epoch's remaining steps, so a DataLoader can prefetch them."""
+
+    def __init__(self, loader: StepLoader, epoch: int, start_step: int):
+        self.loader, self.epoch, self.start = loader, epoch, start_step
+
+    def __len__(self) -> int:
+        return max(0, self.loader.steps_per_epoch - self.start)
+
+    def __getitem__(self, i: int) -> list[tuple[dict[str, Any], float]]:
+        return self.loader.step(self.epoch, self.start + i)
+
+
+__all__ = ["StepLoader", "packed_layout"]

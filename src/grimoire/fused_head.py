@@ -1,0 +1,450 @@
+"""The fused log-prob path: the LM head run in chunks, its logits never kept for backward.
+
+Stage: :func:`grimoire.logprobs.compute_token_logps` calls :func:`fused_parts` to learn whether
+a model can take this path (an unsharded output embedding, a reachable decoder, a forward that
+accepts ``logits_to_keep``), then :func:`fused_token_logps`, which runs the model with
+``logits_to_keep=1``, captures the decoder's last hidden state with a forward hook, checks once
+per model that the head plus the declared post-head transforms reproduce the model's own logits
+(:func:`_self_check`), and pushes the positions that have a target through the head
+``chunk_size`` rows at a time (:class:`_HeadChunkLogps`, a checkpointing autograd Function
+specialised to a softmax head; RNG state is replayed for heads with dropout). Peak logits memory
+is ``chunk_size x V`` instead of ``B x T x V``. See ``docs/fused-logprobs.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# The public entry point lives in grimoire.logprobs, and so does the logger name users filter on.
+logger = logging.getLogger("grimoire.logprobs")
+
+
+@dataclass
+class _FusedState:
+    """What we learned about one model: set once, kept for the model's lifetime."""
+
+    checked: bool = False  # the self-check passed
+    disabled: str | None = None  # why the fused path is off for good (None: it is on)
+
+
+# The self-check verdict, keyed by the unwrapped CausalLM so DDP / PEFT wrappers of one model
+# share it; weak so a deleted model takes its entry with it.
+_STATE: weakref.WeakKeyDictionary[torch.nn.Module, _FusedState] = weakref.WeakKeyDictionary()
+# Structural support (head present, not sharded, decoder reachable), keyed by the object passed
+# in: the same model may be fine bare and unsupported once wrapped (FSDP, ZeRO-3).
+_SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Parts:
+    base: torch.nn.Module  # the CausalLM (under any DDP / PEFT wrappers)
+    decoder: torch.nn.Module  # whose output (last_hidden_state) feeds the head
+    head: torch.nn.Module  # get_output_embeddings(): nn.Linear, LoRA-wrapped Linear, ...
+    state: _FusedState
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The CausalLM inside DDP / DataParallel / DeepSpeed / torch.compile / PEFT wrappers."""
+    for _ in range(8):  # wrappers nest a few levels at most; never loop forever
+        if isinstance(
+            model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel
+        ) or type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine"):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile
+            model = model._orig_mod
+        elif type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+            inner = model.get_base_model()
+            if inner is model:
+                break
+            model = inner
+        else:
+            break
+    return model
+
+
+def _is_sharded(param: Tensor) -> bool:
+    """FSDP2 DTensor, a DeepSpeed ZeRO-3 partitioned param, or an FSDP1 flat-param stub."""
+    if hasattr(param, "ds_numel") or hasattr(param, "ds_id"):
+        return True
+    if param.numel() == 0:
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - builds without torch.distributed
+        return False
+    return isinstance(param, DTensor)
+
+
+def _unsupported_reason(model: torch.nn.Module, base: torch.nn.Module) -> str | None:
+    """Why the fused path cannot serve ``model`` (``None``: it can)."""
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Module):
+        return "the model has no output embeddings (get_output_embeddings() is None)"
+    if any(_is_sharded(p) for p in head.parameters()):
+        return "the LM head's weight is sharded (FSDP / DeepSpeed ZeRO-3)"
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover
+        FullyShardedDataParallel = ()
+    if FullyShardedDataParallel and any(
+        isinstance(m, FullyShardedDataParallel) for m in model.modules()
+    ):
+        return "the model is wrapped in FSDP (the head can't be called outside its forward)"
+    get_decoder = getattr(base, "get_decoder", None)
+    try:
+        decoder = get_decoder() if callable(get_decoder) else None
+    except Exception:  # some exotic models raise instead of returning nothing
+        decoder = None
+    if not isinstance(decoder, torch.nn.Module) or decoder is base:
+        return "the model is not a CausalLM with a reachable decoder (get_decoder())"
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "logits_to_keep" not in params:
+        return "the model's forward does not accept logits_to_keep"
+    return None
+
+
+def fused_parts(model: torch.nn.Module) -> _Parts | None:
+    """Decoder and head for the fused path, or ``None`` to use the full path (logged once)."""
+    base = _unwrap(model)
+    if model not in _SUPPORT:
+        reason = _SUPPORT[model] = _unsupported_reason(model, base)
+        if reason is not None:
+            logger.info(
+                "fused log-probs off for %s: %s; using full logits", type(base).__name__, reason
+            )
+    if _SUPPORT[model] is not None:
+        return None
+    state = _STATE.setdefault(base, _FusedState())
+    if state.disabled is not None:
+        return None
+    return _Parts(
+        base=base, decoder=base.get_decoder(), head=base.get_output_embeddings(), state=state
+    )
+
+
+def _disable(state: _FusedState, base: torch.nn.Module, reason: str) -> None:
+    state.disabled = reason
+    logger.info("fused log-probs off for %s: %s; using full logits", type(base).__name__, reason)
+
+
+def _head_logits(head: torch.nn.Module, transforms: list, hidden: Tensor) -> Tensor:
+    """``transforms(head(hidden))`` in the head's output dtype: ``[N, H] -> [N, V]``."""
+    logits = head(hidden)
+    for fn, value in transforms:
+        logits = fn(logits, value)
+    return logits
+
+
+#: fp32 work on ``[rows, V]`` logits is done this many elements at a time (128 MiB temporaries),
+#: so a chunk's fp32 copies never add up to ``chunk_size x V x 4`` bytes, while the head matmul
+#: still runs on the whole chunk (big matmuls are what's efficient).
+_FP32_BLOCK_ELEMS = 1 << 25
+
+
+def _row_blocks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, _FP32_BLOCK_ELEMS // max(vocab, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+@torch.no_grad()
+def _softmax_stats(
+    logits: Tensor, targets: Tensor, want_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Target log-probs, log-sum-exp and (optionally) entropy of each row, all fp32 ``[N]``.
+
+    ``logits [N, V]`` (any float dtype; may be overwritten), ``targets [N]``. The log-sum-exp is
+    written out (``m + log(sum(exp(z - m)))``) so the fp32 block is reused in place.
+    """
+    n = logits.shape[0]
+    logps = logits.new_empty(n, dtype=torch.float32)
+    lse = torch.empty_like(logps)
+    entropy = torch.empty_like(logps) if want_entropy else None
+    for rows in _row_blocks(n, logits.shape[-1]):
+        z = logits[rows].float()
+        m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
+        picked = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+        if entropy is not None:
+            e = (z - m).exp_()
+            total = e.sum(-1)
+            # H = lse - sum_v p_v z_v = lse - sum_v e_v z_v / sum_v e_v.
+            weighted = e.mul_(z).sum(-1)
+            block_lse = m.squeeze(-1) + total.log()
+            entropy[rows] = block_lse - weighted / total
+        else:
+            block_lse = m.squeeze(-1) + z.sub_(m).exp_().sum(-1).log()
+        lse[rows] = block_lse
+        logps[rows] = picked - block_lse
+    return logps, lse, entropy
+
+
+@torch.no_grad()
+def _grad_logits(
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logps: Tensor,
+    grad_entropy: Tensor | None,
+) -> Tensor:
+    """``dL/dlogits`` in ``logits``' dtype from the incoming grads of logps / entropy.
+
+    Shapes: ``logits [N, V]`` (read only), the rest ``[N]``. With ``p = softmax(z)``:
+    ``dlogp_t/dz = onehot(t) - p`` and ``dH/dz = -p * (log p + H)``; computed in fp32, in place,
+    one row block at a time.
+    """
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    use_entropy = entropy is not None and grad_entropy is not None
+    for rows in _row_blocks(logits.shape[0], logits.shape[-1]):
+        # A copy, never an alias of ``logits`` (the head's backward may need it).
+        z = logits[rows].to(torch.float32, copy=True)
+        z.sub_(lse[rows].unsqueeze(-1))  # log p
+        g = grad_logps[rows].unsqueeze(-1)
+        if use_entropy:
+            probs = z.exp()
+            # -p * (g + e * (log p + H)), in place on log p.
+            z.add_(entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].unsqueeze(-1)).add_(g)
+            z.mul_(probs).neg_()
+            del probs
+        else:
+            z.exp_().mul_(-g)  # -g * p
+        z.scatter_add_(-1, targets[rows].unsqueeze(-1), g)  # + g * onehot(target)
+        out[rows] = z
+    return out
+
+
+@dataclass
+class _ChunkSpec:
+    """The non-tensor inputs of :class:`_HeadChunkLogps` (one per compute_token_logps call)."""
+
+    head: torch.nn.Module
+    transforms: list
+    return_entropy: bool
+    device_type: str
+    n_params: int  # how many trailing inputs of ``apply`` are head parameters
+
+
+def _needs_rng_replay(head: torch.nn.Module) -> bool:
+    """Does the head draw random numbers (e.g. LoRA dropout on lm_head in training mode)?"""
+    return any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+        for m in head.modules()
+    )
+
+
+class _HeadChunkLogps(torch.autograd.Function):
+    """``log p(target)`` (and entropy) for one chunk of rows, without keeping ``[C, V]`` logits.
+
+    Forward: ``hidden [C, H]``, ``targets [C]`` -> ``logps [C]`` (+ ``entropy [C]``), both fp32;
+    only ``hidden``, ``targets`` and the per-row log-sum-exp (``[C]``) are saved. Backward
+    recomputes the head's logits (in the forward's autocast state and RNG state), forms
+    ``dL/dlogits`` in closed form, in place, in fp32, and backpropagates it through the head with
+    ``torch.autograd.grad`` — so any head works (plain / biased / LoRA-wrapped Linear, declared
+    transforms), and its parameters are explicit inputs, so their gradients flow through the
+    normal (non-reentrant) autograd graph (tied weights, DDP hooks all behave).
+
+    This is activation checkpointing specialised to a softmax head: compared with
+    ``torch.utils.checkpoint`` around autograd ops it skips recomputing the log-sum-exp and
+    does the softmax backward in ~4 in-place passes instead of ~10 allocating ones; the cost
+    over the full path is one extra head matmul per chunk (the recompute).
+
+    Gradients (``z``: logits, ``p = softmax(z)``, ``H`` entropy, ``g``/``e`` the incoming grads
+    of logps/entropy): ``dlogp_t/dz = onehot(t) - p``; ``dH/dz = -p * (log p + H)``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, targets: Tensor, spec: _ChunkSpec, *params: Tensor):
+        dev = spec.device_type
+        ctx.spec = spec
+        # Unused outputs (typically a logged-only entropy) come back as None: skip their math.
+        ctx.set_materialize_grads(False)
+        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.rng = None
+        if _needs_rng_replay(spec.head):
+            ctx.rng = (torch.get_rng_state(), _device_rng_state(hidden.device))
+        logits = _head_logits(spec.head, spec.transforms, hidden)
+        logps, lse, entropy = _softmax_stats(logits, targets, spec.return_entropy)
+        del logits
+        if not spec.return_entropy:
+            ctx.save_for_backward(hidden, targets, lse, *params)
+            return logps
+        ctx.save_for_backward(hidden, targets, lse, entropy, *params)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logps: Tensor | None, grad_entropy: Tensor | None = None):
+        spec: _ChunkSpec = ctx.spec
+        saved = ctx.saved_tensors
+        hidden, targets, lse = saved[:3]
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(lse)
+        entropy = saved[3] if spec.return_entropy else None
+        params = saved[len(saved) - spec.n_params :]
+        enabled, dtype = ctx.autocast
+        with contextlib.ExitStack() as stack:
+            if ctx.rng is not None:  # replay the forward's dropout masks
+                devices = [hidden.device] if hidden.device.type != "cpu" else []
+                stack.enter_context(torch.random.fork_rng(devices=devices))
+                torch.set_rng_state(ctx.rng[0])
+                _set_device_rng_state(hidden.device, ctx.rng[1])
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autocast(spec.device_type, dtype=dtype, enabled=enabled))
+            h = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
+            logits = _head_logits(spec.head, spec.transforms, h)
+        grad = _grad_logits(logits.detach(), targets, lse, entropy, grad_logps, grad_entropy)
+        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
+        inputs = ([h] if ctx.needs_input_grad[0] else []) + [params[i] for i in wanted]
+        grads = torch.autograd.grad(logits, inputs, grad, allow_unused=True) if inputs else []
+        grads = list(grads)
+        grad_hidden = grads.pop(0) if ctx.needs_input_grad[0] else None
+        grad_params: list[Tensor | None] = [None] * len(params)
+        for i, gp in zip(wanted, grads):
+            grad_params[i] = gp
+        return (grad_hidden, None, None, *grad_params)
+
+
+def _device_rng_state(device: torch.device) -> Tensor | None:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return None
+
+
+def _set_device_rng_state(device: torch.device, state: Tensor | None) -> None:
+    if state is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+
+
+def _self_check(
+    head: torch.nn.Module, transforms: list, hidden: Tensor, model_logits: Tensor
+) -> bool | None:
+    """Does our head + declared transforms reproduce the model's own logits?
+
+    Shapes: ``hidden [B, 1, H]`` (the final position, sliced exactly as the model's
+    ``logits_to_keep=1`` forward slices it, so the head runs the same kernel on the same input),
+    ``model_logits [B, 1, V]`` (what that forward returned). ``None`` when no row is finite
+    (e.g. every row is padding): inconclusive, check again on the next batch.
+    """
+    with torch.no_grad():
+        ours = _head_logits(head, transforms, hidden)
+        # The rounding unit of the coarser of the two dtypes (accelerate may have upcast the
+        # model's half-precision logits to fp32 after the fact).
+        eps = max(torch.finfo(ours.dtype).eps, torch.finfo(model_logits.dtype).eps)
+        ours, theirs = ours.float().flatten(0, -2), model_logits.float().flatten(0, -2)
+        rows = torch.isfinite(ours).all(-1) & torch.isfinite(theirs).all(-1)
+        if not bool(rows.any()):
+            return None
+        ours, theirs = ours[rows], theirs[rows]
+        # Same op, same input, same shape: equal in practice; a few ulps of slack for kernels
+        # that are not bitwise reproducible. Any real transform (scale, cap, bias) is far larger,
+        # unless it moves logits by less than the dtype's own rounding (see the docs).
+        tol = 4 * eps * (theirs.abs() + theirs.abs().mean())
+        return bool(((ours - theirs).abs() <= tol).all())
+
+
+def fused_token_logps(
+    model: torch.nn.Module,
+    parts: _Parts,
+    transforms: list[tuple[Callable[[Tensor, float], Tensor], float]],
+    kwargs: dict[str, Any],
+    targets: Tensor,
+    mask: Tensor,
+    chunk_size: int,
+    return_entropy: bool,
+) -> tuple[Tensor, Tensor | None] | None:
+    """The fused path: ``(logps, entropy)``, both ``[B, T]`` fp32 and 0 where ``mask`` is False
+    (``entropy`` None unless asked), or ``None`` when the path turned itself off for this model
+    (the caller then runs the full path). ``transforms`` are replayed after the head, in order.
+    """
+    captured: list[tuple[Tensor, bool, torch.dtype]] = []
+
+    def grab(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        hidden = hidden if hidden is not None else output[0]
+        # The autocast state *inside* the model's forward, where its own head call happens:
+        # usually the caller's, but accelerate also wraps ``model.forward`` in autocast, so it
+        # may be on here and off around us. The head chunks replay exactly this state.
+        dev = hidden.device.type
+        captured.append((hidden, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))
+
+    # A hook on the decoder keeps only the *last* hidden state alive, unlike
+    # output_hidden_states=True which would pin every layer's output until the forward returns.
+    handle = parts.decoder.register_forward_hook(grab)
+    try:
+        # Through the outermost wrapper (DDP / PEFT / accelerate) so its forward logic still runs;
+        # logits_to_keep=1 keeps the model from building [B, T, V] logits.
+        out = model(**kwargs, logits_to_keep=1)
+    finally:
+        handle.remove()
+    batch, seq = targets.shape
+    if not captured or tuple(captured[-1][0].shape[:2]) != (batch, seq):
+        _disable(parts.state, parts.base, "its decoder output does not line up with input_ids")
+        return None
+    hidden, autocast_on, autocast_dtype = captured[-1]
+    captured.clear()
+    autocast = torch.autocast(hidden.device.type, dtype=autocast_dtype, enabled=autocast_on)
+    head = parts.head
+
+    if not parts.state.checked:
+        with autocast:
+            ok = _self_check(head, transforms, hidden[:, -1:].detach(), out.logits[:, -1:])
+        if ok is False:
+            msg = (
+                f"fused log-probs: {type(parts.base).__name__}'s own logits differ from its "
+                "get_output_embeddings() output plus the post-head transforms its config declares "
+                "(grimoire.logprobs.POST_HEAD_TRANSFORMS); it must transform logits in a way the "
+                "fused path can't replay. Using the full-logits path for this model from now on."
+            )
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            _disable(parts.state, parts.base, "self-check mismatch")
+            return None
+        parts.state.checked = ok is True
+    del out  # the [B, 1, V] logits: only needed for the self-check
+
+    flat_targets = targets.reshape(-1)
+    index = mask.reshape(-1).nonzero().squeeze(-1)
+    scale = 1.0
+    if index.numel() == 0:
+        # No targets at all: still route one row through the head (times 0) so the result has a
+        # graph and every parameter gets a (zero) gradient, as on the full path (DDP needs it).
+        index, scale = index.new_zeros(1), 0.0
+    rows = hidden.reshape(batch * seq, -1).index_select(0, index)
+    rows_targets = flat_targets.index_select(0, index).clamp(min=0)
+
+    # Parameters are explicit inputs so autograd routes their gradients (and skips the frozen).
+    params = [p for p in head.parameters() if p.requires_grad]
+    spec = _ChunkSpec(head, transforms, return_entropy, hidden.device.type, len(params))
+    pieces: list[tuple[Tensor, ...]] = []
+    with autocast:
+        for start in range(0, rows.shape[0], chunk_size):
+            out = _HeadChunkLogps.apply(
+                rows[start : start + chunk_size],
+                rows_targets[start : start + chunk_size],
+                spec,
+                *params,
+            )
+            pieces.append(out if isinstance(out, tuple) else (out,))
+
+    def scatter(i: int) -> Tensor:
+        values = torch.cat([p[i] for p in pieces])
+        if scale != 1.0:
+            values = values * scale
+        zeros = values.new_zeros(batch * seq)
+        return zeros.index_copy(0, index, values).view(batch, seq)
+
+    return scatter(0), scatter(1) if return_entropy else None
+
+
+__all__ = ["fused_parts", "fused_token_logps"]

@@ -1,0 +1,197 @@
+"""The rollout stage of a step: sample, score, hand the method its groups, report.
+
+For methods that generate (``needs_generation``), the trainer calls :meth:`RolloutStage.step`
+on the step's prompt micro-batches BEFORE any loss runs:
+
+1. every REAL prompt micro-batch is sampled (``G = num_generations`` completions per prompt, by
+   the method's :class:`~grimoire.rollout.engine.RolloutEngine`) and scored by the reward
+   functions; rank-sync dummies (keep 0) are not sampled at all;
+2. the method turns the step's scored groups into training micro-batches
+   (``build_batches(ctx, groups)``), so statistics over "the batch" see exactly the real groups
+   of the whole step (and, through ``ctx.all_reduce_sum``, of every rank);
+3. dummies get a placeholder batch (loss 0, 0 loss units), keeping their place and flag;
+4. the stage reports the rollout metrics (rewards per function, completion lengths, clip ratio,
+   timings) with the number of completions as their weight.
+
+With ``steps_per_batch > 1`` (GRPO's ``num_iterations``) the planner repeats a global batch for
+that many optimizer steps and the stage reuses the first step's training batches: same
+completions, same old log-probs (PPO's epochs over one rollout).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..data.grpo import prompt_token_lists
+from .batches import placeholder_batch
+from .engine import Rollout
+from .rewards import score_completions
+
+#: Batch keys of a prompt micro-batch that are not reward-function columns.
+_NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
+
+
+@dataclass
+class SamplingConfig:
+    """How completions are sampled (``top_k=0`` and ``top_p=1`` switch those filters off)."""
+
+    num_generations: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    generation_batch_size: int | None = None
+
+
+@dataclass
+class ScoredGroup:
+    """One prompt micro-batch's rollout: ``N = prompts x G`` completions, prompt-major."""
+
+    prompts: dict[str, Any]
+    rollout: Rollout
+    rewards: Tensor  # [N] weighted total
+    per_func: dict[str, Tensor] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)
+
+
+class RolloutStage:
+    """Sampling and scoring for one online method (see the module docstring)."""
+
+    def __init__(self, method: Any):
+        self.method = method
+        self.engine = method.engine
+        self.reward_funcs = method.reward_funcs
+        self.tokenizer: Any = None
+        self.pack = False
+        self.pad_token_id = 0
+        self._cache: tuple[tuple[int, int], list[tuple[dict, float]], dict, float] | None = None
+        self._last_step_start: float | None = None
+
+    def bind(self, ctx: Any) -> None:
+        """Attach the engine to the policy, with the run's token budget and autocast."""
+        policy, tok = ctx.unwrapped_model, ctx.tokenizer
+        eos = getattr(tok, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(getattr(policy, "config", None), "eos_token_id", None)
+        pad = getattr(tok, "pad_token_id", None)
+        self.pad_token_id = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+        self.engine.bind(policy, self.pad_token_id, eos, ctx.accelerator.autocast)
+        self.engine.max_tokens = ctx.config.max_tokens_per_device
+        self.tokenizer = tok
+        self.pack = bool(ctx.config.padding_free or ctx.config.max_tokens_per_device)
+
+    # ------------------------------------------------------------------ one step
+
+    def step(
+        self, ctx: Any, micro: list[tuple[dict[str, Any], float]]
+    ) -> tuple[list[tuple[dict[str, Any], float]], dict[str, float], float]:
+        """``(training micro-batches with their keep flags, rollout metrics, their weight)``."""
+        now = time.perf_counter()
+        timing: dict[str, float] = {}
+        if self._last_step_start is not None:
+            timing["time/step"] = now - self._last_step_start  # the previous step, end to end
+        self._last_step_start = now
+        repeat = max(1, int(getattr(self.method, "steps_per_batch", 1)))
+        key = (ctx.step.epoch, ctx.step.step_in_epoch // repeat)
+        if repeat > 1 and self._cache is not None and self._cache[0] == key:
+            _, batches, metrics, weight = self._cache
+            reused = {**metrics, **timing, "time/generation": 0.0, "time/rollout": 0.0}
+            return batches, reused, weight
+
+        self.engine.sync_weights()
+        groups = []
+        for prompts, keep in micro:
+            if keep:
+                rollout = self.engine.generate(
+                    prompt_token_lists(prompts),
+                    self.method.num_generations,
+                    with_old_logps=self.method.needs_old_logps,
+                )
+                groups.append(self.score(prompts, rollout))
+        t_gen = time.perf_counter() - now
+        built, extra = self.method.build_batches(ctx, groups)
+        real = iter(built)
+        batches = [
+            (next(real), keep)
+            if keep
+            else (placeholder_batch(prompts, self.pad_token_id, self.pack), keep)
+            for prompts, keep in micro
+        ]
+        metrics, weight = self.metrics(groups)
+        metrics.update(extra)
+        metrics.update({"time/generation": t_gen, "time/rollout": time.perf_counter() - now})
+        if repeat > 1:
+            self._cache = (key, batches, dict(metrics), weight)
+        metrics.update(timing)
+        return batches, metrics, weight
+
+    def score(self, prompts: dict[str, Any], rollout: Rollout, greedy: bool = False) -> ScoredGroup:
+        """Decode the completions and run the reward functions on them."""
+        g = rollout.group_size
+        texts = self.decode(rollout)
+        columns = {
+            k: [v for v in values for _ in range(g)]
+            for k, values in prompts.items()
+            if k not in _NOT_COLUMNS and isinstance(values, list)
+        }
+        repeated = [p for p in prompts["prompt"] for _ in range(g)]
+        device = rollout.completion_ids.device
+        total, per_func = score_completions(self.reward_funcs, repeated, texts, columns, device)
+        return ScoredGroup(prompts, rollout, total, per_func, texts)
+
+    def decode(self, rollout: Rollout) -> list[str]:
+        """Completion texts (special tokens, e.g. EOS, skipped)."""
+        rows = [
+            ids[m.bool()].tolist()
+            for ids, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
+        ]
+        return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
+
+    def metrics(self, groups: list[ScoredGroup]) -> tuple[dict[str, float], float]:
+        """Rollout metrics over this rank's real groups and their weight (completions), so the
+        trainer's one reduction averages them over every rank's completions."""
+        # Imported here: grimoire.losses imports this module (a top-level import would cycle).
+        from ..losses.online_functional import equal_reward_groups, reward_std
+
+        if not groups:
+            return {}, 0.0
+        rewards = torch.cat([g.rewards for g in groups]).float()
+        lengths = torch.cat([g.rollout.completion_mask.sum(-1) for g in groups]).float()
+        clipped = torch.cat([g.rollout.truncated for g in groups]).float()
+        flat = torch.cat([equal_reward_groups(g.rewards, g.rollout.group_size) for g in groups])
+        out = {
+            "rewards/mean": float(rewards.mean()),
+            "rewards/std": reward_std(rewards.tolist()),
+            "completions/mean_length": float(lengths.mean()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(clipped.mean()),
+            "frac_reward_zero_std": float(flat.float().mean()),
+        }
+        for name in groups[0].per_func:
+            r = torch.cat([g.per_func[name] for g in groups]).float()
+            out[f"rewards/{name}/mean"] = float(r.mean())
+            out[f"rewards/{name}/std"] = reward_std(r.tolist())
+        return out, float(rewards.numel())
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, prompts: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
+        """One GREEDY completion per prompt, scored: ``eval/loss`` is minus the mean total
+        reward (lower is better, like a loss); per-function means are logged too."""
+        rollout = self.engine.generate(
+            prompt_token_lists(prompts), 1, with_old_logps=False, greedy=True
+        )
+        group = self.score(prompts, rollout)
+        metrics, _ = self.metrics([group])
+        metrics = {k: v for k, v in metrics.items() if not k.endswith("/std")}
+        metrics.pop("frac_reward_zero_std", None)
+        return -group.rewards.mean(), metrics
+
+
+__all__ = ["RolloutStage", "SamplingConfig", "ScoredGroup"]
