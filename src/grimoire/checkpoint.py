@@ -10,6 +10,7 @@ mid-save never leaves a checkpoint that looks valid but is not.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -23,6 +24,8 @@ import torch
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -160,14 +163,14 @@ def save(
     step: int,
     accelerator: Any,
     write_model: Any,
-    optimizer: Any,
     scheduler: Any,
     state: TrainerState,
     extra_state: dict[str, Any],
     save_total_limit: int | None,
 ) -> Path:
     """Write ``checkpoint-<step>`` atomically: everything goes into a temporary folder that is
-    renamed only once every rank has written its part (``write_model(folder)`` writes the model).
+    renamed only once every rank has written its part (``write_model(folder)`` writes the model
+    and optimizer state, every rank taking part).
     """
     tmp, final = begin(root, step)
     if accelerator.is_main_process:
@@ -177,7 +180,6 @@ def save(
     accelerator.wait_for_everyone()
     write_model(tmp)
     if accelerator.is_main_process:
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         write_state(tmp, state, extra_state)
     torch.save(rng_state(), tmp / f"rng_state_{accelerator.process_index}.pt")
@@ -189,19 +191,42 @@ def save(
     return final
 
 
-def resume(
-    path: Path, model: torch.nn.Module, hooks: list[Any], optimizer: Any, scheduler: Any, rank: int
-) -> TrainerState:
-    """Restore weights (or a hook's own reparametrised weights), optimizer, scheduler and this
-    rank's RNG from ``path``; returns the saved :class:`TrainerState`."""
-    loaders = [h for h in hooks if hasattr(h, "load_extra")]
-    for hook in loaders:
-        hook.load_extra(model, path)
-    if not loaders:
-        load_model_weights(model, path)
-    optimizer.load_state_dict(torch_load(path / "optimizer.pt"))
+def resume(path: Path, load_model: Any, scheduler: Any, rank: int) -> TrainerState:
+    """Restore model + optimizer (``load_model(path)``: the DCP shards, resharded to however
+    many processes run now), scheduler and, when the process count is unchanged, this rank's
+    RNG; returns the saved :class:`TrainerState`."""
+    if not (path / "dcp").is_dir():
+        raise FileNotFoundError(
+            f"{path} has no dcp/ folder: it was written by an older Grimoire; resume it with that "
+            "version, or start from its weights (model.safetensors) as a new run"
+        )
+    load_model(path)
     scheduler.load_state_dict(torch_load(path / "scheduler.pt"))
     rng_file = path / f"rng_state_{rank}.pt"
     if rng_file.exists():
         set_rng_state(torch_load(rng_file))
     return read_state(path)
+
+
+def resume_if_any(
+    spec: str, output_dir: str | Path, load_model: Any, scheduler: Any, rank: int
+) -> TrainerState | None:
+    """:func:`resume` from ``spec`` (a folder or ``"latest"``); None when ``"latest"`` finds no
+    checkpoint yet (a fresh start, so a preemptible job can always pass ``"latest"``)."""
+    path = resolve_resume_path(spec, output_dir)
+    if path is None:
+        logger.info("resume_from_checkpoint='latest' but no checkpoint yet: starting fresh")
+        return None
+    state = resume(path, load_model, scheduler, rank)
+    logger.info("resumed from %s at step %d", path, state.global_step)
+    return state
+
+
+def report_preemption(signal_name: str, step: int, path: Path) -> None:
+    logger.warning(
+        "stopped by %s after step %d; checkpoint: %s. Resume with resume_from_checkpoint="
+        "'latest' (CLI: --set training.resume_from_checkpoint=latest) and the same output_dir.",
+        signal_name,
+        step,
+        path,
+    )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import TrainingConfig
+from .config import LR_SCHEDULERS, TrainingConfig
 from .errors import ConfigError
 
 
@@ -29,7 +29,7 @@ class MiniTrainerFlag:
     ``None`` marks a flag whose effect needs more of the config (``--batch-size``,
     ``--save-final-checkpoint``), handled by name in :func:`apply_mini_trainer_flags`. ``kind``
     ``bool`` is a switch (``store_true``). ``becomes`` is the doc table's right column (Markdown);
-    left empty it reads ``key: METAVAR`` (``key: true`` for a switch).
+    left empty it reads ``key: METAVAR`` (``key: true`` for a switch), followed by ``note``.
     """
 
     flag: str
@@ -37,6 +37,8 @@ class MiniTrainerFlag:
     key: str | None
     metavar: str | None = None
     becomes: str = ""
+    #: A remark after the generated right column (when ``becomes`` is empty).
+    note: str = ""
     convert: Callable[[Any], Any] | None = None
     #: Also sets ``training.log_with: wandb``.
     wandb: bool = False
@@ -52,7 +54,7 @@ class MiniTrainerFlag:
         if self.becomes:
             return self.becomes
         value = "true" if self.kind is bool else self.metavar
-        text = f"`{self.key}: {value}`"
+        text = f"`{self.key}: {value}`" + (f" {self.note}" if self.note else "")
         return f"{text} and `training.log_with: wandb`" if self.wandb else text
 
 
@@ -85,11 +87,7 @@ MINI_TRAINER_FLAGS: tuple[MiniTrainerFlag, ...] = (
     MiniTrainerFlag("--learning-rate", float, "training.learning_rate", "LR"),
     MiniTrainerFlag("--num-warmup-steps", int, "training.warmup_steps", "W"),
     MiniTrainerFlag(
-        "--lr-scheduler",
-        str,
-        "training.lr_scheduler",
-        "S",
-        "`training.lr_scheduler: S` (linear, cosine, constant, constant_with_warmup)",
+        "--lr-scheduler", str, "training.lr_scheduler", "S", note=f"({', '.join(LR_SCHEDULERS)})"
     ),
     MiniTrainerFlag("--seed", int, "training.seed", "S"),
     MiniTrainerFlag("--max-epochs", int, "training.num_epochs", "E"),
@@ -98,7 +96,7 @@ MINI_TRAINER_FLAGS: tuple[MiniTrainerFlag, ...] = (
         int,
         "training.max_steps",
         "K",
-        '`training.max_steps: K` (`0`, mini_trainer\'s "no limit", becomes `null`)',
+        note='(`0`, mini_trainer\'s "no limit", becomes `null`)',
         convert=lambda steps: steps or None,
     ),
     MiniTrainerFlag("--use-liger-kernels", bool, "training.use_liger"),

@@ -78,6 +78,13 @@ class TrainingConfig:
     osft_target_modules: list[str] | None = None
     osft_train_non_targets: bool = False
     osft_upcast_dtype: Literal["float32", "float64"] = "float32"
+    # Several processes (see docs/multi-gpu.md): "ddp" replicates the model on every process;
+    # "fsdp2" shards parameters, gradients and optimizer state with torch's fully_shard.
+    distributed: Literal["ddp", "fsdp2"] = "ddp"
+    fsdp_reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
+    # Signals that make every process checkpoint and stop at the next step boundary.
+    checkpoint_signals: list[str] = dataclasses.field(default_factory=lambda: ["SIGTERM"])
 
     def __post_init__(self) -> None:
         problems = _type_problems(self)
@@ -167,6 +174,20 @@ class TrainingConfig:
             p.append(
                 f"osft_unfreeze_rank_ratio must be in [0, 1], got {self.osft_unfreeze_rank_ratio}"
             )
+        if self.distributed not in ("ddp", "fsdp2"):
+            p.append(f"distributed must be 'ddp' or 'fsdp2', got {self.distributed!r}")
+        if self.distributed == "fsdp2" and self.mixed_precision == "fp16":
+            p.append(
+                "distributed='fsdp2' runs bf16 (FSDP2's MixedPrecisionPolicy) or fp32: set "
+                "mixed_precision to 'bf16' or 'no'"
+            )
+        import signal
+
+        for name in self.checkpoint_signals:
+            if not (isinstance(name, str) and name.startswith("SIG") and hasattr(signal, name)):
+                p.append(f"checkpoint_signals: {name!r} is not a signal name (e.g. 'SIGTERM')")
+            elif name in ("SIGKILL", "SIGSTOP"):
+                p.append(f"checkpoint_signals: {name} cannot be caught")
         if self.osft_upcast_dtype not in ("float32", "float64"):
             p.append(
                 f"osft_upcast_dtype must be float32 or float64, got {self.osft_upcast_dtype!r}"

@@ -46,10 +46,15 @@ class TrainingContext:
     train_dataset: Any
     eval_dataset: Any = None
     step: StepInfo | None = None
+    #: Applied to a frozen model a method keeps beside the policy (a reference): shards it the
+    #: way the policy is sharded (FSDP2), or leaves it as it is.
+    prepare_frozen: Any = None
 
     def __post_init__(self) -> None:
         if self.step is None:
             self.step = StepInfo()
+        if self.prepare_frozen is None:
+            self.prepare_frozen = _identity
 
     @property
     def device(self) -> torch.device:
@@ -63,6 +68,10 @@ class TrainingContext:
         """Sum floats over ranks in one collective (identity on one process); every rank must
         call it at the same point of the step."""
         return all_reduce_sum(self.accelerator, values)
+
+
+def _identity(module: torch.nn.Module) -> torch.nn.Module:
+    return module
 
 
 def all_reduce_sum(accelerator: Any, values: list[float]) -> list[float]:

@@ -142,3 +142,18 @@ class JsonlLogger:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def init_trackers(accelerator: Any, config: Any) -> None:
+    """Start the ``log_with`` trackers: the project comes from ``WANDB_PROJECT`` (the wandb
+    convention) and ``run_name`` names the run in it. Hyper-parameter tables take scalars only,
+    so list values are logged as text."""
+    import os
+
+    init = {"wandb": {"name": config.run_name}} if config.run_name else {}
+    hparams = {
+        k: str(v) if isinstance(v, list | tuple | dict) else v for k, v in config.to_dict().items()
+    }
+    accelerator.init_trackers(
+        os.environ.get("WANDB_PROJECT", "grimoire"), config=hparams, init_kwargs=init
+    )

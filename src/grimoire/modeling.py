@@ -105,6 +105,8 @@ def resolve_mixed_precision(config: TrainingConfig) -> str:
         raise ConfigError(
             ["mixed_precision='fp16' needs a CUDA GPU; on CPU use 'bf16' (fast with AMX) or 'no'"]
         )
+    if config.distributed == "fsdp2":
+        return "no"  # FSDP2's MixedPrecisionPolicy casts the gathered weights instead of autocast
     return config.mixed_precision
 
 
@@ -165,7 +167,13 @@ def save_hf(
     import copy
     from pathlib import Path
 
-    state_dict = accelerator.get_state_dict(wrapped)  # gathers FSDP / ZeRO-3 shards
+    from .distributed import full_state_dict, is_sharded
+
+    # Every rank takes part in gathering FSDP2 / ZeRO-3 shards; only the main process writes.
+    if is_sharded(wrapped):
+        state_dict = full_state_dict(wrapped)
+    else:
+        state_dict = accelerator.get_state_dict(wrapped)
     if not accelerator.is_main_process:
         return
     out = Path(out)

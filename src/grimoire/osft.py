@@ -46,6 +46,7 @@ from .osft_linear import (
     TRAINABLE_FACTORS,
     OSFTLinear,
     check_unfreeze_rank_ratio,
+    merge_factors,
     num_frozen_components,
 )
 
@@ -321,9 +322,24 @@ class OSFTTrainerHook:
         self.state.reproject()
 
     def export_state_dict(self, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Dense weights under the original architecture's keys (loadable by from_pretrained)."""
-        del state_dict  # rebuilt from the live modules, which hold the exact factors
-        return osft_dense_state_dict(self.model, self.state.upcast_dtype)
+        """Dense weights under the original architecture's keys (loadable by from_pretrained).
+
+        Merged from ``state_dict``'s factors when it holds them (a full state dict, gathered from
+        FSDP2 shards on the main process), else from the live modules."""
+        dtype = self.state.upcast_dtype
+        if not any(k.endswith(".U_l") for k in state_dict):
+            return osft_dense_state_dict(self.model, dtype)
+        out: dict[str, Tensor] = {}
+        for key, value in state_dict.items():
+            prefix, _, leaf = key.rpartition(".")
+            if prefix in self.state.modules and leaf in FACTOR_NAMES:
+                if prefix + ".weight" not in out:
+                    factors = [state_dict[f"{prefix}.{n}"].to(dtype) for n in FACTOR_NAMES]
+                    merged = merge_factors(*factors)
+                    out[prefix + ".weight"] = merged.to(state_dict[f"{prefix}.U_l"].dtype)
+                continue
+            out[key] = value
+        return out
 
     def save_extra(self, folder) -> None:
         from safetensors.torch import save_file

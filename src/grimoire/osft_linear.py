@@ -79,10 +79,30 @@ def _no_autocast(device_type: str) -> Iterator[None]:
 
 
 def _remove_component(x: Tensor, basis: Tensor, compute_dtype: torch.dtype) -> Tensor:
-    """``x - B (B^T x)`` for an orthonormal ``basis`` B ``[D, k]`` and ``x`` ``[D, r]``."""
+    """``x - B (B^T x)`` for an orthonormal ``basis`` B ``[D, k]`` and ``x`` ``[D, r]``.
+
+    Under FSDP2 ``x`` (a parameter or its gradient) is a row-sharded DTensor while the frozen
+    basis is a whole buffer on every rank: ``B^T x`` sums over all rows, so ``x`` is gathered,
+    projected, and each rank keeps its own rows again (no further communication).
+    """
+    if hasattr(x, "full_tensor"):
+        from torch.distributed.tensor import distribute_tensor
+
+        out = _remove_component(x.full_tensor(), basis, compute_dtype)
+        return distribute_tensor(out, x.device_mesh, x.placements, src_data_rank=None)
     b = basis.to(compute_dtype)
     x_c = x.to(compute_dtype)
     return (x_c - b @ (b.T @ x_c)).to(x.dtype)
+
+
+def merge_factors(
+    u_h: Tensor, s_h: Tensor, v_h: Tensor, u_l: Tensor, s_l: Tensor, v_l: Tensor
+) -> Tensor:
+    """``U_h diag(S_h) V_h^T + U_l diag(S_l) V_l^T`` (either part may have rank 0)."""
+    if u_l.shape[-1] == 0:
+        return (u_h * s_h) @ v_h.T
+    low = (u_l * s_l) @ v_l.T
+    return low if u_h.shape[-1] == 0 else torch.addmm(low, u_h * s_h, v_h.T)
 
 
 class OSFTLinear(nn.Module):
@@ -172,12 +192,8 @@ class OSFTLinear(nn.Module):
         """
         dtype = dtype or self.U_l.dtype
         with _no_autocast(self.U_l.device.type):
-            u_h, s_h, v_h = (t.to(dtype) for t in (self.U_h, self.S_h, self.V_h))
-            u_l, s_l, v_l = (t.to(dtype) for t in (self.U_l, self.S_l, self.V_l))
-            if self.num_trainable == 0:
-                return (u_h * s_h) @ v_h.T
-            low = (u_l * s_l) @ v_l.T
-            return low if self.num_frozen == 0 else torch.addmm(low, u_h * s_h, v_h.T)
+            factors = (self.U_h, self.S_h, self.V_h, self.U_l, self.S_l, self.V_l)
+            return merge_factors(*(t.to(dtype) for t in factors))
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.dense_weight(), self.bias)

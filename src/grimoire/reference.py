@@ -114,12 +114,14 @@ class Reference:
         """
         policy = ctx.unwrapped_model
         device = ctx.accelerator.device
+        prepare = getattr(ctx, "prepare_frozen", None) or (lambda m: m)
         if self.ref_model == COPY:
             logger.info("%s: reference = a frozen copy of the starting policy", self.owner)
-            self.ref_model = self._freeze(copy.deepcopy(unwrap(policy)), device)
+            self.ref_model = prepare(self._freeze(copy.deepcopy(unwrap(policy)), device))
             self.source = "copy"
         elif self.ref_model is not None:
-            self.ref_model = self._freeze(self._match_policy(self.ref_model, policy), device)
+            ref = self._freeze(self._match_policy(self.ref_model, policy), device)
+            self.ref_model = prepare(ref)
             self.source = "model"
         elif is_peft_model(policy):
             self._peft_model, self.source = policy, "adapters"

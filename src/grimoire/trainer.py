@@ -11,9 +11,7 @@ log / evaluate / checkpoint / stop. The loop never asks which method it is runni
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,8 +28,23 @@ from .context import TrainingContext
 from .data.budget import TokenBudget
 from .data.loader import StepLoader, packed_layout
 from .data.validation import validate_training_data
+from .distributed import (
+    gradient_sync,
+    is_sharded,
+    load_dcp,
+    preemption_signals,
+    save_dcp,
+    shard_model,
+)
 from .errors import ConfigError
-from .metrics import JsonlLogger, StepReduction, WeightedMeans, peak_memory_mb, to_float
+from .metrics import (
+    JsonlLogger,
+    StepReduction,
+    WeightedMeans,
+    init_trackers,
+    peak_memory_mb,
+    to_float,
+)
 from .modeling import (
     check_world_size,
     configure_deepspeed,
@@ -109,6 +122,16 @@ class GrimoireTrainer:
         # The method reads the run through this context only; set up before its collator exists
         # (KTO bounds its KL rows by max_length) and before DDP wraps the policy.
         self.context = TrainingContext(config, acc, tokenizer, model, train_dataset, eval_dataset)
+        if config.distributed == "fsdp2":
+            if getattr(loss_fn, "needs_generation", False):
+                raise ConfigError(
+                    [
+                        f"distributed='fsdp2' does not run {type(loss_fn).__name__} yet: sampling "
+                        "needs every process to run the same forward passes (not implemented); "
+                        "use distributed='ddp'"
+                    ]
+                )
+            self.context.prepare_frozen = lambda m: shard_model(m, config)
         if hasattr(loss_fn, "setup"):
             loss_fn.setup(self.context)
         #: The rollout stage, for methods that generate (they own it: engine, rewards).
@@ -128,10 +151,17 @@ class GrimoireTrainer:
         )
         self.planner = self.loader.planner
         self.max_steps = config.max_steps or self.loader.steps_per_epoch * config.num_epochs
+        if config.distributed == "fsdp2":
+            # Sharded before the optimizer exists, so its state is sharded too; accelerate never
+            # wraps a sharded model (on CPU its FSDP plugin would silently run DDP).
+            model = shard_model(model, config)
         optimizer = build_optimizer(model, config)
         self.scheduler = build_scheduler(optimizer, config, self.max_steps)
         configure_deepspeed(acc, config)
-        self.model, self.optimizer = acc.prepare(model, optimizer)
+        if is_sharded(model):
+            self.model, self.optimizer = model, acc.prepare(optimizer)
+        else:
+            self.model, self.optimizer = acc.prepare(model, optimizer)
 
         self.state = ckpt.TrainerState()
         self.callbacks = CallbackList(
@@ -143,6 +173,9 @@ class GrimoireTrainer:
         )
         self._reduction = StepReduction(acc)
         self._stop = self._stop_requested = False
+        #: The signal that stopped the run with a checkpoint (preemption), else None.
+        self.preempted_by: str | None = None
+        self._signal: str | None = None
         # DeepSpeed steps its engine inside the last backward, before a post-hoc gradient rescale
         # could run: there the global loss units are summed before the backward passes instead.
         self._units_first = getattr(acc.state, "deepspeed_plugin", None) is not None
@@ -175,19 +208,32 @@ class GrimoireTrainer:
         if not cfg.resume_from_checkpoint:
             self.metrics_log.reset()  # a fresh run into an old output_dir starts a fresh log
         if cfg.log_with:
-            # The tracker project comes from WANDB_PROJECT (the wandb convention); run_name names
-            # the run inside it.
-            init = {"wandb": {"name": cfg.run_name}} if cfg.run_name else {}
-            self.accelerator.init_trackers(
-                os.environ.get("WANDB_PROJECT", "grimoire"), config=cfg.to_dict(), init_kwargs=init
-            )
+            init_trackers(self.accelerator, cfg)
+        with preemption_signals(cfg.checkpoint_signals, self._on_signal):
+            self._train_loop()
+        if self._signal is not None and self.accelerator.num_processes == 1:
+            self.preempted_by = self._signal  # (several processes agree in the reduction)
+        if self.preempted_by is not None:
+            done = Path(cfg.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
+            path = done if done.is_dir() else self.save_checkpoint()
+            if self.accelerator.is_main_process:
+                ckpt.report_preemption(self.preempted_by, self.global_step, path)
+        elif self.eval_dataset is not None and self._last_eval_step != self.global_step:
+            self.evaluate()
+        self.callbacks("on_train_end", self)
+        if cfg.log_with:
+            self.accelerator.end_training()
+        return self.state
+
+    def _train_loop(self) -> None:
+        cfg = self.config
         self.callbacks("on_train_begin", self)
         if cfg.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
         self.model.train()
         self._window = {"tokens": 0.0, "time": time.time()}
         self._log_means = WeightedMeans()
-        last_eval_step = -1
+        self._last_eval_step = -1
         while not self._done():
             epoch = self.state.epoch
             self.callbacks("on_epoch_begin", self, epoch)
@@ -198,7 +244,7 @@ class GrimoireTrainer:
                 self._end_of_step()
                 if cfg.eval_steps and self.global_step % cfg.eval_steps == 0:
                     self.evaluate()
-                    last_eval_step = self.global_step
+                    self._last_eval_step = self.global_step
                 if self._done():
                     break
             if self.state.step_in_epoch >= self.loader.steps_per_epoch:
@@ -206,12 +252,11 @@ class GrimoireTrainer:
                 self.callbacks("on_epoch_end", self, epoch)
                 if cfg.save_on_epoch_end:
                     self.save_checkpoint()
-        if self.eval_dataset is not None and last_eval_step != self.global_step:
-            self.evaluate()
-        self.callbacks("on_train_end", self)
-        if cfg.log_with:
-            self.accelerator.end_training()
-        return self.state
+
+    def _on_signal(self, name: str) -> None:
+        """A checkpoint signal: stop at the next step boundary that every rank agrees on."""
+        self._signal = name
+        self.request_stop()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -271,14 +316,16 @@ class GrimoireTrainer:
         acc = self.accelerator
 
         def write_model(folder: Path) -> None:
+            # The HF export is for people (from_pretrained); the DCP shards are for resuming,
+            # on any number of processes.
             save_hf(folder, acc, self.model, self.tokenizer, self.step_hooks, for_resume=True)
+            save_dcp(folder, self.model, self.optimizer)
 
         final = ckpt.save(
             Path(self.config.output_dir),
             self.global_step,
             acc,
             write_model,
-            self.optimizer,
             self.scheduler,
             self.state,
             {"max_steps": self.max_steps},
@@ -310,7 +357,7 @@ class GrimoireTrainer:
             norm = self._sum_over_ranks(local) / acc.num_processes
         for i, ((batch, _), weight) in enumerate(zip(micro, weights)):
             last = i == len(micro) - 1
-            sync = contextlib.nullcontext() if last else acc.no_sync(self.model)
+            sync = gradient_sync(acc, self.model, last)
             # DeepSpeed steps its engine inside backward() when gradients sync: only on the last.
             acc.gradient_state._set_sync_gradients(last)
             with sync, acc.autocast():
@@ -319,10 +366,18 @@ class GrimoireTrainer:
             means.add({"loss": loss, **metrics}, weight)
         tokens = sum(count_tokens(b) * keep for b, keep in micro)
         totals, self._step_metrics = self._reduction.reduce(
-            {"units": local, "tokens": tokens, "stop": float(self._stop_requested)}, means
+            {
+                "units": local,
+                "tokens": tokens,
+                "stop": float(self._stop_requested),
+                "signal": float(self._signal is not None),
+            },
+            means,
         )
         if totals["stop"] > 0:
             self._stop = True
+        if totals["signal"] > 0:  # some rank was signalled: all checkpoint before stopping
+            self.preempted_by = self._signal or "a signal on another process"
         if not self._units_first:
             # DDP averaged the ranks' gradients: (1/W) sum_r sum_i w_i grad_i / norm. Times
             # norm * W / U is the mean over every loss unit U of the global batch.
@@ -359,6 +414,8 @@ class GrimoireTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.config.max_grad_norm
         norm = self.accelerator.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        if hasattr(norm, "full_tensor"):  # a DTensor when the gradients are sharded
+            norm = norm.full_tensor()
         return to_float(norm) if norm is not None else float("nan")
 
     def _sum_over_ranks(self, value: float) -> float:
@@ -432,24 +489,17 @@ class GrimoireTrainer:
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def _maybe_resume(self) -> None:
-        spec = self.config.resume_from_checkpoint
-        if not spec:
+        if not self.config.resume_from_checkpoint:
             return
-        path = ckpt.resolve_resume_path(spec, self.config.output_dir)
-        if path is None:
-            logger.info("resume_from_checkpoint='latest' but no checkpoint yet: starting fresh")
-            return
-        acc = self.accelerator
-        state = ckpt.resume(
-            path,
-            self.unwrapped_model,
-            self.step_hooks,
-            self.optimizer,
+        state = ckpt.resume_if_any(
+            self.config.resume_from_checkpoint,
+            self.config.output_dir,
+            lambda folder: load_dcp(folder, self.model, self.optimizer),
             self.scheduler,
-            acc.process_index,
+            self.accelerator.process_index,
         )
-        self.state.__dict__.update(vars(state))  # in place: callbacks may hold the object
-        logger.info("resumed from %s at step %d", path, self.state.global_step)
+        if state is not None:
+            self.state.__dict__.update(vars(state))  # in place: callbacks may hold the object
 
 
 __all__ = ["GrimoireTrainer"]

@@ -90,3 +90,19 @@ class GrimoireLoss:
                 f"it has {sorted(names)} (tokenize it with the matching grimoire.data function)"
             ]
         return []
+
+
+class TokenLogpsLoss(GrimoireLoss):
+    """A method whose forward passes are per-token log-probs from
+    :func:`grimoire.logprobs.compute_token_logps` (SFT, the pairwise losses, KTO).
+
+    Args:
+        fused, fused_chunk_size: passed to it as ``fused`` and ``chunk_size`` (the memory-lean
+            chunked LM-head path, and the rows it pushes through the head at once; > 0).
+    """
+
+    def __init__(self, fused: bool = True, fused_chunk_size: int = 1024):
+        if fused_chunk_size <= 0:
+            raise ValueError(f"fused_chunk_size must be > 0, got {fused_chunk_size}")
+        self.fused = fused
+        self.fused_chunk_size = fused_chunk_size

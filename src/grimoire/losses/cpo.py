@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .dpo import check_loss_type_args
+from .checks import _check_weight
+from .dpo import DPOFamilyLoss
 from .functional import CPO_LOSS_TYPES, cpo_loss, cpo_total_loss
-from .preference import PairwiseLoss, chosen_nll, reduce_logps, scalar_metrics
+from .preference import chosen_nll, reduce_logps, scalar_metrics
 
 
-class CPOLoss(PairwiseLoss):
+class CPOLoss(DPOFamilyLoss):
     """``loss = mean_B pref(beta (S_w - S_l)) + cpo_alpha * NLL(chosen)``.
 
     Args:
@@ -33,6 +34,8 @@ class CPOLoss(PairwiseLoss):
     (``beta * S``), ``logps/*``, ``nll``. ``loss_weight`` = pairs.
     """
 
+    loss_types = CPO_LOSS_TYPES
+
     def __init__(
         self,
         beta: float = 0.1,
@@ -43,14 +46,9 @@ class CPOLoss(PairwiseLoss):
         fused: bool = True,
         fused_chunk_size: int = 1024,
     ):
-        super().__init__(fused=fused, fused_chunk_size=fused_chunk_size)
-        self.logp_reduction = check_loss_type_args(
-            "CPOLoss", beta, loss_type, CPO_LOSS_TYPES, label_smoothing, logp_reduction
-        )
-        if not cpo_alpha >= 0:
-            raise ValueError(f"cpo_alpha must be >= 0, got {cpo_alpha}")
-        self.beta, self.cpo_alpha = beta, cpo_alpha
-        self.label_smoothing, self.loss_type = label_smoothing, loss_type
+        super().__init__(beta, label_smoothing, loss_type, logp_reduction, fused, fused_chunk_size)
+        _check_weight(cpo_alpha, "cpo_alpha")
+        self.cpo_alpha = cpo_alpha
 
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True

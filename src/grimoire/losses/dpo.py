@@ -18,6 +18,7 @@ from .functional import DPO_LOSS_TYPES, default_logp_reduction, dpo_loss
 from .preference import (
     PairwiseLoss,
     ReferenceLogps,
+    ReferenceLoss,
     check_reduction,
     reduce_logps,
     scalar_metrics,
@@ -26,26 +27,38 @@ from .preference import (
 REF_PAIR_COLUMNS: tuple[str, str] = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-def check_loss_type_args(
-    owner: str,
-    beta: float,
-    loss_type: str,
-    allowed: tuple[str, ...],
-    label_smoothing: float,
-    logp_reduction: str | None,
-) -> str:
-    """Constructor checks of the ``loss_type`` families (DPO, IPO, CPO), so a bad setting fails
-    at construction rather than at the first step. Returns the log-prob reduction to use:
-    ``logp_reduction``, or when None the loss type's default
-    (:func:`~grimoire.losses.functional.default_logp_reduction`)."""
-    _check_beta(beta)
-    _check_loss_type(loss_type, allowed, label_smoothing)
-    if logp_reduction is None:
-        logp_reduction = default_logp_reduction(loss_type)
-    return check_reduction(logp_reduction, owner)
+class DPOFamilyLoss(PairwiseLoss):
+    """Base of the pairwise losses with a ``loss_type`` (DPO, IPO, CPO): their shared options,
+    checked at construction so a bad setting fails there rather than at the first step.
+
+    ``self.logp_reduction`` is ``logp_reduction``, or when None the loss type's default
+    (:func:`~grimoire.losses.functional.default_logp_reduction`).
+    """
+
+    #: The ``loss_type`` values the method accepts (CPO narrows them).
+    loss_types: tuple[str, ...] = DPO_LOSS_TYPES
+
+    def __init__(
+        self,
+        beta: float,
+        label_smoothing: float,
+        loss_type: str,
+        logp_reduction: str | None,
+        fused: bool,
+        fused_chunk_size: int,
+    ):
+        super().__init__(fused=fused, fused_chunk_size=fused_chunk_size)
+        _check_beta(beta)
+        _check_loss_type(loss_type, self.loss_types, label_smoothing)
+        if logp_reduction is None:
+            logp_reduction = default_logp_reduction(loss_type)
+        self.logp_reduction = check_reduction(logp_reduction, type(self).__name__)
+        self.beta = beta
+        self.label_smoothing = label_smoothing
+        self.loss_type = loss_type
 
 
-class DPOLoss(PairwiseLoss):
+class DPOLoss(ReferenceLoss, DPOFamilyLoss):
     """Direct Preference Optimization against a frozen reference policy.
 
     Args:
@@ -67,8 +80,6 @@ class DPOLoss(PairwiseLoss):
     ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected`` (policy, reduced as above).
     """
 
-    needs_reference_model = True
-
     def __init__(
         self,
         beta: float = 0.1,
@@ -79,22 +90,8 @@ class DPOLoss(PairwiseLoss):
         fused: bool = True,
         fused_chunk_size: int = 1024,
     ):
-        super().__init__(fused=fused, fused_chunk_size=fused_chunk_size)
-        name = type(self).__name__
-        self.logp_reduction = check_loss_type_args(
-            name, beta, loss_type, DPO_LOSS_TYPES, label_smoothing, logp_reduction
-        )
-        self.beta = beta
-        self.label_smoothing = label_smoothing
-        self.loss_type = loss_type
-        self.reference = ReferenceLogps(ref_model, name, REF_PAIR_COLUMNS)
-
-    @property
-    def ref_model(self) -> torch.nn.Module | None:
-        return self.reference.ref_model
-
-    def setup(self, trainer: Any) -> None:
-        self.reference.setup(trainer, self.logp_reduction)
+        self.reference = ReferenceLogps(ref_model, type(self).__name__, REF_PAIR_COLUMNS)
+        super().__init__(beta, label_smoothing, loss_type, logp_reduction, fused, fused_chunk_size)
 
     def reference_logps(
         self, model: torch.nn.Module, batch: dict[str, Any]
@@ -134,4 +131,4 @@ class DPOLoss(PairwiseLoss):
         return losses.mean(), scalar_metrics(metrics)
 
 
-__all__ = ["REF_PAIR_COLUMNS", "DPOLoss", "check_loss_type_args"]
+__all__ = ["REF_PAIR_COLUMNS", "DPOFamilyLoss", "DPOLoss"]

@@ -32,10 +32,10 @@ from ..data.kto import KTO_COLUMNS, KTOCollator, PackedKTOCollator
 from ..errors import ConfigError
 from ..logprobs import TokenLogps
 from ..reference import Reference
-from .base import GrimoireLoss
-from .checks import _check_beta
+from .checks import _check_beta, _check_weight
 from .kto_functional import kto_kl_estimate, kto_loss
 from .preference import (
+    ReferenceLoss,
     check_reduction,
     policy_compute,
     reduce_logps,
@@ -138,7 +138,7 @@ def _label_counts(dataset: Any) -> tuple[int, int]:
     return desirable, len(labels) - desirable
 
 
-class KTOLoss(GrimoireLoss):
+class KTOLoss(ReferenceLoss):
     """KTO loss, mean over the micro-batch's rows (``loss_weight`` = rows).
 
     Args:
@@ -160,7 +160,6 @@ class KTOLoss(GrimoireLoss):
     """
 
     required_columns = KTO_COLUMNS
-    needs_reference_model = True
 
     def __init__(
         self,
@@ -173,25 +172,15 @@ class KTOLoss(GrimoireLoss):
         fused_chunk_size: int = 1024,
     ):
         _check_beta(beta)
-        for name, w in (
-            ("desirable_weight", desirable_weight),
-            ("undesirable_weight", undesirable_weight),
-        ):
-            if not w >= 0:
-                raise ValueError(f"{name} must be >= 0, got {w}")
-        if fused_chunk_size <= 0:
-            raise ValueError(f"fused_chunk_size must be > 0, got {fused_chunk_size}")
+        _check_weight(desirable_weight, "desirable_weight")
+        _check_weight(undesirable_weight, "undesirable_weight")
+        super().__init__(fused=fused, fused_chunk_size=fused_chunk_size)
         self.beta = beta
         self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
         self.logp_reduction = check_reduction(logp_reduction, "KTOLoss")
-        self.fused, self.fused_chunk_size = fused, fused_chunk_size
         self.reference = Reference(ref_model, "KTOLoss", REF_KTO_COLUMNS)
         #: KL pairs are cut to the run's max_length (set in setup; None: not cut).
         self._kl_max_length: int | None = None
-
-    @property
-    def ref_model(self) -> torch.nn.Module | None:
-        return self.reference.ref_model
 
     # ------------------------------------------------------------------ hooks
 
@@ -220,7 +209,7 @@ class KTOLoss(GrimoireLoss):
         return truncate_sequences(row, budget if "kl_input_ids" in row else budget // 2)
 
     def setup(self, ctx: Any) -> None:
-        self.reference.setup(ctx, self.logp_reduction)
+        super().setup(ctx)
         self._kl_max_length = ctx.config.max_length  # bounds the mismatched pairs too
         cols = set(columns_of(ctx.train_dataset))
         if ctx.config.batch_size < 2 and "kl_input_ids" not in cols:

@@ -6,7 +6,8 @@
 - Reference log-probs come from :class:`grimoire.reference.Reference` (cached columns, a frozen
   ``ref_model``, the LoRA base with adapters disabled, or an opt-in copy); ``ReferenceLogps``
   adds the pair layout's shortcut.
-- :class:`PairwiseLoss`: the common base of the pairwise losses (columns, collator, weight).
+- :class:`PairwiseLoss`: the common base of the pairwise losses (columns, collator, weight);
+  :class:`ReferenceLoss`: that of the methods scored against a reference (DPO, IPO, KTO).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import Tensor
 from ..data.preference import PREFERENCE_COLUMNS, PreferenceCollator, pad_right
 from ..logprobs import IGNORE_INDEX, TokenLogps, compute_token_logps
 from ..reference import REDUCTION_COLUMN, Reference, is_peft_model, model_dtype, unwrap
-from .base import GrimoireLoss
+from .base import TokenLogpsLoss
 
 logger = logging.getLogger(__name__)
 
@@ -174,16 +175,31 @@ class ReferenceLogps(Reference):
         return pair_forward(batch, self.compute(policy, fused=fused, chunk_size=chunk_size))
 
 
-class PairwiseLoss(GrimoireLoss):
+class ReferenceLoss(TokenLogpsLoss):
+    """Shared plumbing of the offline methods scored against a reference policy (DPO, IPO, KTO).
+
+    The subclass's constructor sets ``self.reference`` (a :class:`~grimoire.reference.Reference`)
+    and ``self.logp_reduction``; ``setup`` places the reference and checks cached reference
+    columns against that reduction.
+    """
+
+    needs_reference_model = True
+    reference: Reference
+    logp_reduction: str
+
+    @property
+    def ref_model(self) -> torch.nn.Module | str | None:
+        """The reference given at construction: a model, ``"copy"``, or None."""
+        return self.reference.ref_model
+
+    def setup(self, ctx: Any) -> None:
+        self.reference.setup(ctx, self.logp_reduction)
+
+
+class PairwiseLoss(TokenLogpsLoss):
     """Shared plumbing of the pairwise losses: columns, collator and one weight unit per pair."""
 
     required_columns = PREFERENCE_COLUMNS
-
-    def __init__(self, fused: bool = True, fused_chunk_size: int = 1024):
-        if fused_chunk_size <= 0:
-            raise ValueError(f"fused_chunk_size must be > 0, got {fused_chunk_size}")
-        self.fused = fused
-        self.fused_chunk_size = fused_chunk_size
 
     def policy_logps(
         self, model: torch.nn.Module, batch: dict[str, Any]
@@ -212,6 +228,7 @@ __all__ = [
     "PackedPairCollator",
     "PairwiseLoss",
     "ReferenceLogps",
+    "ReferenceLoss",
     "check_reduction",
     "chosen_nll",
     "is_peft_model",

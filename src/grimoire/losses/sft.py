@@ -10,10 +10,10 @@ from torch import Tensor
 from ..data.packing import PackedCollator
 from ..data.sft import SFTCollator
 from ..logprobs import IGNORE_INDEX, compute_token_logps
-from .base import GrimoireLoss
+from .base import TokenLogpsLoss
 
 
-class SFTLoss(GrimoireLoss):
+class SFTLoss(TokenLogpsLoss):
     """``loss = -sum_t log p(y_t) / N_tokens`` over the micro-batch's trained tokens.
 
     Under gradient accumulation / several ranks the trainer weights each micro-batch by its
@@ -22,12 +22,6 @@ class SFTLoss(GrimoireLoss):
     """
 
     required_columns = ("input_ids", "labels")
-
-    def __init__(self, fused: bool = True, fused_chunk_size: int = 1024):
-        if fused_chunk_size <= 0:
-            raise ValueError(f"fused_chunk_size must be > 0, got {fused_chunk_size}")
-        self.fused = fused
-        self.fused_chunk_size = fused_chunk_size
 
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True

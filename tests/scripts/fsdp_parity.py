@@ -1,0 +1,128 @@
+"""Three optimizer steps of one method under DDP or FSDP2 (or one process), for parity tests.
+
+Usage: ``fsdp_parity.py TINY_DIR OUT_DIR FAMILY DISTRIBUTED BATCH ACCUM [RESUME_STEPS]``.
+Writes ``OUT_DIR/result.rank<r>.json`` (losses per step, and for every trainable parameter its
+type, full shape and the shape this process holds) and, from rank 0, ``OUT_DIR/params.pt`` (full
+weights, gathered). ``RESUME_STEPS``: stop after that many steps with a checkpoint (the resume
+test then runs again with ``resume_from_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
+from grimoire.data import tokenize_preference, tokenize_sft
+from grimoire.distributed import full_state_dict, is_sharded
+from grimoire.losses import DPOLoss, SFTLoss
+from grimoire.tiny import preference_rows, reverse_rows
+
+#: Total optimizer steps of a run (``TOTAL_STEPS`` overrides), and an optional signal a callback
+#: sends to its own process: ``SIGNAL_AT="STEP:SIGNAME:RANK"`` (preemption tests).
+TOTAL = int(os.environ.get("TOTAL_STEPS", "3"))
+
+
+class SignalAt(TrainerCallback):
+    def __init__(self, spec: str) -> None:
+        step, name, rank = spec.split(":")
+        self.step, self.signal, self.rank = int(step), getattr(signal, name), int(rank)
+
+    def on_step_end(self, trainer, step, loss, metrics):
+        if step == self.step and trainer.accelerator.process_index == self.rank:
+            os.kill(os.getpid(), self.signal)
+
+
+class Losses(TrainerCallback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_step_end(self, trainer, step, loss, metrics):
+        self.losses.append(loss)
+
+
+def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, accum: int,
+         stop_after: int | None = None, resume: bool = False) -> GrimoireTrainer:  # fmt: skip
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    extra: dict = {}
+    peft_config = None
+    if family == "dpo":
+        rows = [tokenize_preference(r, tok, max_length=64) for r in preference_rows(32, seed=4)]
+        loss = DPOLoss(ref_model=copy.deepcopy(model))
+    else:
+        rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
+        loss = SFTLoss()
+    if family == "lora":
+        peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    if family == "osft":
+        extra = {"osft": True, "osft_unfreeze_rank_ratio": 0.5}
+    config = TrainingConfig(
+        output_dir=out, max_steps=stop_after or TOTAL, batch_size=batch,
+        gradient_accumulation_steps=accum, optimizer="sgd", learning_rate=0.2, weight_decay=0.0,
+        mixed_precision="no",
+        gradient_checkpointing=False, progress_bar=False, save_on_epoch_end=False,
+        logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0, distributed=distributed,
+        max_tokens_per_device=96, save_steps=stop_after, disable_dropout=True, save_total_limit=None,
+        checkpoint_signals=["SIGTERM", "SIGUSR1"],
+        resume_from_checkpoint="latest" if resume else None, **extra,
+    )  # fmt: skip
+    if resume:
+        config = TrainingConfig(**{**config.to_dict(), "max_steps": TOTAL, "save_steps": None})
+    record = Losses()
+    callbacks = [record] + (
+        [SignalAt(os.environ["SIGNAL_AT"])] if "SIGNAL_AT" in os.environ else []
+    )
+    trainer = GrimoireTrainer(
+        model, tok, config, loss, rows, peft_config=peft_config, callbacks=callbacks
+    )
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    shards = {
+        name: {
+            "type": type(p).__name__,
+            "full": list(p.shape),
+            "local": list(p.to_local().shape) if hasattr(p, "to_local") else list(p.shape),
+        }
+        for name, p in trainer.model.named_parameters()
+        if p.requires_grad
+    }
+    ref = getattr(getattr(loss, "reference", None), "ref_model", None)
+    result = {
+        "losses": record.losses,
+        "sharded": is_sharded(trainer.model),
+        "reference_sharded": ref is not None and is_sharded(ref),
+        "steps": trainer.global_step,
+        "preempted_by": trainer.preempted_by,
+        "params": shards,
+    }
+    Path(out, f"result.rank{rank}.json").write_text(json.dumps(result))
+    model = trainer.model
+    state = full_state_dict(model) if is_sharded(model) else trainer.unwrapped_model.state_dict()
+    if rank == 0:
+        if trainer.step_hooks:  # OSFT: compare the dense weights users get
+            state = trainer.step_hooks[0].export_state_dict(state)
+        state = {k: v.detach().cpu().clone() for k, v in state.items()}
+        torch.save(state, Path(out, "params.pt"))
+    return trainer
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    stop = int(args[6]) if len(args) > 6 and args[6] != "resume" else None
+    trainer = None
+    for fam in args[2].split(","):  # several families in one launch: one process-group start-up
+        trainer = main(args[0], str(Path(args[1]) / fam), fam, args[3], int(args[4]),
+                       int(args[5]), stop, resume=len(args) > 6 and args[6] == "resume")  # fmt: skip
+    if trainer is not None:
+        trainer.close()
