@@ -1,6 +1,6 @@
 """Online RL statistics do not depend on how a step is split (issue: 1 x 4 micro-batches,
-1 x 1 of 4 prompts, and 2 processes x 2 micro-batches give the same advantages, loss and
-parameters after one step). Sampling is made deterministic by tests/scripts/online_invariance.py
+1 x 1 of 4 prompts, and 2 processes x 2 micro-batches, with DDP and with FSDP2, give the same
+advantages, loss and parameters after one step). Sampling is made deterministic by tests/scripts/online_invariance.py
 so that only the method's statistics and normalisers could make the splits differ.
 
 GRPO's ``loss_type="bnpo"`` is left out on purpose: it normalises by each micro-batch's own
@@ -29,9 +29,11 @@ def runs(tiny_dir, tmp_path_factory) -> dict[str, Path]:
     for layout, (batch, accum) in {"1x4": (1, 4), "1x1": (4, 1)}.items():
         out[layout] = tmp_path_factory.mktemp(layout)
         online_invariance.run(str(tiny_dir), str(out[layout]), batch, accum, NAMES)
-    out["2x2"] = tmp_path_factory.mktemp("2x2")
-    cmd = [*LAUNCH, "--main_process_port", str(free_port()), str(SCRIPT), str(tiny_dir)]
-    subprocess.run([*cmd, str(out["2x2"]), "1", "2"], check=True, env=_env(), timeout=600)
+    for layout, mode in (("2x2", "ddp"), ("2x2-fsdp2", "fsdp2")):
+        out[layout] = tmp_path_factory.mktemp(layout)
+        cmd = [*LAUNCH, "--main_process_port", str(free_port()), str(SCRIPT), str(tiny_dir)]
+        env = {**_env(), "INVARIANCE_DISTRIBUTED": mode}
+        subprocess.run([*cmd, str(out[layout]), "1", "2"], check=True, env=env, timeout=600)
     return out
 
 
@@ -51,7 +53,7 @@ def _result(folder: Path, name: str) -> tuple[dict, float, dict]:
 def test_same_step_however_it_is_split(runs, name):
     base_adv, base_loss, base_params = _result(runs["1x1"], name)
     start = None
-    for layout in ("1x4", "2x2"):
+    for layout in ("1x4", "2x2", "2x2-fsdp2"):
         adv, loss, params = _result(runs[layout], name)
         assert adv.keys() == base_adv.keys()
         for prompt, a in base_adv.items():

@@ -5,7 +5,8 @@ hook on every model's decoder: the largest pass (training, reference, old-policy
 generation with its KV cache) must fit the budget, and the samples that received gradient over
 the epoch must be exactly the data's units, each as often as the method trains it (rank-sync
 dummy passes run with loss weight 0 and get no gradient, so they do not count). With two
-processes the ranks' trained samples together must cover the data exactly once.
+processes (DDP, and FSDP2 with its sharded policy and reference) the ranks' trained samples
+together must cover the data exactly once.
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ def one_process(tiny_dir, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def two_processes(tiny_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("budget-2")
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def two_processes(request, tiny_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp(f"budget-2-{request.param}")
     cmd = [*LAUNCH, "--main_process_port", str(free_port()), str(SCRIPT), str(tiny_dir)]
-    subprocess.run([*cmd, str(out), ",".join(FAMILIES)], check=True, env=_env(), timeout=600)
+    env = {**_env(), "PROBE_DISTRIBUTED": request.param}
+    subprocess.run([*cmd, str(out), ",".join(FAMILIES)], check=True, env=env, timeout=600)
     return out
 
 

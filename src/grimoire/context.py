@@ -64,10 +64,30 @@ class TrainingContext:
     def num_processes(self) -> int:
         return self.accelerator.num_processes
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the policy is sharded (FSDP2): then every forward is a collective."""
+        return self.config.distributed == "fsdp2"
+
+    def all_reduce_max(self, value: int) -> int:
+        """The largest ``value`` over ranks (e.g. a count of forward passes to pad up to)."""
+        return all_reduce_max(self.accelerator, value)
+
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum floats over ranks in one collective (identity on one process); every rank must
         call it at the same point of the step."""
         return all_reduce_sum(self.accelerator, values)
+
+
+def all_reduce_max(accelerator: Any, value: int) -> int:
+    """The largest ``value`` over ranks (identity on one process)."""
+    import torch.distributed as dist
+
+    if accelerator is None or accelerator.num_processes == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=accelerator.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def _identity(module: torch.nn.Module) -> torch.nn.Module:
@@ -82,4 +102,4 @@ def all_reduce_sum(accelerator: Any, values: list[float]) -> list[float]:
     return accelerator.reduce(t, reduction="sum").tolist()
 
 
-__all__ = ["StepInfo", "TrainingContext", "all_reduce_sum"]
+__all__ = ["StepInfo", "TrainingContext", "all_reduce_max", "all_reduce_sum"]

@@ -123,14 +123,6 @@ class GrimoireTrainer:
         # (KTO bounds its KL rows by max_length) and before DDP wraps the policy.
         self.context = TrainingContext(config, acc, tokenizer, model, train_dataset, eval_dataset)
         if config.distributed == "fsdp2":
-            if getattr(loss_fn, "needs_generation", False):
-                raise ConfigError(
-                    [
-                        f"distributed='fsdp2' does not run {type(loss_fn).__name__} yet: sampling "
-                        "needs every process to run the same forward passes (not implemented); "
-                        "use distributed='ddp'"
-                    ]
-                )
             self.context.prepare_frozen = lambda m: shard_model(m, config)
         if hasattr(loss_fn, "setup"):
             loss_fn.setup(self.context)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -264,6 +265,7 @@ def run(tiny_dir: str, out_dir: str, families: list[str]) -> None:
             lr_scheduler="constant",
             disable_dropout=True,
             max_tokens_per_device=budget,
+            distributed=os.environ.get("PROBE_DISTRIBUTED", "ddp"),
             **spec,
         )
         trainer = GrimoireTrainer(model, tokenizer, config, loss, rows)

@@ -12,12 +12,14 @@ how statistics and normalisers treat the split. Usage:
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from grimoire.distributed import full_state_dict, is_sharded
 from grimoire.rollout.engine import RolloutEngine
 
 G, MAX_NEW = 4, 4
@@ -116,6 +118,7 @@ def run(tiny_dir: str, out_dir: str, batch: int, accum: int, names: list[str]) -
             weight_decay=0.0, max_grad_norm=None, mixed_precision="no",
             gradient_checkpointing=False, progress_bar=False, save_on_epoch_end=False,
             disable_dropout=True, lr_scheduler="constant", warmup_ratio=0.0,
+            distributed=os.environ.get("INVARIANCE_DISTRIBUTED", "ddp"),
         )  # fmt: skip
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny_dir)
@@ -125,8 +128,16 @@ def run(tiny_dir: str, out_dir: str, batch: int, accum: int, names: list[str]) -
         (out / f"{name}.rank{rank}.json").write_text(
             json.dumps({"advantages": advantages, "loss": record.losses[0]})
         )
+        model = trainer.unwrapped_model
+        if is_sharded(model):  # gathered on every rank (a collective), kept by rank 0
+            params = {
+                k: v
+                for k, v in full_state_dict(model).items()
+                if k in dict(model.named_parameters())
+            }
+        else:
+            params = {k: v.detach().clone() for k, v in model.named_parameters()}
         if rank == 0:
-            params = {k: v.detach().clone() for k, v in trainer.unwrapped_model.named_parameters()}
             torch.save(params, out / f"{name}.params.pt")
     if trainer is not None:
         trainer.close()

@@ -136,8 +136,6 @@ class GRPOMethod(OnlineMethod):
                 flat_groups.append(flat.float())
             batch = self.training_batch(group, rows)
             batch["advantages"] = advantages[torch.tensor(rows or [0], device=rewards.device)]
-            if self.beta > 0:
-                batch["ref_logps"] = self.reference_logps(batch)
             out.append(batch)
         metrics = {}
         if flat_groups:

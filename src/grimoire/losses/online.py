@@ -278,8 +278,14 @@ class OnlineMethod(GrimoireLoss):
         raise NotImplementedError
 
     def training_batch(self, group: ScoredGroup, rows: Sequence[int]) -> dict[str, Any]:
-        """The training batch of ``rows`` of ``group`` (see :func:`training_batch`)."""
-        return training_batch(group.rollout, rows, self.pack_training)
+        """The training batch of ``rows`` of ``group`` (see :func:`training_batch`), with those
+        rows' reference log-probs as ``ref_logps [rows, C]`` when the stage computed them."""
+        batch = training_batch(group.rollout, rows, self.pack_training)
+        if group.ref_logps is not None:
+            mask = batch["completion_mask"]
+            idx = torch.tensor(list(rows) or [0], device=group.ref_logps.device)
+            batch["ref_logps"] = group.ref_logps[idx, : mask.shape[1]] * mask
+        return batch
 
     # ------------------------------------------------------------------ forwards
 

@@ -85,7 +85,7 @@ class OnlineDPOMethod(OnlineMethod):
             chosen = torch.tensor([c for c, _ in pairs], device=rewards.device)
             rejected = torch.tensor([r for _, r in pairs], device=rewards.device)
             metrics["pairs/reward_gap"] = float((rewards[chosen] - rewards[rejected]).mean())
-            batch["ref_logps"] = self.reference_logps(batch).sum(-1)
+            batch["ref_logps"] = batch["ref_logps"].sum(-1)  # sequence log-probs
         return batch, metrics
 
     def compute_loss(

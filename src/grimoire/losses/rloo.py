@@ -61,7 +61,7 @@ class RLOOMethod(OnlineMethod):
             batch = self.training_batch(group, range(group.rewards.numel()))
             rewards = group.rewards.float()
             if self.beta > 0:
-                kl = (batch["old_logps"] - self.reference_logps(batch)).sum(-1)
+                kl = (batch["old_logps"] - batch.pop("ref_logps")).sum(-1)
                 rewards = rewards - self.beta * kl
                 kl_sum += float(kl.sum())
                 penalized_sum += float(rewards.sum())

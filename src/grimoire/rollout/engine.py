@@ -178,6 +178,10 @@ class RolloutEngine:
         self.temperature = temperature
         self.generation_batch_size = generation_batch_size
         self.max_tokens: int | None = None
+        #: Set when the policy is sharded (FSDP2): every forward is a collective, so all ranks
+        #: must run as many. ``agree(n)`` returns the largest ``n`` over ranks; the engine pads
+        #: its sampling and scoring calls up to it, and sampling runs with ``synced_gpus``.
+        self.agree: Any = None
         self.model: torch.nn.Module | None = None
         self.pad_token_id = 0
         self.eos_token_ids: list[int] = []
@@ -264,8 +268,12 @@ class RolloutEngine:
         chunk = self.generation_batch_size or input_ids.shape[0]
         if self.max_tokens:  # padded rows: each costs the full width
             chunk = max(1, min(chunk, self.max_tokens // input_ids.shape[1]))
+        starts = range(0, input_ids.shape[0], chunk)
+        # Agreed before any forward: a rank still in a real forward must not meet another's
+        # all-reduce (every forward of a sharded policy is itself a collective).
+        total = self.agree(len(starts)) if self.agree is not None else len(starts)
         out = []
-        for s in range(0, input_ids.shape[0], chunk):
+        for s in starts:
             with self.autocast():
                 logps, _ = completion_logps(
                     self.model,
@@ -275,6 +283,10 @@ class RolloutEngine:
                     self.temperature,
                 )
             out.append(logps)
+        one = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
+        for _ in range(total - len(starts)):  # sharded: one-token forwards to stay even
+            with self.autocast():
+                self.model(input_ids=one, use_cache=False)
         return torch.cat(out) * rollout.completion_mask
 
     def prompt_chunks(self, prompts: list[list[int]], n: int) -> list[list[list[int]]]:
@@ -357,8 +369,13 @@ class HFGenerateEngine(RolloutEngine):
         config = self._generation_config(greedy)
         device = self.device
         out: list[list[int]] = []
+        chunks = self.prompt_chunks(prompts, n)
+        # Sharded: every rank makes as many generate calls (fillers: one pad token, output
+        # dropped), and synced_gpus keeps each call stepping until every rank's is done.
+        fillers = self.agree(len(chunks)) - len(chunks) if self.agree is not None else 0
+        synced = {"synced_gpus": True} if self.agree is not None else {}
         with generation_mode(model):
-            for group in self.prompt_chunks(prompts, n):
+            for group in chunks + [[[self.pad_token_id]]] * fillers:
                 chunk = [p for p in group for _ in range(n)]
                 ids, mask = _pad(chunk, self.pad_token_id, left=True)
                 with self.autocast():
@@ -366,9 +383,10 @@ class HFGenerateEngine(RolloutEngine):
                         input_ids=ids.to(device),
                         attention_mask=mask.to(device),
                         generation_config=config,
+                        **synced,
                     )
                 out.extend(gen[:, ids.shape[1] :].tolist())
-        return out
+        return out[: len(prompts) * n]
 
 
 def _pad(seqs: list[list[int]], pad: int, left: bool, min_width: int = 0) -> tuple[Tensor, Tensor]:

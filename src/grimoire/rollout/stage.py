@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..data.grpo import prompt_token_lists
-from .batches import placeholder_batch
+from .batches import placeholder_batch, training_batch
 from .engine import Rollout
 from .rewards import score_completions
 
@@ -57,6 +57,8 @@ class ScoredGroup:
     rewards: Tensor  # [N] weighted total
     per_func: dict[str, Tensor] = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)
+    #: ``[N, C]`` reference log-probs of every completion (masked), when the method needs them.
+    ref_logps: Tensor | None = None
 
 
 class RolloutStage:
@@ -67,7 +69,7 @@ class RolloutStage:
         self.engine = method.engine
         self.reward_funcs = method.reward_funcs
         self.tokenizer: Any = None
-        self.pack = False
+        self.pack = self.sharded = False
         self.pad_token_id = 0
         self._cache: tuple[tuple[int, int], list[tuple[dict, float]], dict, float] | None = None
         self._last_step_start: float | None = None
@@ -84,6 +86,9 @@ class RolloutStage:
         self.engine.max_tokens = ctx.config.max_tokens_per_device
         self.tokenizer = tok
         self.pack = bool(ctx.config.padding_free or ctx.config.max_tokens_per_device)
+        self.sharded = ctx.sharded
+        if ctx.sharded:  # every forward of a sharded policy is a collective: keep ranks even
+            self.engine.agree = ctx.all_reduce_max
 
     # ------------------------------------------------------------------ one step
 
@@ -105,15 +110,27 @@ class RolloutStage:
 
         self.engine.sync_weights()
         groups = []
+        g, old = self.method.num_generations, self.method.needs_old_logps
         for prompts, keep in micro:
             if keep:
-                rollout = self.engine.generate(
-                    prompt_token_lists(prompts),
-                    self.method.num_generations,
-                    with_old_logps=self.method.needs_old_logps,
-                )
+                rollout = self.engine.generate(prompt_token_lists(prompts), g, with_old_logps=old)
                 groups.append(self.score(prompts, rollout))
+        # Sharded policy: every forward is a collective, so every rank runs as many sampling
+        # calls and reference passes (fillers on a pad token), all before build_batches, whose
+        # step statistics are all-reduces of their own.
+        fillers = ctx.all_reduce_max(len(groups)) - len(groups) if self.sharded else 0
+        for _ in range(fillers):
+            self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
         t_gen = time.perf_counter() - now
+        if self.method.needs_reference_model:
+            for group in groups:  # every row's reference log-probs; methods select rows
+                rows = range(group.rewards.numel())
+                group.ref_logps = self.method.reference_logps(
+                    training_batch(group.rollout, rows, self.pack)
+                )
+            filler = placeholder_batch(micro[0][0], self.pad_token_id, self.pack)
+            for _ in range(fillers):
+                self.method.reference_logps(filler)
         built, extra = self.method.build_batches(ctx, groups)
         real = iter(built)
         batches = [
