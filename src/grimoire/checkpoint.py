@@ -1,8 +1,10 @@
-"""Atomic checkpoints: an HF-format model plus optimizer / scheduler / RNG / data-position state.
+"""Atomic checkpoints: model + optimizer shards (DCP), scheduler, RNG and data position.
 
-Layout of ``output_dir/checkpoint-<step>/``:
-``model.safetensors`` + ``config.json`` (or ``adapter_model.safetensors`` for LoRA), tokenizer
-files, ``optimizer.pt``, ``scheduler.pt``, ``rng_state_<rank>.pt`` and ``trainer_state.json``.
+Layout of ``output_dir/checkpoint-<step>/``: ``dcp/`` (model and optimizer state written by
+``torch.distributed.checkpoint``, each process its own shards; what a resume reads, on any number
+of processes), ``model.safetensors`` + ``config.json`` (or ``adapter_model.safetensors`` for
+LoRA) and tokenizer files (the ``from_pretrained`` export, gathered on the main process),
+``scheduler.pt``, ``rng_state_<rank>.pt`` and ``trainer_state.json``.
 Everything is written into ``.tmp-checkpoint-<step>`` first and renamed when complete, so a crash
 mid-save never leaves a checkpoint that looks valid but is not.
 """

@@ -102,6 +102,9 @@ MINI_TRAINER_FLAGS: tuple[MiniTrainerFlag, ...] = (
     MiniTrainerFlag("--use-liger-kernels", bool, "training.use_liger"),
     MiniTrainerFlag("--osft", bool, "training.osft"),
     MiniTrainerFlag("--osft-unfreeze-rank-ratio", float, "training.osft_unfreeze_rank_ratio", "R"),
+    MiniTrainerFlag(
+        "--distributed", str, "training.distributed", "MODE", note="(`ddp` or `fsdp2`)"
+    ),
     MiniTrainerFlag("--save-final-checkpoint", bool, None, becomes="`save_to: <output_dir>/final`"),
     MiniTrainerFlag("--checkpoint-at-epoch", bool, "training.save_on_epoch_end"),
     MiniTrainerFlag("--wandb-project", str, "wandb.project", "P", wandb=True),

@@ -77,6 +77,15 @@ def shard_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
         fully_shard,
     )
 
+    if config.fsdp_cpu_offload and not torch.cuda.is_available():
+        from .errors import ConfigError
+
+        raise ConfigError(
+            [
+                "fsdp_cpu_offload=True moves shards from an accelerator to CPU memory; with no "
+                "GPU everything is already in CPU memory: set it to false"
+            ]
+        )
     ensure_process_group()
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -428,6 +428,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         run = build_run(raw)
         run.trainer.train()
+        if run.trainer.preempted_by is not None:  # checkpointed; the final model comes later
+            if getattr(run.trainer.accelerator, "is_main_process", True):
+                print(
+                    f"grimoire {command}: stopped by {run.trainer.preempted_by} after step "
+                    f"{run.trainer.global_step} with a checkpoint in {run.config.output_dir}; "
+                    "resume with the same command plus "
+                    "--set training.resume_from_checkpoint=latest",
+                    file=sys.stderr,
+                )
+            run.trainer.close()
+            return 0
         if run.save_to:
             run.trainer.save_model(run.save_to)
         if getattr(run.trainer.accelerator, "is_main_process", True):
