@@ -125,3 +125,14 @@ def test_second_signal_without_fsdp_one_process(tiny_dir, tmp_path):
     assert result["steps"] == 2 and result["preempted_by"] == "SIGUSR1"
     assert (out / "sft" / "checkpoint-2" / "dcp").is_dir()
     assert os.path.exists(out / "sft" / "checkpoint-2" / "model.safetensors")
+
+
+def test_fsdp2_bf16_gathers_bf16_weights_and_keeps_fp32_shards(tiny_dir, tmp_path):
+    """mixed_precision='bf16' becomes FSDP2's MixedPrecisionPolicy: a layer computes with bf16
+    weights (seen by a hook inside its forward) while the sharded parameters stay fp32."""
+    _launch(tiny_dir, tmp_path, ["sft_bf16"], "fsdp2", 2, 2)
+    for rank in (0, 1):
+        result = _result(tmp_path / "sft_bf16", rank)
+        assert result["forward_weight_dtypes"] == ["torch.bfloat16"]
+        assert {p["dtype"] for p in result["params"].values()} == {"torch.float32"}
+        assert all(math.isfinite(x) for x in result["losses"]) and len(result["losses"]) == 3

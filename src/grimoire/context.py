@@ -57,14 +57,6 @@ class TrainingContext:
             self.prepare_frozen = _identity
 
     @property
-    def device(self) -> torch.device:
-        return self.accelerator.device
-
-    @property
-    def num_processes(self) -> int:
-        return self.accelerator.num_processes
-
-    @property
     def sharded(self) -> bool:
         """Whether the policy is sharded (FSDP2): then every forward is a collective."""
         return self.config.distributed == "fsdp2"

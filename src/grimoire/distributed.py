@@ -172,6 +172,19 @@ def preemption_signals(names: list[str], on_signal: Any) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def release_process_group(accelerator: Any) -> None:
+    """Destroy the process group once nothing holds it (a rank that exits while its peers still
+    use the group can abort in gloo's background threads)."""
+    import gc
+
+    if dist.is_available() and dist.is_initialized():
+        # destroy_process_group only drops c10d's own references: accelerate's list of prepared
+        # objects must go too.
+        accelerator.free_memory()
+        gc.collect()
+        dist.destroy_process_group()
+
+
 def _inner(optimizer: Any) -> Any:
     """The torch optimizer inside accelerate's wrapper."""
     return getattr(optimizer, "optimizer", optimizer)
@@ -186,6 +199,7 @@ __all__ = [
     "is_sharded",
     "load_dcp",
     "preemption_signals",
+    "release_process_group",
     "save_dcp",
     "shard_model",
 ]

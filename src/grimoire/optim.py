@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -104,3 +105,23 @@ def build_scheduler(
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def scale_gradients(model: torch.nn.Module, factor: float) -> None:
+    """Multiply every gradient by ``factor`` in place (DTensor shards included)."""
+    if factor == 1.0:
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
+
+
+def clip_gradients(model: torch.nn.Module, accelerator: Any, max_norm: float | None) -> float:
+    """Clip to ``max_norm`` (None: measure only); returns the total norm before clipping."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = accelerator.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+    if norm is None:
+        return float("nan")
+    if hasattr(norm, "full_tensor"):  # a DTensor when the gradients are sharded
+        norm = norm.full_tensor()
+    return float(norm.detach().float()) if isinstance(norm, torch.Tensor) else float(norm)

@@ -33,6 +33,7 @@ from .distributed import (
     is_sharded,
     load_dcp,
     preemption_signals,
+    release_process_group,
     save_dcp,
     shard_model,
 )
@@ -43,7 +44,6 @@ from .metrics import (
     WeightedMeans,
     init_trackers,
     peak_memory_mb,
-    to_float,
 )
 from .modeling import (
     check_world_size,
@@ -56,7 +56,7 @@ from .modeling import (
     resolve_mixed_precision,
     save_hf,
 )
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, clip_gradients, scale_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -282,19 +282,11 @@ class GrimoireTrainer:
         library's background threads (seen with gloo); scripts launched with torchrun or
         ``accelerate launch`` should call this last.
         """
-        import gc
-
-        import torch.distributed as dist
-
         self.accelerator.wait_for_everyone()
-        if dist.is_available() and dist.is_initialized():
-            # destroy_process_group only drops c10d's own references; the DDP wrapper's reducer
-            # (and accelerate's list of prepared objects) keep the group alive until interpreter
-            # teardown, where gloo's threads can abort the process. Keep the plain model only.
-            self.model = self.unwrapped_model
-            self.accelerator.free_memory()
-            gc.collect()
-            dist.destroy_process_group()
+        # The DDP wrapper's reducer keeps the group alive until interpreter teardown, where
+        # gloo's threads can abort the process: keep the plain model only, then release.
+        self.model = self.unwrapped_model
+        release_process_group(self.accelerator)
 
     def save_model(self, output_dir: str | Path, merge_adapter: bool = False) -> Path:
         """Write a loadable HF model (+ tokenizer). LoRA: the adapter, or merged weights if asked."""
@@ -374,10 +366,10 @@ class GrimoireTrainer:
             # DDP averaged the ranks' gradients: (1/W) sum_r sum_i w_i grad_i / norm. Times
             # norm * W / U is the mean over every loss unit U of the global batch.
             units = totals["units"]
-            self._scale_gradients(norm * acc.num_processes / units if units > 0 else 0.0)
+            scale_gradients(self.model, norm * acc.num_processes / units if units > 0 else 0.0)
         for hook in self.step_hooks:  # e.g. OSFT's gradient projection, before clipping
             hook.before_optimizer_step()
-        self._last_grad_norm = self._clip_gradients()
+        self._last_grad_norm = clip_gradients(self.model, acc, self.config.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -389,26 +381,11 @@ class GrimoireTrainer:
         self.state.tokens_seen += int(totals["tokens"])
         self._window["tokens"] += totals["tokens"]
 
-    def _scale_gradients(self, factor: float) -> None:
-        if factor == 1.0:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, factor)
-
     def _loss_units(self, batch: dict[str, Any]) -> float:
         """The method's loss units in ``batch`` (its ``loss_weight``); 1 per micro-batch for a
         plain callable without the hook."""
         weight_fn = getattr(self.loss_fn, "loss_weight", None)
         return float(weight_fn(batch)) if weight_fn is not None else 1.0
-
-    def _clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.config.max_grad_norm
-        norm = self.accelerator.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        if hasattr(norm, "full_tensor"):  # a DTensor when the gradients are sharded
-            norm = norm.full_tensor()
-        return to_float(norm) if norm is not None else float("nan")
 
     def _sum_over_ranks(self, value: float) -> float:
         return self.context.all_reduce_sum([value])[0]

@@ -63,15 +63,21 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
     else:
         rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
         loss = SFTLoss()
-    if family == "lora":
+    if family == "lora":  # with activation checkpointing composed with the sharding
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        extra = {"gradient_checkpointing": True}
+    if family == "sft_bf16":  # FSDP2's MixedPrecisionPolicy: what does a layer compute with?
+        extra = {"mixed_precision": "bf16"}
+        seen: list[str] = []
+        q_proj = model.model.layers[0].self_attn.q_proj
+        q_proj.register_forward_pre_hook(lambda m, args: seen.append(str(m.weight.dtype)))
     if family == "osft":
         extra = {"osft": True, "osft_unfreeze_rank_ratio": 0.5}
+    extra = {"gradient_checkpointing": False, "mixed_precision": "no", **extra}
     config = TrainingConfig(
         output_dir=out, max_steps=stop_after or TOTAL, batch_size=batch,
         gradient_accumulation_steps=accum, optimizer="sgd", learning_rate=0.2, weight_decay=0.0,
-        mixed_precision="no",
-        gradient_checkpointing=False, progress_bar=False, save_on_epoch_end=False,
+        progress_bar=False, save_on_epoch_end=False,
         logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0, distributed=distributed,
         max_tokens_per_device=96, save_steps=stop_after, disable_dropout=True, save_total_limit=None,
         checkpoint_signals=["SIGTERM", "SIGUSR1"],
@@ -86,11 +92,14 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
     trainer = GrimoireTrainer(
         model, tok, config, loss, rows, peft_config=peft_config, callbacks=callbacks
     )
+    if family == "sft_bf16":
+        seen.clear()
     trainer.train()
     rank = trainer.accelerator.process_index
     shards = {
         name: {
             "type": type(p).__name__,
+            "dtype": str(p.dtype),
             "full": list(p.shape),
             "local": list(p.to_local().shape) if hasattr(p, "to_local") else list(p.shape),
         }
@@ -104,6 +113,7 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
         "reference_sharded": ref is not None and is_sharded(ref),
         "steps": trainer.global_step,
         "preempted_by": trainer.preempted_by,
+        "forward_weight_dtypes": sorted(set(seen)) if family == "sft_bf16" else None,
         "params": shards,
     }
     Path(out, f"result.rank{rank}.json").write_text(json.dumps(result))
