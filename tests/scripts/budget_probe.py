@@ -237,9 +237,10 @@ def expected_units(family: str) -> dict[tuple[int, ...], int]:
 
 
 def run(tiny_dir: str, out_dir: str, families: list[str]) -> None:
+    from tests.helpers.train_utils import quiet_config
     from transformers import AutoTokenizer
 
-    from grimoire import GrimoireTrainer, TrainingConfig
+    from grimoire import GrimoireTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -252,17 +253,10 @@ def run(tiny_dir: str, out_dir: str, families: list[str]) -> None:
         probe.attach(model, "policy")
         for i, m in enumerate(extra):
             probe.attach(m, f"reference{i}")
-        config = TrainingConfig(
-            output_dir=str(Path(out_dir) / family),
-            num_epochs=1,
+        config = quiet_config(
+            Path(out_dir) / family,
             batch_size=6,
             learning_rate=1e-4,
-            mixed_precision="no",
-            gradient_checkpointing=False,
-            progress_bar=False,
-            save_on_epoch_end=False,
-            logging_steps=1,
-            lr_scheduler="constant",
             disable_dropout=True,
             max_tokens_per_device=budget,
             distributed=os.environ.get("PROBE_DISTRIBUTED", "ddp"),

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
+from grimoire import GrimoireTrainer, TrainerCallback
 from grimoire.data import tokenize_sft
 from grimoire.losses import SFTLoss
 from grimoire.tiny import reverse_rows
@@ -65,20 +66,7 @@ model_dir, out_dir = sys.argv[1], sys.argv[2]
 torch.set_num_threads(1)
 tok = AutoTokenizer.from_pretrained(model_dir)
 rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(64, seed=5, max_len=9)]
-config = TrainingConfig(
-    output_dir=out_dir,
-    max_steps=4,
-    batch_size=4,
-    gradient_accumulation_steps=2,
-    max_tokens_per_device=60,
-    learning_rate=1e-3,
-    mixed_precision="no",
-    gradient_checkpointing=False,
-    progress_bar=False,
-    save_on_epoch_end=False,
-    logging_steps=1,
-    lr_scheduler="constant",
-)
+config = quiet_config(out_dir, max_steps=4, gradient_accumulation_steps=2, max_tokens_per_device=60)
 per_step = PerStep()
 trainer = GrimoireTrainer(
     model=AutoModelForCausalLM.from_pretrained(model_dir),

@@ -8,9 +8,10 @@ import json
 import sys
 
 import torch
+from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grimoire import GrimoireTrainer, TrainingConfig
+from grimoire import GrimoireTrainer
 from grimoire.data import tokenize_sft
 from grimoire.losses import SFTLoss
 from grimoire.tiny import reverse_rows
@@ -20,21 +21,10 @@ extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 torch.set_num_threads(1)
 tok = AutoTokenizer.from_pretrained(model_dir)
 rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
-config = TrainingConfig(
-    output_dir=out_dir,
-    max_steps=3,
-    batch_size=batch,
-    gradient_accumulation_steps=accum,
-    learning_rate=1e-2,
-    mixed_precision="no",
-    gradient_checkpointing=False,
-    progress_bar=False,
-    save_on_epoch_end=False,
-    logging_steps=1,
-    lr_scheduler="constant",
-    warmup_ratio=0.0,
+config = quiet_config(
+    out_dir, max_steps=3, batch_size=batch, gradient_accumulation_steps=accum, learning_rate=1e-2,
     **extra,
-)
+)  # fmt: skip
 trainer = GrimoireTrainer(
     model=AutoModelForCausalLM.from_pretrained(model_dir),
     tokenizer=tok,
