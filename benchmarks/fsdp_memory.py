@@ -33,21 +33,22 @@ import argparse
 import json
 import logging
 import os
-import platform
-import resource
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+try:  # imported as benchmarks.fsdp_memory (the repository root on sys.path)
+    from benchmarks import common as bench
+except ModuleNotFoundError:  # run as a script: benchmarks/ is sys.path[0]
+    import common as bench
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-ROOT = Path(__file__).resolve().parents[1]
 MODES = ("ddp", "fsdp2")
 MIB = 2**20
 
@@ -60,31 +61,6 @@ ROWS_PER_PACK = 4  # the fallback cell packs this many rows of ``row_len`` token
 
 
 # --------------------------------------------------------------------------- measuring
-
-
-def _status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise OSError(key)
-
-
-def _peak_mb() -> float:
-    try:
-        return _status_mb("VmHWM")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _reset_peak() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0); False where not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def local_bytes(t: Any) -> int:
@@ -109,17 +85,7 @@ def state_bytes(model: Any, optimizer: Any) -> dict[str, Any]:
 
 
 def _model(preset: dict[str, Any], max_positions: int) -> Any:
-    from grimoire.tiny import build_model
-
-    return build_model(
-        "llama",
-        seed=0,
-        vocab_size=preset["vocab"],
-        hidden_size=preset["hidden"],
-        num_layers=preset["layers"],
-        tie_word_embeddings=False,
-        max_position_embeddings=max_positions,
-    )
+    return bench.tiny_llama(preset["vocab"], preset["hidden"], preset["layers"], max_positions)
 
 
 def _rows(n: int, length: int, vocab: int) -> list[dict[str, list[int]]]:
@@ -134,23 +100,7 @@ def _rows(n: int, length: int, vocab: int) -> list[dict[str, list[int]]]:
 
 
 def _config(out: str, mode: str, **kw: Any) -> Any:
-    from grimoire import TrainingConfig
-
-    return TrainingConfig(
-        output_dir=out,
-        max_steps=1,
-        learning_rate=1e-5,
-        optimizer="adamw",
-        warmup_ratio=0.0,
-        lr_scheduler="constant",
-        mixed_precision="no",
-        disable_dropout=True,
-        progress_bar=False,
-        save_on_epoch_end=False,
-        logging_steps=1,
-        distributed=mode,
-        **kw,
-    )
+    return bench.training_config(out, max_steps=1, optimizer="adamw", distributed=mode, **kw)
 
 
 def run_cell(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
@@ -173,7 +123,7 @@ def run_cell(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
 
         def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             seen.update(state_bytes(trainer.model, optimizer))
-            seen["rss_after_step_mb"] = _status_mb("VmRSS")
+            seen["rss_after_step_mb"] = bench.status_mb("VmRSS")
 
         inner.register_step_post_hook(after_step)
         trainer.train()
@@ -182,7 +132,7 @@ def run_cell(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
             rank=rank,
             world=trainer.accelerator.num_processes,
             steps=trainer.global_step,
-            peak_rss_mb=_peak_mb(),
+            peak_rss_mb=bench.peak_mb(),
         )
         trainer.close()
     (result_dir / f"rank{rank}.json").write_text(json.dumps(seen))
@@ -203,7 +153,6 @@ class _PathLog(logging.Handler):
 
 def run_fallback(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
     """One process, one SFT step (fused=True) on one packed row: peak RSS during train()."""
-    import gc
 
     import torch
 
@@ -233,22 +182,12 @@ def run_fallback(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
                 ),
                 with_kwargs=True,
             )
-        gc.collect()
-        base = _status_mb("VmRSS")
-        reset = _reset_peak()
-        t0 = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - t0
-        peak = _peak_mb()
+        measured = bench.peak_during(trainer.train)
         steps = trainer.global_step
         trainer.close()
     result = {
         "mode": mode,
-        "base_mb": base,
-        "peak_mb": peak,
-        "delta_mb": peak - base,
-        "peak_reset": reset,
-        "seconds": seconds,
+        **measured,
         "steps": steps,
         "tokens_per_pass": max(widths, default=0),
         "fused": not catcher.reasons,
@@ -260,27 +199,6 @@ def run_fallback(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def machine_line() -> str:
-    import torch
-
-    model = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        if names:
-            model = names[0]
-    except OSError:
-        pass
-    try:
-        mem = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
-    except (ValueError, OSError):
-        mem = "? RAM"
-    return (
-        f"# machine: {model}; {os.cpu_count()} cores; {mem}; torch {torch.__version__}; "
-        f"python {platform.python_version()}; gloo backend, OMP_NUM_THREADS=1 per process"
-    )
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -288,10 +206,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT / "src"), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
-    )
+    env = bench.child_env()
     env["OMP_NUM_THREADS"] = "1"
     env.pop("WORLD_SIZE", None)  # a launcher around this driver must not leak into world 1
     return env
@@ -307,9 +222,7 @@ def _launch(kind: str, mode: str, world: int, quick: bool) -> list[dict[str, Any
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
             cmd += ["--master-port", str(_free_port()), *script]
         t0 = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=False)
-        if out.returncode != 0:
-            sys.exit(f"{kind} {mode} x{world} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
+        bench.run_or_exit(cmd, f"{kind} {mode} x{world}", _env())
         results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]
     print(
         f"  done: {kind} {mode} x{world} in {time.perf_counter() - t0:.1f} s",
@@ -341,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else list(preset["worlds"])
     t_start = time.perf_counter()
     print("# command: " + shlex.join(["python", *sys.argv]))
-    print(machine_line())
+    print(bench.machine_line(tail="gloo backend, OMP_NUM_THREADS=1 per process"))
     print(
         f"# model: Llama hidden {preset['hidden']}, {preset['layers']} layers, vocab "
         f"{preset['vocab']} (untied), fp32; AdamW; one optimizer step of SFT through "

@@ -21,41 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
-
-def _rss_peak_mb() -> float:
-    """Peak RSS since the last reset (``VmHWM``), in MiB; falls back to ``ru_maxrss``."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _rss_now_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _reset_rss_peak() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0). False where not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+try:  # imported as benchmarks.fused_logprobs (the repository root on sys.path)
+    from benchmarks import common as bench
+except ModuleNotFoundError:  # run as a script: benchmarks/ is sys.path[0]
+    import common as bench
 
 
 def worker(args: argparse.Namespace) -> dict:
@@ -68,19 +41,12 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     from grimoire.logprobs import compute_token_logps
-    from grimoire.tiny import build_model
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model = build_model(
-        "llama",
-        seed=0,
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        tie_word_embeddings=False,
-        max_position_embeddings=max(args.seq_len, 512),
-    ).to(device)
+    model = bench.tiny_llama(args.vocab, args.hidden, args.layers, max(args.seq_len, 512)).to(
+        device
+    )
     model.config.use_cache = False
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, args.vocab, (args.batch, args.seq_len), generator=gen).to(device)
@@ -121,11 +87,11 @@ def worker(args: argparse.Namespace) -> dict:
         import gc
 
         gc.collect()
-        base = _rss_now_mb()
-        if not _reset_rss_peak():
+        base = bench.status_mb("VmRSS")
+        if not bench.reset_peak():
             print("warning: cannot reset peak RSS; it includes model construction", file=sys.stderr)
     step(fused)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else _rss_peak_mb()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else bench.peak_mb()
     return {"base_mb": base, "peak_mb": peak, "delta_mb": peak - base}
 
 
@@ -185,10 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             ("fused", ["--measure=memory", "--path=fused"]),
             ("time", ["--measure=time"]),
         ):
-            out = subprocess.run(base_cmd + extra, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                sys.exit(f"vocab={vocab} {name} failed:\n{out.stderr}")
-            res[name] = json.loads(out.stdout.strip().splitlines()[-1])
+            out = bench.run_or_exit(base_cmd + extra, f"vocab={vocab} {name}", brief=False)
+            res[name] = bench.last_json(out.stdout)
         full, fused = res["full"], res["fused"]
         full["step_s"], fused["step_s"] = res["time"]["full"], res["time"]["fused"]
         print(

@@ -28,11 +28,8 @@ import copy
 import gc
 import json
 import os
-import platform
 import random
-import resource
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,10 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+try:  # imported as benchmarks.token_budget_memory (the repository root on sys.path)
+    from benchmarks import common as bench
+except ModuleNotFoundError:  # run as a script: benchmarks/ is sys.path[0]
+    import common as bench
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("sft", "dpo", "kto", "grpo")
 IGNORE = -100
 FIRST_ID = 8  # token ids below are the tiny tokenizer's special tokens
@@ -166,31 +166,6 @@ def random_reward(prompts: list[str], completions: list[str], **_: Any) -> list[
 # --------------------------------------------------------------------------- one cell
 
 
-def _status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    raise OSError(key)
-
-
-def _reset_peak() -> bool:
-    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0); False where not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_mb() -> float:
-    try:
-        return _status_mb("VmHWM")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 class LargestPass:
     """Forward pre-hook on a decoder: the largest ``rows x (cached + new)`` tokens seen."""
 
@@ -217,25 +192,17 @@ def run_cell(family: str, path: str, preset: dict[str, Any], args: argparse.Name
     """Train one (family, path) cell in this process and measure it."""
     import torch
 
-    from grimoire import GrimoireTrainer, TrainingConfig
+    from grimoire import GrimoireTrainer
     from grimoire.data.planner import warmup_numba
     from grimoire.losses import DPOLoss, KTOLoss, SFTLoss
     from grimoire.losses.grpo import GRPOMethod
-    from grimoire.tiny import build_model, build_tokenizer
+    from grimoire.tiny import build_tokenizer
 
     torch.set_num_threads(args.threads)
     budget = None if path == "padded" else int(path)
     top = max(preset["budgets"])
     new = preset["max_new_tokens"]
-    model = build_model(
-        "llama",
-        seed=0,
-        vocab_size=preset["vocab"],
-        hidden_size=preset["hidden"],
-        num_layers=preset["layers"],
-        tie_word_embeddings=False,
-        max_position_embeddings=2 * top,
-    )
+    model = bench.tiny_llama(preset["vocab"], preset["hidden"], preset["layers"], 2 * top)
     params = sum(p.numel() for p in model.parameters())
     ref = copy.deepcopy(model).eval() if family in ("dpo", "kto", "grpo") else None
     probe = LargestPass()
@@ -259,20 +226,12 @@ def run_cell(family: str, path: str, preset: dict[str, Any], args: argparse.Name
     n_rows = min(len(SHAPE), args.batch_size * preset["max_steps"])  # every row trains
     rows = make_rows(family, top, preset["vocab"], new, n_rows)
     with tempfile.TemporaryDirectory() as out:
-        config = TrainingConfig(
-            output_dir=out,
+        config = bench.training_config(
+            out,
             num_epochs=1,
             max_steps=preset["max_steps"],
             batch_size=args.batch_size,
-            learning_rate=1e-5,
-            warmup_ratio=0.0,
-            lr_scheduler="constant",
-            mixed_precision="no",
             gradient_checkpointing=args.gradient_checkpointing,
-            disable_dropout=True,
-            progress_bar=False,
-            save_on_epoch_end=False,
-            logging_steps=1,
             max_length=2 * top,
             max_tokens_per_device=budget,
             truncate_long_samples=budget is not None,
@@ -282,56 +241,24 @@ def run_cell(family: str, path: str, preset: dict[str, Any], args: argparse.Name
         # one-off cost of the budget path that does not scale with anything. Load it here, in
         # every cell, so the baseline holds it; its size is reported separately.
         gc.collect()
-        before = _status_mb("VmRSS")
+        before = bench.status_mb("VmRSS")
         warmup_numba()
-        gc.collect()
-        base = _status_mb("VmRSS")
-        reset = _reset_peak()
         probe.largest, probe.passes = 0, 0
-        t0 = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - t0
-        peak = _peak_mb()
+        measured = bench.peak_during(trainer.train)
         steps = trainer.global_step
     return {
         "family": family,
         "path": path,
         "largest_pass": probe.largest,
         "passes": probe.passes,
-        "base_mb": base,
-        "peak_mb": peak,
-        "delta_mb": peak - base,
-        "peak_reset": reset,
-        "seconds": seconds,
+        **measured,
         "steps": steps,
         "params": params,
-        "numba_mb": base - before,
+        "numba_mb": measured["base_mb"] - before,
     }
 
 
 # --------------------------------------------------------------------------- driver
-
-
-def machine_line(threads: int) -> str:
-    import torch
-
-    model = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        if names:
-            model = names[0]
-    except OSError:
-        pass
-    try:
-        mem = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
-    except (ValueError, OSError):
-        mem = "? RAM"
-    return (
-        f"# machine: {model}; cpu capability {torch.backends.cpu.get_cpu_capability()}; "
-        f"{os.cpu_count()} cores ({threads} torch threads); {mem}; torch {torch.__version__}; "
-        f"python {platform.python_version()}"
-    )
 
 
 def _label(path: str) -> str:
@@ -346,14 +273,8 @@ def _cell_subprocess(family: str, path: str, args: argparse.Namespace) -> dict:
     cmd += [f"--batch-size={args.batch_size}", f"--threads={args.threads}"]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--gradient-checkpointing"] if args.gradient_checkpointing else []
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [*filter(None, [env.get("PYTHONPATH")]), str(ROOT / "src"), str(ROOT)]
-    )
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if out.returncode != 0:
-        sys.exit(f"cell {family} {path} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    out = bench.run_or_exit(cmd, f"cell {family} {path}", bench.child_env(repo_first=False))
+    result = bench.last_json(out.stdout)
     print(
         f"  done: {family} {_label(path)}: +{result['delta_mb']:.0f} MiB, "
         f"largest pass {result['largest_pass']}, {result['seconds']:.1f} s",
@@ -388,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     paths = ["padded", *(str(b) for b in preset["budgets"])]
     top = max(preset["budgets"])
     print("# command: " + shlex.join(["python", *sys.argv]))
-    print(machine_line(args.threads))
+    print(bench.machine_line(f" ({args.threads} torch threads)", cpu_capability=True))
     print(
         f"# model: Llama hidden {preset['hidden']}, {preset['layers']} layers, vocab "
         f"{preset['vocab']} (untied), fp32, no gradient checkpointing"

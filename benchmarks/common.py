@@ -1,0 +1,174 @@
+"""Pieces the benchmark scripts share: memory readings, the machine line, the tiny model and
+training settings, and running one measurement in a fresh subprocess.
+
+The scripts run as ``python benchmarks/X.py`` (this folder is then ``sys.path[0]``) and may be
+imported as ``benchmarks.X`` (the repository root on ``sys.path``), so they import this module as
+
+    try:
+        from benchmarks import common as bench
+    except ModuleNotFoundError:  # run as a script
+        import common as bench
+
+Only the standard library is imported at the top; torch and grimoire inside the functions.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Training settings every trainer benchmark shares: one constant learning rate, fp32, no
+#: dropout, no progress bar or epoch-end checkpoint, a log line each step.
+TRAINING_DEFAULTS: dict[str, Any] = dict(
+    learning_rate=1e-5,
+    warmup_ratio=0.0,
+    lr_scheduler="constant",
+    mixed_precision="no",
+    disable_dropout=True,
+    progress_bar=False,
+    save_on_epoch_end=False,
+    logging_steps=1,
+)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def status_mb(key: str) -> float:
+    """A ``/proc/self/status`` size (``VmRSS``, ``VmHWM``, ...) in MiB; OSError where absent."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise OSError(key)
+
+
+def peak_mb() -> float:
+    """Peak RSS since the last reset (``VmHWM``), in MiB; falls back to ``ru_maxrss``."""
+    try:
+        return status_mb("VmHWM")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0); False where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_during(fn: Callable[[], object]) -> dict[str, Any]:
+    """Run ``fn`` and measure it: ``base_mb`` (RSS just before, after a GC), ``peak_mb`` (peak
+    RSS during it, ``VmHWM`` reset first), ``delta_mb``, ``peak_reset`` (False: the peak also
+    covers what came before) and ``seconds``."""
+    gc.collect()
+    base = status_mb("VmRSS")
+    reset = reset_peak()
+    t0 = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    peak = peak_mb()
+    return {
+        "base_mb": base,
+        "peak_mb": peak,
+        "delta_mb": peak - base,
+        "peak_reset": reset,
+        "seconds": seconds,
+    }
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def machine_line(cores_note: str = "", *, cpu_capability: bool = False, tail: str = "") -> str:
+    """``# machine: CPU; [cpu capability X; ]N cores[cores_note]; RAM; torch; python[; tail]``."""
+    import torch
+
+    model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        if names:
+            model = names[0]
+    except OSError:
+        pass
+    try:
+        mem = f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+    except (ValueError, OSError):
+        mem = "? RAM"
+    parts = [model]
+    if cpu_capability:
+        parts.append(f"cpu capability {torch.backends.cpu.get_cpu_capability()}")
+    parts += [f"{os.cpu_count()} cores{cores_note}", mem, f"torch {torch.__version__}"]
+    parts.append(f"python {platform.python_version()}")
+    if tail:
+        parts.append(tail)
+    return "# machine: " + "; ".join(parts)
+
+
+def tiny_llama(vocab: int, hidden: int, layers: int, max_positions: int) -> Any:
+    """A Llama built in code (seed 0, untied embeddings, fp32)."""
+    from grimoire.tiny import build_model
+
+    return build_model(
+        "llama",
+        seed=0,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        tie_word_embeddings=False,
+        max_position_embeddings=max_positions,
+    )
+
+
+def training_config(output_dir: str, **kw: Any) -> Any:
+    """A ``TrainingConfig`` with ``TRAINING_DEFAULTS``, overridden and extended by ``kw``."""
+    from grimoire import TrainingConfig
+
+    return TrainingConfig(output_dir=output_dir, **{**TRAINING_DEFAULTS, **kw})
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+def child_env(*, repo_first: bool = True) -> dict[str, str]:
+    """This process's environment with the repository's ``src`` and root on ``PYTHONPATH``:
+    before the inherited entries (``repo_first``) or after them."""
+    env = dict(os.environ)
+    repo = [str(ROOT / "src"), str(ROOT)]
+    inherited = [*filter(None, [env.get("PYTHONPATH")])]
+    env["PYTHONPATH"] = os.pathsep.join(repo + inherited if repo_first else inherited + repo)
+    return env
+
+
+def run_or_exit(
+    cmd: list[str], what: str, env: dict[str, str] | None = None, *, brief: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` with its output captured; where it fails, exit with ``{what} failed`` and its
+    stderr (``brief``: the exit code and the last 4000 characters; else all of it)."""
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if out.returncode != 0:
+        if brief:
+            sys.exit(f"{what} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
+        sys.exit(f"{what} failed:\n{out.stderr}")
+    return out
+
+
+def last_json(stdout: str) -> Any:
+    """The JSON object on the last line a worker printed."""
+    return json.loads(stdout.strip().splitlines()[-1])
