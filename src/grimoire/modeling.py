@@ -157,7 +157,6 @@ def save_hf(
     tokenizer: Any,
     hooks: list[Any],
     merge_adapter: bool = False,
-    for_resume: bool = False,
 ) -> None:
     """Write a ``from_pretrained``-loadable model (+ tokenizer) from the main process.
 
@@ -182,8 +181,6 @@ def save_hf(
     for hook in hooks:
         if hasattr(hook, "export_state_dict"):
             state_dict = hook.export_state_dict(state_dict)
-        if for_resume and hasattr(hook, "save_extra"):
-            hook.save_extra(out)
     if merge_adapter and hasattr(model, "merge_and_unload"):
         copy.deepcopy(model).merge_and_unload().save_pretrained(out, safe_serialization=True)
     else:

@@ -300,9 +300,6 @@ def unapply_osft(model: nn.Module, upcast_dtype: torch.dtype = torch.float32) ->
     return model
 
 
-FACTORS_FILE = "osft_factors.safetensors"
-
-
 class OSFTTrainerHook:
     """Plugs OSFT into :class:`~grimoire.trainer.GrimoireTrainer` as a step hook.
 
@@ -341,41 +338,6 @@ class OSFTTrainerHook:
             out[key] = value
         return out
 
-    def save_extra(self, folder) -> None:
-        from safetensors.torch import save_file
-
-        factors = {
-            f"{name}.{k}": v.detach().contiguous().cpu()
-            for name, module in self.state.modules.items()
-            for k, v in module.factors().items()
-        }
-        save_file(factors, str(folder / FACTORS_FILE))
-
-    def load_extra(self, model: nn.Module, folder) -> None:
-        """Restore a checkpoint: factors from their file, every other weight from the dense one."""
-        from safetensors.torch import load_file
-
-        dense: dict[str, Tensor] = {}
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            import json
-
-            for f in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-                dense.update(load_file(str(folder / f)))
-        else:
-            dense = load_file(str(folder / "model.safetensors"))
-        factors = load_file(str(folder / FACTORS_FILE))
-        targets = {f"{name}.weight" for name in self.state.modules}
-        merged = {k: v for k, v in dense.items() if k not in targets}
-        merged.update(factors)
-        result = model.load_state_dict(merged, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("lm_head.weight")]
-        if missing or result.unexpected_keys:
-            raise RuntimeError(
-                f"OSFT checkpoint {folder} does not match the model: missing {missing[:5]}, "
-                f"unexpected {result.unexpected_keys[:5]}"
-            )
-
 
 def attach_osft(model: nn.Module, config, accelerator) -> OSFTTrainerHook:
     """Apply OSFT as ``config`` (a TrainingConfig) asks and return the trainer hook."""
@@ -398,7 +360,6 @@ def attach_osft(model: nn.Module, config, accelerator) -> OSFTTrainerHook:
 
 
 __all__ = [
-    "FACTORS_FILE",
     "FACTOR_NAMES",
     "FROZEN_FACTORS",
     "TRAINABLE_FACTORS",

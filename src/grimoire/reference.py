@@ -102,7 +102,7 @@ class Reference:
         self.ref_model = ref_model
         self.owner = owner
         self.cache_columns = cache_columns
-        self.source = "unset"  # "model" | "copy" | "adapters" | "cache" | "none" after setup
+        self.source = "unset"  # "model" | "copy" | "adapters" | "none" (cached columns only)
         self._peft_model: torch.nn.Module | None = None
 
     # ---------------------------------------------------------------- set-up

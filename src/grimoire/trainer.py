@@ -142,6 +142,7 @@ class GrimoireTrainer:
             repeat=int(getattr(loss_fn, "steps_per_batch", 1)),
         )
         self.planner = self.loader.planner
+        self._eval_loader: StepLoader | None = None
         self.max_steps = config.max_steps or self.loader.steps_per_epoch * config.num_epochs
         if config.distributed == "fsdp2":
             # Sharded before the optimizer exists, so its state is sharded too; accelerate never
@@ -256,13 +257,14 @@ class GrimoireTrainer:
         if self.eval_dataset is None:
             raise ValueError("evaluate() needs an eval_dataset")
         acc = self.accelerator
-        loader = self._loader(
-            self.eval_dataset, self.config.effective_eval_batch_size, shuffle=False
-        )
+        if self._eval_loader is None:  # planned once: every evaluation walks the same batches
+            self._eval_loader = self._loader(
+                self.eval_dataset, self.config.effective_eval_batch_size, shuffle=False
+            )
         was_training = self.model.training
         self.model.eval()
         means = WeightedMeans()
-        for batch, keep in loader.all_batches():
+        for batch, keep in self._eval_loader.all_batches():
             batch = self._to_device(batch)
             with acc.autocast():
                 loss, metrics = self.loss_fn(self.model, batch, training=False)
@@ -302,7 +304,7 @@ class GrimoireTrainer:
         def write_model(folder: Path) -> None:
             # The HF export is for people (from_pretrained); the DCP shards are for resuming,
             # on any number of processes.
-            save_hf(folder, acc, self.model, self.tokenizer, self.step_hooks, for_resume=True)
+            save_hf(folder, acc, self.model, self.tokenizer, self.step_hooks)
             save_dcp(folder, self.model, self.optimizer)
 
         final = ckpt.save(

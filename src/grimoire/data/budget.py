@@ -22,7 +22,7 @@ generation and scoring calls so each stays within it (:mod:`grimoire.rollout.eng
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..logprobs import IGNORE_INDEX
@@ -135,10 +135,20 @@ class TokenBudget:
     method: Any
     packed: bool
     truncate: bool = False
+    #: ``(dataset, its sequence_lengths)`` already read: validation and planning both need them,
+    #: and reading every ``*input_ids`` column of a large dataset is the costly part.
+    _seen: list[tuple[Any, list[dict[str, int]]]] = field(default_factory=list, repr=False)
 
     def cost(self, lengths: Mapping[str, int]) -> int:
         fn = getattr(self.method, "budget_tokens", None)
         return int(fn(lengths, self.packed)) if fn else default_budget_tokens(lengths, self.packed)
+
+    def _lengths(self, dataset: Any) -> list[dict[str, int]]:
+        for seen, lengths in self._seen:
+            if seen is dataset:
+                return lengths
+        self._seen.append((dataset, sequence_lengths(dataset)))
+        return self._seen[-1][1]
 
     def row_cost(self, row: Mapping[str, Any]) -> int:
         return self.cost({p: len(row[f"{p}input_ids"]) for p in sequence_prefixes(row)})
@@ -152,7 +162,7 @@ class TokenBudget:
 
     def costs(self, dataset: Any) -> list[int]:
         """Every row's cost as it will be trained (after :meth:`fit`)."""
-        out = [self.cost(lengths) for lengths in sequence_lengths(dataset)]
+        out = [self.cost(lengths) for lengths in self._lengths(dataset)]
         if self.truncate:
             out = [
                 c if c <= self.max_tokens else self.row_cost(self.fit(dataset[i]))
@@ -165,7 +175,7 @@ class TokenBudget:
         problems: list[str] = []
         hint = getattr(self.method, "budget_hint", "")
         over = 0
-        for i, lengths in enumerate(sequence_lengths(dataset)):
+        for i, lengths in enumerate(self._lengths(dataset)):
             cost = self.cost(lengths)
             if cost <= self.max_tokens:
                 continue

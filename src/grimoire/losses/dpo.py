@@ -13,13 +13,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..reference import Reference
 from .checks import _check_beta, _check_loss_type
 from .functional import DPO_LOSS_TYPES, default_logp_reduction, dpo_loss
 from .preference import (
     PairwiseLoss,
-    ReferenceLogps,
     ReferenceLoss,
     check_reduction,
+    pair_forward,
     reduce_logps,
     scalar_metrics,
 )
@@ -90,7 +91,7 @@ class DPOLoss(ReferenceLoss, DPOFamilyLoss):
         fused: bool = True,
         fused_chunk_size: int = 1024,
     ):
-        self.reference = ReferenceLogps(ref_model, type(self).__name__, REF_PAIR_COLUMNS)
+        self.reference = Reference(ref_model, type(self).__name__, REF_PAIR_COLUMNS)
         super().__init__(beta, label_smoothing, loss_type, logp_reduction, fused, fused_chunk_size)
 
     def reference_logps(
@@ -100,9 +101,8 @@ class DPOLoss(ReferenceLoss, DPOFamilyLoss):
         cached = self.reference.cached(batch, self.logp_reduction)
         if cached is not None:
             return cached[0], cached[1]
-        chosen, rejected = self.reference.pair_logps(
-            model, batch, fused=self.fused, chunk_size=self.fused_chunk_size
-        )
+        compute = self.reference.compute(model, fused=self.fused, chunk_size=self.fused_chunk_size)
+        chosen, rejected = pair_forward(batch, compute)
         return reduce_logps(chosen, self.logp_reduction), reduce_logps(
             rejected, self.logp_reduction
         )

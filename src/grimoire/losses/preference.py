@@ -4,8 +4,8 @@
   dimension (``[2B, T]``), so a DDP/FSDP-wrapped model is called once per micro-batch and the
   two halves see the same weights, dropout state and kernels.
 - Reference log-probs come from :class:`grimoire.reference.Reference` (cached columns, a frozen
-  ``ref_model``, the LoRA base with adapters disabled, or an opt-in copy); ``ReferenceLogps``
-  adds the pair layout's shortcut.
+  ``ref_model``, the LoRA base with adapters disabled, or an opt-in copy); :func:`pair_forward`
+  with ``Reference.compute`` gives a pair's reference log-probs, padded or packed.
 - :class:`PairwiseLoss`: the common base of the pairwise losses (columns, collator, weight);
   :class:`ReferenceLoss`: that of the methods scored against a reference (DPO, IPO, KTO).
 """
@@ -165,16 +165,6 @@ class PackedPairCollator:
         return pack_row_sides(features, sides, self.pad_token_id, lambda key: key.startswith(sides))
 
 
-class ReferenceLogps(Reference):
-    """:class:`grimoire.reference.Reference` with the pair layout's shortcut."""
-
-    def pair_logps(
-        self, policy: torch.nn.Module, batch: dict[str, Any], *, fused: bool, chunk_size: int
-    ) -> tuple[TokenLogps, TokenLogps]:
-        """Reference chosen / rejected per-token log-probs, padded or packed batch alike."""
-        return pair_forward(batch, self.compute(policy, fused=fused, chunk_size=chunk_size))
-
-
 class ReferenceLoss(TokenLogpsLoss):
     """Shared plumbing of the offline methods scored against a reference policy (DPO, IPO, KTO).
 
@@ -227,7 +217,6 @@ __all__ = [
     "REDUCTION_COLUMN",
     "PackedPairCollator",
     "PairwiseLoss",
-    "ReferenceLogps",
     "ReferenceLoss",
     "check_reduction",
     "chosen_nll",

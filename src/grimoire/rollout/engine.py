@@ -295,19 +295,22 @@ class RolloutEngine:
         the ``n`` completions per prompt are full (left padding to the run's longest included).
         A prompt that alone exceeds ``max_tokens`` still gets its own call: the trainer rejects
         such rows before training, so this only happens when the engine is used on its own."""
-        rows_cap = self.generation_batch_size or len(prompts) * n
+        rows_cap = max(self.generation_batch_size or len(prompts) * n, n)
         runs: list[list[list[int]]] = []
+        longest = 0  # of the current run
         for p in prompts:
-            if runs:
-                run = runs[-1]
-                width = max(len(p), *(len(q) for q in run)) + self.max_new_tokens
-                rows = (len(run) + 1) * n
-                if rows <= max(rows_cap, n) and (
-                    not self.max_tokens or rows * width <= self.max_tokens
-                ):
-                    run.append(p)
-                    continue
-            runs.append([p])
+            width = max(longest, len(p)) + self.max_new_tokens
+            rows = (len(runs[-1]) + 1) * n if runs else 0
+            if (
+                runs
+                and rows <= rows_cap
+                and (not self.max_tokens or rows * width <= self.max_tokens)
+            ):
+                runs[-1].append(p)
+                longest = max(longest, len(p))
+            else:
+                runs.append([p])
+                longest = len(p)
         return runs
 
     def _cut_at_eos(self, ids: list[int]) -> list[int]:

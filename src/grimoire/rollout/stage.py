@@ -147,7 +147,7 @@ class RolloutStage:
         metrics.update(timing)
         return batches, metrics, weight
 
-    def score(self, prompts: dict[str, Any], rollout: Rollout, greedy: bool = False) -> ScoredGroup:
+    def score(self, prompts: dict[str, Any], rollout: Rollout) -> ScoredGroup:
         """Decode the completions and run the reward functions on them."""
         g = rollout.group_size
         texts = self.decode(rollout)
