@@ -23,10 +23,12 @@ OPTIMIZERS = (
     "paged_adamw_32bit",
     "adafactor",
     "sgd",
+    "muon",
 )
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 MIXED_PRECISION = ("no", "fp16", "bf16")
-TRACKERS = ("wandb", "tensorboard")
+TRACKERS = ("wandb", "tensorboard", "mlflow")
+KBIT_UPCAST = ("all", "norms", "none")
 
 
 @dataclass
@@ -51,6 +53,10 @@ class TrainingConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
+    # optimizer="muon": torch.optim.Muon on 2-D hidden weight matrices at this learning rate;
+    # embeddings, the LM head, norms and biases stay on AdamW at learning_rate.
+    muon_learning_rate: float = 0.02
+    muon_momentum: float = 0.95
     lr_scheduler: str = "cosine"
     disable_dropout: bool = False
     logging_steps: int = 10
@@ -63,6 +69,8 @@ class TrainingConfig:
     seed: int = 42
     log_with: str | list[str] | None = None
     run_name: str | None = None
+    # Trackers' project (wandb project, mlflow experiment, tensorboard sub-folder).
+    project_name: str | None = None
     dataloader_num_workers: int = 0
     progress_bar: bool = True
     # Padding-free packing and token budgets (see docs/packing.md).
@@ -70,6 +78,18 @@ class TrainingConfig:
     max_tokens_per_device: int | None = None
     max_tokens: int | None = None
     truncate_long_samples: bool = False
+    # NEFTune (Jain et al., 2023): uniform noise on the input embeddings while training only.
+    neftune_noise_alpha: float | None = None
+    # Quantized (k-bit) bases under LoRA, via peft's prepare_model_for_kbit_training: which
+    # non-quantized layers are upcast to fp32, and its gradient checkpointing (None: follow
+    # gradient_checkpointing).
+    kbit_upcast: Literal["all", "norms", "none"] = "all"
+    kbit_gradient_checkpointing: bool | None = None
+    # DPO-family: one no-grad reference pass over the datasets before training; the columns are
+    # cached and the reference model is not used again (TRL's name).
+    precompute_ref_log_probs: bool = False
+    # torch.compile the model (falls back to eager with a logged reason when it cannot).
+    torch_compile: bool = False
     # Optional Liger kernels (GPU only).
     use_liger: bool = False
     # OSFT: orthogonal subspace fine-tuning (see docs/osft.md).
@@ -168,6 +188,15 @@ class TrainingConfig:
         for name, (lo, hi) in {"adam_beta1": (0, 1), "adam_beta2": (0, 1)}.items():
             if not lo <= getattr(self, name) < hi:
                 p.append(f"{name} must be in [{lo}, {hi}), got {getattr(self, name)}")
+        for name in ("muon_learning_rate", "muon_momentum"):
+            if getattr(self, name) <= 0:
+                p.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.neftune_noise_alpha is not None and self.neftune_noise_alpha <= 0:
+            p.append(
+                f"neftune_noise_alpha must be > 0 or null (off), got {self.neftune_noise_alpha}"
+            )
+        if self.kbit_upcast not in KBIT_UPCAST:
+            p.append(f"kbit_upcast must be one of {list(KBIT_UPCAST)}, got {self.kbit_upcast!r}")
         if self.adam_epsilon <= 0:
             p.append(f"adam_epsilon must be > 0, got {self.adam_epsilon}")
         if not 0.0 <= self.osft_unfreeze_rank_ratio <= 1.0:

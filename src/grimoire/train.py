@@ -43,6 +43,12 @@ from .data.sources import load_source, tokenize_dataset
 from .errors import ConfigError, DataError, GrimoireError
 
 COMMANDS = ("train", "validate")
+#: Commands with their own module and argument parser: name -> "module:function(argv) -> int".
+TOOL_COMMANDS = {
+    "plot": "grimoire.plot:main",
+    "merge-lora": "grimoire.tools:merge_lora_main",
+    "generate": "grimoire.tools:generate_main",
+}
 
 
 @dataclass
@@ -419,6 +425,12 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (``grimoire``); returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in TOOL_COMMANDS:
+        import importlib
+
+        module, _, function = TOOL_COMMANDS[argv[0]].partition(":")
+        return getattr(importlib.import_module(module), function)(argv[1:])
     command, args = parse_args(argv)
     try:
         raw = config_from_args(args)

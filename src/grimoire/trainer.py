@@ -183,6 +183,12 @@ class GrimoireTrainer:
     def unwrapped_model(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.model)
 
+    @property
+    def stopped_early(self) -> bool:
+        """True when a stop request (a callback's :meth:`request_stop`, or a checkpoint signal)
+        ended the last :meth:`train` call; False when it ran to ``max_steps`` / ``max_tokens``."""
+        return self._stop
+
     def request_stop(self) -> None:
         """Stop gracefully at a step boundary; any rank may ask, all ranks stop together.
 
