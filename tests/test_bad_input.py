@@ -62,7 +62,7 @@ def _yaml(tmp_path, data_rows, extra=""):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(
         f"""
-model: {{name_or_path: "tiny:llama"}}
+model: {{pretrained: "tiny:llama"}}
 dataset: {{jsonl: "{data}", tokenize: {{type: sft, max_length: 64}}}}
 training: {{output_dir: "{tmp_path / "out"}", max_steps: 1, progress_bar: false,
            gradient_checkpointing: false, mixed_precision: "no"}}

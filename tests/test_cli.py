@@ -35,7 +35,7 @@ def data(tmp_path):
 
 def minimal(train, evals=None, **training):
     raw = {
-        "model": {"name_or_path": "tiny:llama"},
+        "model": {"pretrained": "tiny:llama"},
         "dataset": {"jsonl": str(train), "tokenize": {"type": "sft"}},
         "loss": {"type": "sft"},
         "training": {"max_steps": 5, "batch_size": 8, "max_length": 64, **training},
@@ -119,7 +119,7 @@ def test_unknown_keys_everywhere_in_one_error(data):
     train, evals = data
     raw = minimal(train, evals, learning_rat=1e-3)
     raw["modle"] = {}
-    raw["model"]["dtyp"] = "float32"
+    raw["model"]["tokeniser"] = "x"
     raw["dataset"]["max_sample"] = 3
     raw["dataset"]["tokenize"]["prompt_fild"] = "q"
     raw["loss"]["args"] = {"fused_chunk": 1}
@@ -130,7 +130,7 @@ def test_unknown_keys_everywhere_in_one_error(data):
     msg = str(info.value)
     for dotted, hint in [
         ("modle", "model"),
-        ("model.dtyp", "dtype"),
+        ("model.tokeniser", "tokenizer"),
         ("training.learning_rat", "learning_rate"),
         ("dataset.max_sample", "max_samples"),
         ("dataset.tokenize.prompt_fild", "prompt_field"),
@@ -145,19 +145,19 @@ def test_unknown_keys_everywhere_in_one_error(data):
 def test_wrong_types_and_values_are_reported(data):
     train, _ = data
     raw = minimal(train, batch_size="8", lr_scheduler="cosin")
-    raw["model"]["dtype"] = "fp16"
+    raw["model"]["model_kwargs"] = {"dtype": "fp61"}
     raw["loss"] = {"type": "sfft"}
     problems = validate_config(raw)
     joined = "\n".join(problems)
     assert "training.batch_size must be int, got str '8'" in joined
     assert "training.lr_scheduler='cosin'" in joined and 'did you mean "cosine"' in joined
-    assert "model.dtype: 'fp16' is not one of" in joined
+    assert "model.model_kwargs.dtype: 'fp61' is not one of" in joined
     assert "loss.type: unknown name 'sfft'" in joined
 
 
 def test_required_sections_and_callback_rows(data, tmp_path):
     problems = validate_config({"training": {}})
-    assert any(p.startswith("model.name_or_path: required") for p in problems)
+    assert any(p.startswith("model.pretrained: required") for p in problems)
     assert any(p.startswith("dataset: required") for p in problems)
     train, _ = data
     raw = minimal(train)
@@ -173,7 +173,7 @@ def test_required_sections_and_callback_rows(data, tmp_path):
         p.startswith("callbacks[0].args.rows.dataset.jsonl: file not found")
         for p in validate_config(raw)
     )
-    raw["model"]["name_or_path"] = "tiny:lama"
+    raw["model"]["pretrained"] = "tiny:lama"
     assert any(
         "unknown tiny architecture 'lama' (did you mean \"llama\"?)" in p
         for p in validate_config(raw)
@@ -220,7 +220,7 @@ def test_shipped_configs_validate_and_match():
 
 def test_validate_command_exits_1_and_lists_problems(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: {name_or_path: tiny:llama}\ntraining: {learnin_rate: 1}\n")
+    bad.write_text("model: {pretrained: tiny:llama}\ntraining: {learnin_rate: 1}\n")
     assert main(["validate", "--config", str(bad)]) == 1
     err = capsys.readouterr().err
     assert "training.learnin_rate: unknown key" in err and "dataset: required" in err
@@ -279,7 +279,7 @@ def test_mini_trainer_flags_map_onto_the_schema(monkeypatch):
         ]
     )
     raw = config_from_args(args)
-    assert raw["model"] == {"name_or_path": "m/M"}
+    assert raw["model"] == {"pretrained": "m/M"}
     assert raw["dataset"] == {"jsonl": "d.jsonl", "tokenize": {"type": "pretokenized"}}
     assert raw["loss"] == {"type": "sft"}
     assert raw["save_to"] == str(Path("out") / "final")
@@ -370,7 +370,7 @@ def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monk
     assert validate_config({**raw, "loss": {"type": "dpo", "ref_model": "copy"}}) == []
     loaded: list[str] = []
     monkeypatch.setattr(
-        train_cli, "load_model", lambda cfg, path, kind="causal_lm": loaded.append(path) or path
+        train_cli, "load_model", lambda cfg, path, kind="causal_lm", quant=None: loaded.append(path) or path
     )
     monkeypatch.setattr(grimoire.trainer, "GrimoireTrainer", lambda **kwargs: kwargs)
     if cache:
@@ -410,7 +410,7 @@ def test_end_to_end_tiny_run(tmp_path, data, capsys):
     config = tmp_path / "run.yaml"
     config.write_text(
         f"""
-model: {{name_or_path: "tiny:llama"}}
+model: {{pretrained: "tiny:llama"}}
 dataset: {{jsonl: {train}, tokenize: {{type: sft}}}}
 eval_dataset: {{jsonl: {evals}}}
 loss: {{type: sft}}

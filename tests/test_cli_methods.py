@@ -18,7 +18,7 @@ def _write(tmp_path, rows):
 
 def _raw(tmp_path, data, loss):
     return {
-        "model": {"name_or_path": "tiny:llama", "dtype": "float32"},
+        "model": {"pretrained": "tiny:llama", "model_kwargs": {"dtype": "float32"}},
         "dataset": {"jsonl": str(data)},
         "loss": loss,
         "training": {

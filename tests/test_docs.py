@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -72,7 +73,7 @@ PLACEHOLDER = re.compile(r"""^\s*model_path\s*=\s*(?:"[^"\n]*"|'[^'\n]*')\s*(?:#
 
 RUN_YAML = """\
 # A small config for doc examples that read run.yaml (written by tests/test_docs.py).
-model: {name_or_path: "tiny:llama", dtype: float32}
+model: {pretrained: "tiny:llama", model_kwargs: {dtype: float32}}
 dataset: {jsonl: train.jsonl, tokenize: {type: sft}}
 eval_dataset: {jsonl: eval.jsonl}
 loss: {type: sft}
@@ -275,6 +276,9 @@ def test_shipped_grimoire_configs_validate(path, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     problems = validate_config(load_config(path))
+    if importlib.util.find_spec("bitsandbytes") is None:
+        # A config with a quantization: section is valid where bitsandbytes (CUDA) exists.
+        problems = [p for p in problems if not p.startswith("quantization: needs bitsandbytes")]
     assert problems == [], f"{_rel(path)} does not validate:\n" + "\n".join(problems)
 
 

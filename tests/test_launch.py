@@ -13,7 +13,7 @@ from grimoire import LaunchError, launch
 
 def _config(tmp_path, data):
     return {
-        "model": {"name_or_path": "tiny:llama"},
+        "model": {"pretrained": "tiny:llama"},
         "dataset": {"jsonl": str(data), "tokenize": {"type": "sft", "max_length": 64}},
         "training": {
             "output_dir": str(tmp_path / "out"),

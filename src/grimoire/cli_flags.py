@@ -65,7 +65,7 @@ def _pretokenized_source(path: str) -> dict[str, Any]:
 
 #: The mini_trainer flags, in the order of ``docs/cli.md``'s table.
 MINI_TRAINER_FLAGS: tuple[MiniTrainerFlag, ...] = (
-    MiniTrainerFlag("--model-name-or-path", str, "model.name_or_path", "M"),
+    MiniTrainerFlag("--model-name-or-path", str, "model.pretrained", "M"),
     MiniTrainerFlag(
         "--data-path",
         str,

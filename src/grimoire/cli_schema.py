@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import inspect
 import json
 import re
@@ -23,6 +22,7 @@ import yaml
 
 from . import registry
 from .cli_flags import MINI_TRAINER_BASE, apply_mini_trainer_flags
+from .cli_model import TINY_PREFIX, canonical_model, model_problems
 from .config import TrainingConfig, check_type
 from .data.sources import source_problems
 from .errors import ConfigError, did_you_mean
@@ -32,6 +32,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "assets" / "quickstart.yaml"
 
 TOP_KEYS = (
     "model",
+    "quantization",
     "dataset",
     "eval_dataset",
     "loss",
@@ -41,25 +42,9 @@ TOP_KEYS = (
     "save_to",
     "wandb",
 )
-MODEL_KEYS: dict[str, Any] = {
-    "name_or_path": str,
-    "dtype": str,
-    "trust_remote_code": bool,
-    "attn_implementation": str | None,
-    "tokenizer": str | None,
-    "quantization": dict | None,
-}
-QUANT_KEYS: dict[str, Any] = {
-    "load_in_4bit": bool,
-    "load_in_8bit": bool,
-    "bnb_4bit_compute_dtype": str,
-    "bnb_4bit_quant_type": str,
-    "bnb_4bit_use_double_quant": bool,
-}
 WANDB_KEYS: dict[str, Any] = {"project": str | None, "entity": str | None}
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-TINY_PREFIX = "tiny:"
-TINY_ARCHS = ("llama", "qwen2", "gemma2")
+#: ``peft.type`` values (grimoire-rl's key); the rest of the section is ``LoraConfig``'s fields.
+PEFT_TYPES = ("lora",)
 #: Arguments the CLI supplies itself to every tokenize function.
 TOKENIZE_RESERVED = ("tokenizer",)
 #: ``loss.ref_model`` value that asks the loss for a frozen copy of the starting policy: passed
@@ -201,8 +186,9 @@ def validate_config(raw: Any) -> list[str]:
     """Every problem in the config, as dotted-key messages; ``[]`` when it is valid."""
     if not isinstance(raw, Mapping):
         return [f"the config must be a mapping, got {type(raw).__name__}"]
-    p: list[str] = _unknown(raw, TOP_KEYS, "")
-    p += _model_problems(raw.get("model"))
+    raw, p = canonical_model(raw)
+    p += _unknown(raw, TOP_KEYS, "")
+    p += model_problems(raw.get("model"), raw.get("quantization"))
     # An empty YAML section (``training:``) parses as None: treat it as absent.
     p += _training_problems(raw.get("training") or {})
     loss_type, loss_problems = _loss_problems(raw.get("loss") or {"type": "sft"})
@@ -219,68 +205,45 @@ def validate_config(raw: Any) -> list[str]:
     if raw.get("peft") is not None:
         p += _peft_problems(raw["peft"])
     p += _callback_problems(raw.get("callbacks"), has_eval="eval_dataset" in raw)
-    if (msg := check_type("save_to", raw.get("save_to"), str | None)) is not None:
-        p.append(msg)
-    p += _section(raw.get("wandb"), "wandb", WANDB_KEYS)
+    save_to = raw.get("save_to")
+    if save_to is True or check_type("save_to", save_to, str | bool | None):
+        p.append(
+            f"save_to: a folder, null (default: <output_dir>/final) or false (do not save); "
+            f"got {save_to!r}"
+        )
+    p += section_problems(raw.get("wandb"), "wandb", WANDB_KEYS)
     return p
 
 
-def _unknown(section: Mapping[str, Any], known: Sequence[str], where: str) -> list[str]:
+def _unknown(
+    section: Mapping[str, Any], known: Sequence[str], where: str, accepted: Sequence[str] = ()
+) -> list[str]:
+    """``where.key: unknown key (did you mean ...); valid keys: ...`` for each unknown key.
+
+    ``accepted`` are spellings that are not listed as valid but may be what was meant (deprecated
+    keys, which are moved before validation).
+    """
     prefix = f"{where}." if where else ""
+    valid = ", ".join(str(k) for k in known)
     return [
-        f"{prefix}{k}: unknown key{did_you_mean(str(k), known)}" for k in section if k not in known
+        f"{prefix}{k}: unknown key{did_you_mean(str(k), [*known, *accepted])}; valid keys: {valid}"
+        for k in section
+        if k not in known
     ]
 
 
-def _section(section: Any, where: str, keys: Mapping[str, Any]) -> list[str]:
+def section_problems(
+    section: Any, where: str, keys: Mapping[str, Any], accepted: Sequence[str] = ()
+) -> list[str]:
     """Unknown keys and type errors of a flat section (``None`` = absent)."""
     if section is None:
         return []
     if not isinstance(section, Mapping):
         return [f"{where}: expected a mapping, got {type(section).__name__} {section!r}"]
-    p = _unknown(section, list(keys), where)
+    p = _unknown(section, list(keys), where, accepted)
     for key, hint in keys.items():
         if key in section and (msg := check_type(f"{where}.{key}", section[key], hint)):
             p.append(msg)
-    return p
-
-
-def _model_problems(model: Any) -> list[str]:
-    if model is None:
-        return ["model.name_or_path: required (a hub name, a local folder, or tiny:llama)"]
-    p = _section(model, "model", MODEL_KEYS)
-    if p or not isinstance(model, Mapping):
-        return p
-    name = model.get("name_or_path")
-    if not name:
-        p.append("model.name_or_path: required (a hub name, a local folder, or tiny:llama)")
-    elif name.startswith(TINY_PREFIX) and name[len(TINY_PREFIX) :] not in TINY_ARCHS:
-        arch = name[len(TINY_PREFIX) :]
-        p.append(
-            f"model.name_or_path: unknown tiny architecture {arch!r}{did_you_mean(arch, TINY_ARCHS)};"
-            f" known: {', '.join(TINY_PREFIX + a for a in TINY_ARCHS)}"
-        )
-    if model.get("dtype", "auto") not in DTYPES:
-        p.append(
-            f"model.dtype: {model['dtype']!r} is not one of {list(DTYPES)}"
-            f"{did_you_mean(model['dtype'], DTYPES)}"
-        )
-    quant = model.get("quantization")
-    if quant:
-        p += _section(quant, "model.quantization", QUANT_KEYS)
-        if quant.get("load_in_4bit") and quant.get("load_in_8bit"):
-            p.append("model.quantization: load_in_4bit and load_in_8bit are exclusive")
-        if quant.get("bnb_4bit_compute_dtype", "bfloat16") not in DTYPES[1:]:
-            p.append(
-                f"model.quantization.bnb_4bit_compute_dtype: must be one of {list(DTYPES[1:])}"
-            )
-        if quant.get("bnb_4bit_quant_type", "nf4") not in ("nf4", "fp4"):
-            p.append("model.quantization.bnb_4bit_quant_type: must be 'nf4' or 'fp4'")
-        if importlib.util.find_spec("bitsandbytes") is None:
-            p.append(
-                "model.quantization: needs bitsandbytes, which is not installed "
-                "(pip install 'grimoire[quantization]')"
-            )
     return p
 
 
@@ -297,7 +260,7 @@ def _training_problems(training: Any) -> list[str]:
 
 
 def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
-    p = _section(
+    p = section_problems(
         loss,
         "loss",
         {"type": str, "args": dict | None, "ref_model": str | None, "cache_reference": bool},
@@ -350,8 +313,11 @@ def _peft_problems(peft: Any) -> list[str]:
         from peft import LoraConfig
     except ImportError as exc:
         return [f"peft: cannot import peft.LoraConfig: {exc}"]
+    p = []
+    if str(peft.get("type", PEFT_TYPES[0])).lower() not in PEFT_TYPES:
+        p.append(f"peft.type: {peft['type']!r} is not supported; supported: {list(PEFT_TYPES)}")
     names = [f.name for f in dataclasses.fields(LoraConfig)]
-    return _unknown(peft, names, "peft")
+    return p + _unknown({k: v for k, v in peft.items() if k != "type"}, names, "peft")
 
 
 def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
@@ -362,7 +328,7 @@ def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
     p: list[str] = []
     for i, cb in enumerate(callbacks):
         where = f"callbacks[{i}]"
-        errs = _section(cb, where, {"type": str, "args": dict | None})
+        errs = section_problems(cb, where, {"type": str, "args": dict | None})
         if errs or "type" not in cb:
             p += errs or [f"{where}.type: required (e.g. exact_match)"]
             continue
@@ -437,7 +403,9 @@ def _resolve_and_check(
 __all__ = [
     "DEFAULT_CONFIG",
     "MINI_TRAINER_BASE",
+    "PEFT_TYPES",
     "REF_MODEL_COPY",
+    "TINY_PREFIX",
     "ConfigLoader",
     "apply_mini_trainer_flags",
     "apply_overrides",
@@ -445,6 +413,7 @@ __all__ = [
     "load_config",
     "parse_override",
     "parse_yaml",
+    "section_problems",
     "tokenize_section",
     "validate_config",
 ]

@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,9 +31,9 @@ from typing import Any
 
 from . import registry
 from .cli_flags import MINI_TRAINER_DESTS, add_mini_trainer_flags
+from .cli_model import TINY_PREFIX, canonical_model, load_model, load_tokenizer
 from .cli_schema import (
     REF_MODEL_COPY,
-    TINY_PREFIX,
     is_dataset_ref,
     load_config,
     tokenize_section,
@@ -77,8 +78,9 @@ def build_run(raw: Mapping[str, Any]) -> Run:
     Data is loaded and tokenized before the model so bad rows fail fast and cheaply.
     """
     config = check_config(raw)
-    model_cfg = raw["model"]
-    model_path = _materialize_model(model_cfg["name_or_path"], config.output_dir)
+    raw, _ = canonical_model(raw)  # earlier spellings moved (check_config warned about them)
+    model_cfg, quantization = raw["model"], raw.get("quantization")
+    model_path = _materialize_model(model_cfg["pretrained"], config.output_dir)
     tokenizer = load_tokenizer(model_cfg, model_path)
 
     raw_eval_rows: list[dict[str, Any]] | None = None
@@ -109,7 +111,7 @@ def build_run(raw: Mapping[str, Any]) -> Run:
         # Default reference for caching: the starting policy itself (the usual DPO reference,
         # and what "copy" means).
         ref_path = _materialize_model(ref_path or model_path, config.output_dir)
-        ref_model = load_model(model_cfg, ref_path, model_kind)
+        ref_model = load_model(model_cfg, ref_path, model_kind, quantization)
     args = dict(loss_cfg.get("args") or {})
     if ref_spec == REF_MODEL_COPY and not cache:
         args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
@@ -123,7 +125,7 @@ def build_run(raw: Mapping[str, Any]) -> Run:
         datasets = {k: cache_reference(ref_model, v, loss_fn, config) for k, v in datasets.items()}
         del ref_model
 
-    model = load_model(model_cfg, model_path, model_kind)
+    model = load_model(model_cfg, model_path, model_kind, quantization)
     peft_config = build_peft(raw.get("peft"))
     _export_wandb_env(raw.get("wandb") or {})
 
@@ -139,7 +141,16 @@ def build_run(raw: Mapping[str, Any]) -> Run:
         peft_config=peft_config,
         callbacks=callbacks,
     )
-    return Run(trainer=trainer, config=config, save_to=raw.get("save_to"))
+    return Run(trainer=trainer, config=config, save_to=save_path(raw, config))
+
+
+def save_path(raw: Mapping[str, Any], config: TrainingConfig) -> str | None:
+    """Where the final model goes: ``save_to``; absent or null -> ``<output_dir>/final`` (as in
+    grimoire-rl); ``false`` -> not saved (the checkpoints, if any, remain)."""
+    save_to = raw.get("save_to")
+    if save_to is False:
+        return None
+    return save_to or str(Path(config.output_dir) / "final")
 
 
 def tokenize(rows: Any, raw: Mapping[str, Any], where: str, tokenizer: Any, max_length: int):
@@ -221,16 +232,6 @@ def _materialize_model(name_or_path: str, output_dir: str) -> str:
     return str(path)
 
 
-def load_tokenizer(model_cfg: Mapping[str, Any], model_path: str):
-    """``AutoTokenizer`` from ``model.tokenizer`` (default: the model's own folder/name)."""
-    from transformers import AutoTokenizer
-
-    path = model_cfg.get("tokenizer") or model_path
-    return AutoTokenizer.from_pretrained(
-        path, trust_remote_code=bool(model_cfg.get("trust_remote_code", False))
-    )
-
-
 def cache_reference(ref_model: Any, dataset: Any, loss_fn: Any, config: TrainingConfig) -> Any:
     """Precompute reference log-probs into ``dataset`` once (``loss.cache_reference: true``)."""
     import torch
@@ -248,57 +249,15 @@ def cache_reference(ref_model: Any, dataset: Any, loss_fn: Any, config: Training
     )
 
 
-def load_model(model_cfg: Mapping[str, Any], model_path: str, kind: str = "causal_lm"):
-    """``from_pretrained`` with dtype, attention and quantization options.
-
-    ``kind`` comes from the loss class (``model_kind``): ``"causal_lm"``, or
-    ``"sequence_classification"`` (a one-score head, for reward modelling).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    dtype = model_cfg.get("dtype", "auto")
-    kwargs: dict[str, Any] = {
-        "dtype": dtype if dtype == "auto" else getattr(torch, dtype),
-        "trust_remote_code": bool(model_cfg.get("trust_remote_code", False)),
-    }
-    if model_cfg.get("attn_implementation"):
-        kwargs["attn_implementation"] = model_cfg["attn_implementation"]
-    if model_cfg.get("quantization"):
-        kwargs["quantization_config"] = build_quantization(model_cfg["quantization"])
-    if kind == "sequence_classification":
-        return AutoModelForSequenceClassification.from_pretrained(
-            model_path, num_labels=1, **kwargs
-        )
-    return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
-
-
-def build_quantization(quant: Mapping[str, Any]):
-    """A ``BitsAndBytesConfig``; a clear error naming the extra when bitsandbytes is missing."""
-    import importlib.util
-
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ConfigError(
-            ["model.quantization needs bitsandbytes: pip install 'grimoire[quantization]'"]
-        )
-    kwargs = dict(quant)
-    if "bnb_4bit_compute_dtype" in kwargs:
-        kwargs["bnb_4bit_compute_dtype"] = getattr(torch, kwargs["bnb_4bit_compute_dtype"])
-    elif kwargs.get("load_in_4bit"):
-        kwargs["bnb_4bit_compute_dtype"] = torch.bfloat16
-    return BitsAndBytesConfig(**kwargs)
-
-
 def build_peft(section: Mapping[str, Any] | None):
-    """A peft ``LoraConfig`` from the ``peft:`` kwargs (``task_type`` defaults to CAUSAL_LM)."""
+    """A peft ``LoraConfig`` from the ``peft:`` section: ``type: lora`` (the default, and the only
+    type) plus ``LoraConfig``'s fields; ``task_type`` defaults to CAUSAL_LM."""
     if not section:
         return None
     from peft import LoraConfig
 
-    return LoraConfig(**{"task_type": "CAUSAL_LM", **section})
+    kwargs = {k: v for k, v in section.items() if k != "type"}  # type: validated up front
+    return LoraConfig(**{"task_type": "CAUSAL_LM", **kwargs})
 
 
 def _export_wandb_env(section: Mapping[str, Any]) -> None:
@@ -403,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="validate the config and exit (same as the validate command)",
     )
+    p.add_argument(
+        "--log-level",
+        default=None,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        type=str.upper,
+        help="show grimoire's log messages from this level on (grimoire-rl's flag); default: "
+        "warnings only",
+    )
     add_mini_trainer_flags(p)
     return p
 
@@ -432,6 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         module, _, function = TOOL_COMMANDS[argv[0]].partition(":")
         return getattr(importlib.import_module(module), function)(argv[1:])
     command, args = parse_args(argv)
+    if args.log_level:
+        import logging
+
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("grimoire").setLevel(args.log_level)
     try:
         raw = config_from_args(args)
         if command == "validate":
@@ -439,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"OK: {args.config or 'embedded default config'} is valid")
             return 0
         run = build_run(raw)
+        # For the model card: how to reproduce this run.
+        run.trainer.launch = {"command": shlex.join(["grimoire", *argv]), "config": raw}
         run.trainer.train()
         if run.trainer.preempted_by is not None:  # checkpointed; the final model comes later
             if getattr(run.trainer.accelerator, "is_main_process", True):

@@ -74,7 +74,20 @@ def test_path_alias_accepts_json_array(tmp_path):
     path.write_text(json.dumps(_rows(3)))
     assert load_source({"path": str(path)}, "dataset")["idx"] == [0, 1, 2]
     bad = source_problems({"path": str(tmp_path / "folder")}, "dataset")
-    assert any("must end in .jsonl or .json" in p for p in bad)
+    assert any("dataset.path: folder not found" in p and "save_to_disk" in p for p in bad)
+
+
+def test_path_to_a_folder_is_load_from_disk_as_in_grimoire_rl(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    Dataset.from_list(_rows(4)).save_to_disk(str(tmp_path / "plain"))
+    assert load_source({"path": str(tmp_path / "plain")}, "dataset")["idx"] == [0, 1, 2, 3]
+    DatasetDict(
+        {"train": Dataset.from_list(_rows(2)), "test": Dataset.from_list(_rows(3))}
+    ).save_to_disk(str(tmp_path / "dict"))
+    section = {"path": str(tmp_path / "dict"), "split": "test", "max_samples": 2}
+    assert source_problems(section, "dataset") == []
+    assert load_source(section, "dataset")["idx"] == [0, 1]
 
 
 def test_section_problems_use_dotted_names_and_did_you_mean(tmp_path):
@@ -82,7 +95,8 @@ def test_section_problems_use_dotted_names_and_did_you_mean(tmp_path):
     problems = source_problems(
         {"jsonl": str(path), "max_sample": 3, "shuffle": "yes", "split": "train"}, "eval_dataset"
     )
-    assert 'eval_dataset.max_sample: unknown key (did you mean "max_samples"?)' in problems
+    unknown = 'eval_dataset.max_sample: unknown key (did you mean "max_samples"?); valid keys: '
+    assert any(p.startswith(unknown) and "max_samples, shuffle" in p for p in problems)
     assert any(p.startswith("eval_dataset.shuffle: must be bool") for p in problems)
     assert source_problems({}, "dataset") == [
         "dataset: give exactly one of ['name', 'jsonl', 'path', 'load_from_disk']; got none"
@@ -90,7 +104,7 @@ def test_section_problems_use_dotted_names_and_did_you_mean(tmp_path):
     two = source_problems({"jsonl": str(path), "name": "x/y"}, "dataset")
     assert "got ['name', 'jsonl']" in two[0]
     assert source_problems({"jsonl": str(path), "split": "train"}, "dataset") == [
-        "dataset.split: only applies to name: and load_from_disk: sources"
+        "dataset.split: only applies to name:, load_from_disk: and folder path: sources"
     ]
     assert source_problems({"jsonl": str(path), "max_samples": 0}, "d")[0].startswith(
         "d.max_samples: must be > 0"

@@ -6,10 +6,12 @@ exactly one of:
 - ``name``: a Hugging Face hub dataset, with ``split`` (default ``"train"``) and optionally
   ``subset`` (alias ``config``). Needs network access unless the dataset is already in the local
   HF cache; offline, save a copy with ``Dataset.save_to_disk`` and use ``load_from_disk``.
-- ``jsonl``: a local JSON-lines file (one object per line). ``path`` is accepted as an alias when
-  it ends in ``.jsonl`` or ``.json`` (a ``.json`` file may also hold one JSON array of objects).
+- ``jsonl``: a local JSON-lines file (one object per line; a ``.json`` file may also hold one JSON
+  array of objects).
 - ``load_from_disk``: a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``;
   for a ``DatasetDict`` the ``split`` (default ``"train"``) is picked.
+- ``path`` (grimoire-rl's key): a folder is read with ``load_from_disk``; a file ending in
+  ``.jsonl`` / ``.json`` as ``jsonl``.
 
 Optional: ``max_samples`` (keep the first N rows) after ``shuffle: true`` (seeded by ``seed``,
 default 42).
@@ -77,7 +79,10 @@ def source_problems(
         if key in extra:
             continue
         if key not in SOURCE_KEYS:
-            problems.append(f"{where}.{key}: unknown key{did_you_mean(str(key), known)}")
+            problems.append(
+                f"{where}.{key}: unknown key{did_you_mean(str(key), known)}; valid keys: "
+                + ", ".join(known)
+            )
             continue
         expected = SOURCE_KEYS[key]
         # bool is an int subclass; never accept True as a row count.
@@ -97,24 +102,34 @@ def source_problems(
     for key in ("subset", "config"):
         if key in section and kind != "name":
             problems.append(f"{where}.{key}: only applies to hub datasets (name:)")
+    kind = _effective_kind(section, kind)
     if "split" in section and kind not in ("name", "load_from_disk"):
-        problems.append(f"{where}.split: only applies to name: and load_from_disk: sources")
+        problems.append(
+            f"{where}.split: only applies to name:, load_from_disk: and folder path: sources"
+        )
     if "seed" in section and not section.get("shuffle"):
         problems.append(f"{where}.seed: only used with shuffle: true")
     if section.get("max_samples") is not None and section["max_samples"] <= 0:
         problems.append(f"{where}.max_samples: must be > 0, got {section['max_samples']}")
-    if kind == "path" and not section["path"].endswith((".jsonl", ".json")):
-        problems.append(
-            f"{where}.path: {section['path']!r} must end in .jsonl or .json "
-            "(use load_from_disk: for a saved dataset folder, name: for a hub dataset)"
-        )
-    elif check_files and kind != "name":
-        path = resolve_path(section[kind])
+    if check_files and kind != "name":
+        key = next(k for k in _KINDS if k in section)
+        path = resolve_path(section[key])
         if kind == "load_from_disk" and not path.is_dir():
-            problems.append(f"{where}.load_from_disk: folder not found: {path}")
+            what = "a dataset folder (Dataset.save_to_disk) or a .jsonl/.json file"
+            problems.append(
+                f"{where}.{key}: folder not found: {path}"
+                + (f" ({key}: takes {what})" if key == "path" else "")
+            )
         elif kind != "load_from_disk" and not path.is_file():
-            problems.append(f"{where}.{kind}: file not found: {path}")
+            problems.append(f"{where}.{key}: file not found: {path}")
     return problems
+
+
+def _effective_kind(section: Mapping[str, Any], kind: str) -> str:
+    """``path`` is read as ``jsonl`` for a .jsonl/.json file, else as ``load_from_disk``."""
+    if kind != "path":
+        return kind
+    return "jsonl" if str(section["path"]).endswith((".jsonl", ".json")) else "load_from_disk"
 
 
 def load_source(section: Mapping[str, Any], where: str = "dataset"):
@@ -126,9 +141,10 @@ def load_source(section: Mapping[str, Any], where: str = "dataset"):
     problems = source_problems(section, where)
     if problems:
         raise ConfigError(problems, title=f"invalid {where} section")
-    if "name" in section:
+    kind = _effective_kind(section, next(k for k in _KINDS if k in section))
+    if kind == "name":
         ds = _load_hub(section, where)
-    elif "load_from_disk" in section:
+    elif kind == "load_from_disk":
         ds = _load_disk(section, where)
     else:
         path = resolve_path(section.get("jsonl") or section["path"])
@@ -278,13 +294,14 @@ def _load_hub(section: Mapping[str, Any], where: str):
 def _load_disk(section: Mapping[str, Any], where: str):
     from datasets import DatasetDict, load_from_disk
 
-    path = resolve_path(section["load_from_disk"])
+    key = "load_from_disk" if "load_from_disk" in section else "path"
+    path = resolve_path(section[key])
     try:
         ds = load_from_disk(str(path))
     except Exception as exc:
         raise DataError(
             [
-                f"{where}.load_from_disk: {path} is not a saved dataset "
+                f"{where}.{key}: {path} is not a saved dataset "
                 f"(written by save_to_disk): {type(exc).__name__}: {exc}"
             ]
         ) from exc
