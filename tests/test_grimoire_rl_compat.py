@@ -233,8 +233,9 @@ def test_earlier_spellings_warn_and_mean_the_same(tmp_path):
     messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
     assert len(messages) == 5 and any("write model.pretrained" in m for m in messages)
     _, clash = canonical_model({"model": {"name_or_path": "a", "pretrained": "b"}})
-    assert clash == ["model.name_or_path and model.pretrained are both given: keep only "
-                     "model.pretrained"]
+    assert clash == [
+        "model.name_or_path and model.pretrained are both given: keep only model.pretrained"
+    ]
 
 
 def test_model_kwargs_reach_from_pretrained_and_bad_ones_are_named(tiny_dir):
@@ -308,3 +309,49 @@ def test_kto_label_column_end_to_end_from_yaml(tmp_path):
     assert not (out / "final").exists()
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 2
+
+
+def test_grimoire_rl_tokenize_arguments(tokenizer):
+    from grimoire.data import tokenize_grpo, tokenize_kto, tokenize_sft
+
+    row = {"prompt": "reverse abcdefgh=", "response": "hgfedcba"}
+    full_prompt = tokenizer(row["prompt"], add_special_tokens=True)["input_ids"]
+    out = tokenize_sft(row, tokenizer, max_length=64, max_prompt_length=5)
+    n_prompt = out["labels"].count(-100)
+    assert n_prompt == 5 and out["input_ids"][:5] == full_prompt[-5:]
+    assert tokenize_sft(row, tokenizer)["input_ids"][: len(full_prompt)] == full_prompt
+
+    # KTO rows written for grimoire-rl name the completion "response".
+    rl_row = {"prompt": "reverse ab=", "response": "ba", "label": True}
+    trl_row = {"prompt": "reverse ab=", "completion": "ba", "label": True}
+    assert tokenize_kto(rl_row, tokenizer) == tokenize_kto(trl_row, tokenizer)
+    assert tokenize_kto(
+        {"prompt": "p=", "answer": "ba", "label": False}, tokenizer, response_field="answer"
+    ) == tokenize_kto({"prompt": "p=", "completion": "ba", "label": False}, tokenizer)
+
+    grpo_row = {"prompt": "reverse abcdefgh=", "answer": "hgfedcba", "noise": 1}
+    cut = tokenize_grpo(grpo_row, tokenizer, max_prompt_length=4, metadata_fields=["answer"])
+    assert cut["prompt_input_ids"] == full_prompt[-4:]
+    assert cut["answer"] == "hgfedcba" and "noise" not in cut
+    assert "noise" in tokenize_grpo(grpo_row, tokenizer)
+
+
+def test_grimoire_rl_reward_functions_get_metadata():
+    from grimoire.rollout.rewards import resolve_reward_funcs, score_completions
+
+    seen = {}
+
+    def rl_style(prompts, completions, metadata):  # grimoire-rl's reward signature
+        seen["metadata"] = metadata
+        return [float(c == m["answer"]) for c, m in zip(completions, metadata)]
+
+    def ours(prompts, completions, answer, **kwargs):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    cols = {"answer": ["ba", "cd"], "id": [1, 2]}
+    total, per = score_completions(
+        resolve_reward_funcs([rl_style, ours]), ["p1", "p2"], ["ba", "xx"], cols
+    )
+    assert seen["metadata"] == [{"answer": "ba", "id": 1}, {"answer": "cd", "id": 2}]
+    assert per["rl_style"].tolist() == per["ours"].tolist() == [1.0, 0.0]
+    assert total.tolist() == [2.0, 0.0]

@@ -26,6 +26,8 @@ def tokenize_grpo(
     tokenizer,
     max_length: int = 2048,
     prompt_field: str = "prompt",
+    max_prompt_length: int | None = None,
+    metadata_fields: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Tokenize one prompt row for online RL.
 
@@ -38,6 +40,11 @@ def tokenize_grpo(
     ``prompts``) and every other column of ``example`` unchanged. A prompt longer than
     ``max_length`` is an error rather than truncated: cutting a prompt changes the task. (The
     method checks ``prompt + max_new_tokens`` against the context before training.)
+
+    grimoire-rl's arguments: ``max_prompt_length`` asks for truncation instead: a longer prompt
+    keeps its LAST ``max_prompt_length`` tokens (the question and the generation prompt sit at
+    the end; grimoire-rl kept the first ones). ``metadata_fields`` keeps only those columns
+    besides the prompt (default: all), and each must be present.
     """
     require_fields(example, [prompt_field], "tokenize_grpo")
     prompt = example[prompt_field]
@@ -55,6 +62,9 @@ def tokenize_grpo(
                 f"messages ({{'role', 'content'}}), got {type(prompt).__name__}"
             ]
         )
+    if max_prompt_length is not None and len(ids) > max_prompt_length:
+        ids = ids[-max_prompt_length:]
+        text = tokenizer.decode(ids)  # what the model sees is what reward functions get
     if len(ids) > max_length:
         raise DataError(
             [
@@ -62,7 +72,16 @@ def tokenize_grpo(
                 "(prompts are not truncated; shorten it or raise max_length)"
             ]
         )
-    extras = {k: v for k, v in example.items() if k != prompt_field and k not in GRPO_COLUMNS}
+    if metadata_fields is not None:
+        require_fields(example, list(metadata_fields), "tokenize_grpo")
+        keep = set(metadata_fields)
+    else:
+        keep = set(example)
+    extras = {
+        k: v
+        for k, v in example.items()
+        if k in keep and k != prompt_field and k not in GRPO_COLUMNS
+    }
     return {
         **extras,
         "prompt_input_ids": ids,

@@ -53,13 +53,15 @@ def tokenize_kto(
     completion_field: str = "completion",
     label_field: str = "label",
     max_prompt_length: int | None = None,
+    response_field: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize one unpaired KTO example: ``input_ids``, ``attention_mask``, ``labels``, ``label``.
 
     ``prompt``/``completion`` are strings or chat messages exactly as in
     :func:`grimoire.data.preference.tokenize_preference` (EOS appended to the completion and
     trained; the same truncation: prompt end first, then completion start). ``label`` is a bool
-    (True = desirable); 0/1 integers are accepted.
+    (True = desirable); 0/1 integers are accepted. grimoire-rl's rows name the completion
+    ``response``: it is read when the row has no ``completion`` (or pass ``response_field=``).
 
     Raises:
         DataError: a missing/empty prompt or completion, a missing or non-boolean label, or no
@@ -67,6 +69,10 @@ def tokenize_kto(
     """
     fn = "tokenize_kto"
     _check_lengths(max_length, max_prompt_length, fn)
+    if response_field is not None:  # grimoire-rl's name for the completion column
+        completion_field = response_field
+    elif completion_field == "completion" and "completion" not in example and "response" in example:
+        completion_field = "response"  # grimoire-rl's (and SFT's) default column name
     problems = [
         p
         for f, kwarg in (

@@ -21,6 +21,7 @@ def tokenize_sft(
     response_field: str = "response",
     text_field: str = "text",
     messages_field: str = "messages",
+    max_prompt_length: int | None = None,
 ) -> dict[str, list[int]]:
     """Tokenize one SFT example; loss only on the response (prompt tokens get label -100).
 
@@ -29,6 +30,10 @@ def tokenize_sft(
     plain ``text`` (loss on every token). The EOS token is appended to the response (and to plain
     text) and is part of the loss, so the model learns to stop. Rows are truncated to
     ``max_length`` from the right; a row whose response is cut away entirely is an error.
+    ``max_prompt_length`` (grimoire-rl's argument; prompt + response rows) first cuts a longer
+    prompt to its LAST ``max_prompt_length`` tokens, so more of the response survives
+    ``max_length`` (grimoire-rl kept the prompt's first tokens; the end is what the response
+    answers, as in the preference tokenizers here and TRL).
 
     Returns ``{"input_ids", "attention_mask", "labels"}`` (lists of equal length).
     """
@@ -41,6 +46,8 @@ def tokenize_sft(
     elif prompt_field in example or response_field in example:
         require_fields(example, [prompt_field, response_field], "tokenize_sft")
         prompt = tokenizer(example[prompt_field], add_special_tokens=True)["input_ids"]
+        if max_prompt_length is not None and len(prompt) > max_prompt_length:
+            prompt = prompt[len(prompt) - max_prompt_length :]
         response = tokenizer(example[response_field], add_special_tokens=False)["input_ids"]
         response = response + ([eos] if eos is not None else [])
         input_ids = prompt + response

@@ -4,6 +4,9 @@ A reward function is any callable
 
     reward_fn(prompts: list[str], completions: list[str], **columns) -> list[float]
 
+(or grimoire-rl's ``reward_fn(prompts, completions, metadata)``, where ``metadata[i]`` is the dict
+of completion ``i``'s columns)
+
 called once per rollout batch with one entry per *completion* (a prompt sampled G times appears
 G times). ``columns`` are the dataset's other fields (e.g. ``answer``), repeated the same way, so
 ``columns["answer"][i]`` belongs to ``completions[i]``. Extra, unused columns arrive too: accept
@@ -178,7 +181,7 @@ def score_completions(
     total = torch.zeros(n, dtype=torch.float32)
     for rf in reward_funcs:
         try:
-            values = rf.fn(list(prompts), list(completions), **dict(columns))
+            values = rf.fn(list(prompts), list(completions), **_reward_kwargs(rf.fn, columns, n))
         except Exception as exc:
             raise RewardFunctionError(
                 f"reward function {rf.name!r} raised {type(exc).__name__}: {exc} "
@@ -187,6 +190,20 @@ def score_completions(
         per_func[rf.name] = _as_rewards(values, n, rf.name)
         total += rf.weight * per_func[rf.name]
     return total.to(device), {k: v.to(device) for k, v in per_func.items()}
+
+
+def _reward_kwargs(fn: RewardFn, columns: Mapping[str, list[Any]], n: int) -> dict[str, Any]:
+    """The columns as ``fn`` takes them: by name (``**columns``), or, for a function written for
+    grimoire-rl, ``fn(prompts, completions, metadata)`` with ``metadata[i]`` the dict of
+    completion ``i``'s columns (``metadata_fields`` of ``tokenize_grpo``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return dict(columns)
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if "metadata" in params and "metadata" not in columns and not takes_kwargs:
+        return {"metadata": [{k: v[i] for k, v in columns.items()} for i in range(n)]}
+    return dict(columns)
 
 
 @torch.no_grad()
