@@ -294,25 +294,6 @@ def test_disable_dropout_zeroes_every_dropout(tiny_dir, tokenizer, sft_rows, tmp
     assert all(getattr(mod, "attention_dropout", 0.0) == 0.0 for mod in m.modules())
 
 
-def test_tensorboard_tracker_receives_metrics(tiny_model, tokenizer, sft_rows, tmp_path):
-    """log_with goes through accelerate's trackers (tensorboard is a dev dependency)."""
-    train(
-        tiny_model,
-        tokenizer,
-        sft_rows[:8],
-        SFTLoss(),
-        quiet_config(tmp_path, max_steps=2, log_with="tensorboard", run_name="tb-run"),
-    )
-    events = list(tmp_path.rglob("events.out.tfevents.*"))
-    assert events, "no tensorboard event file written"
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(events[0].parent))
-    acc.Reload()
-    assert "loss" in acc.Tags()["scalars"]
-    assert [e.step for e in acc.Scalars("loss")] == [1, 2]
-
-
 def test_refuses_to_train_alone_under_a_multi_process_launch(monkeypatch):
     from grimoire.modeling import check_world_size
 

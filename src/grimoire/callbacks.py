@@ -49,39 +49,70 @@ class CallbackList:
 
 
 class ProgressCallback(TrainerCallback):
-    """A tqdm bar on the main process: step/total, loss, lr, tokens/s and ETA."""
+    """One tqdm bar on the main process: step/total, loss, trained tokens/s, ETA, and the mean
+    rollout reward of methods that generate.
 
-    def __init__(self) -> None:
+    Off on the other processes, and when ``stream`` (default: ``sys.stderr`` at train begin) is
+    not a terminal: a bar's carriage returns in a log file are noise, and the metrics are in
+    ``metrics.jsonl`` anyway. Loss and reward follow every step; tokens/s each logged window.
+    """
+
+    #: The step metric shown as ``reward``: the rollout stage's mean over the step's completions.
+    REWARD_KEY = "rewards/mean"
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream
         self.bar = None
+        self.postfix: dict[str, str] = {}
+
+    @staticmethod
+    def is_terminal(stream: Any) -> bool:
+        try:
+            return bool(stream.isatty())
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            return False
 
     def on_train_begin(self, trainer) -> None:
+        import sys
+
         from tqdm.auto import tqdm
 
-        if trainer.accelerator.is_main_process:
-            self.bar = tqdm(
-                total=trainer.max_steps,
-                initial=trainer.global_step,
-                desc="train",
-                dynamic_ncols=True,
-            )
+        stream = self.stream if self.stream is not None else sys.stderr
+        others = [cb for cb in trainer.callbacks.callbacks if isinstance(cb, ProgressCallback)]
+        if (
+            not trainer.accelerator.is_main_process
+            or not self.is_terminal(stream)
+            or others[0] is not self  # a second ProgressCallback (passed in as well): one bar
+        ):
+            return
+        self.postfix = {}
+        self.bar = tqdm(
+            total=trainer.max_steps,
+            initial=trainer.global_step,
+            desc="train",
+            unit="step",
+            file=stream,
+            dynamic_ncols=True,
+        )
 
     def on_step_end(self, trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
+        if self.bar is None:
+            return
+        self.postfix["loss"] = f"{loss:.4f}"
+        if self.REWARD_KEY in metrics:
+            self.postfix["reward"] = f"{metrics[self.REWARD_KEY]:.3f}"
+        self.bar.set_postfix(self.postfix, refresh=False)
+        self.bar.update(step - self.bar.n)
 
     def on_log(self, trainer, metrics: dict[str, float]) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(
-                loss=f"{metrics['loss']:.4f}",
-                lr=f"{metrics['lr']:.2e}",
-                tok_s=f"{metrics['tokens_per_sec']:.0f}",
-                refresh=False,
-            )
+        if self.bar is not None and "tokens_per_sec" in metrics:
+            self.postfix["tok/s"] = f"{metrics['tokens_per_sec']:.0f}"
+            self.bar.set_postfix(self.postfix, refresh=False)
 
     def on_evaluate(self, trainer, metrics: dict[str, float]) -> None:
         if self.bar is not None:
             shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
-            self.bar.write(f"step {trainer.global_step}: {shown}")
+            self.bar.write(f"step {trainer.global_step}: {shown}", file=self.bar.fp)
 
     def on_train_end(self, trainer) -> None:
         if self.bar is not None:

@@ -144,16 +144,120 @@ class JsonlLogger:
                 f.write(json.dumps(record) + "\n")
 
 
-def init_trackers(accelerator: Any, config: Any) -> None:
-    """Start the ``log_with`` trackers: the project comes from ``WANDB_PROJECT`` (the wandb
-    convention) and ``run_name`` names the run in it. Hyper-parameter tables take scalars only,
-    so list values are logged as text."""
+# The package each ``log_with`` tracker needs (accelerate silently drops a tracker whose package
+# is missing, which would leave a run believed to be tracked with no record at all).
+TRACKER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow-skinny"}
+_mlflow_uri_set_by_us: str | None = None
+
+
+def requested_trackers(log_with: str | list[str] | None) -> list[str]:
+    """``log_with`` as a list of tracker names (``None`` -> ``[]``)."""
+    if log_with is None:
+        return []
+    return [log_with] if isinstance(log_with, str) else list(log_with)
+
+
+def tracker_paths(config: Any) -> dict[str, Path]:
+    """Where the local trackers write, from ``output_dir``, ``project_name`` and ``run_name``.
+
+    ``tensorboard``: ``output_dir/tensorboard/<project>[/<run>]``; ``mlflow``: a file store
+    ``output_dir/mlruns`` (unless ``MLFLOW_TRACKING_URI`` is set); ``wandb``: its files under
+    ``output_dir`` (``<dir>/wandb/``, unless ``WANDB_DIR`` is set).
+    """
+    out = Path(config.output_dir)
+    tensorboard = out / "tensorboard" / project_of(config)
+    if config.run_name:
+        tensorboard = tensorboard / config.run_name
+    return {"tensorboard": tensorboard, "mlflow": out / "mlruns", "wandb": out}
+
+
+def project_of(config: Any) -> str:
+    """The trackers' project: ``project_name``, else ``WANDB_PROJECT``, else ``"grimoire"``."""
     import os
 
-    init = {"wandb": {"name": config.run_name}} if config.run_name else {}
+    return config.project_name or os.environ.get("WANDB_PROJECT") or "grimoire"
+
+
+def init_trackers(accelerator: Any, config: Any) -> None:
+    """Start the ``log_with`` trackers on the main process (accelerate logs from it only).
+
+    Every tracker honours ``project_name`` and ``run_name``: the wandb project and run name;
+    the mlflow experiment and run name; the tensorboard folder (:func:`tracker_paths`). A
+    tracker whose package is missing is an error here, not a silently untracked run.
+    Hyper-parameter tables take scalars only, so list and dict values are logged as text.
+    """
+    import os
+
+    from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
+
+    from .errors import ConfigError
+
+    requested = requested_trackers(config.log_with)
+    available = {str(t) for t in accelerator.log_with}
+    missing = [t for t in requested if t not in available]
+    if missing:
+        raise ConfigError(
+            [
+                f"log_with={t!r}: the {TRACKER_PACKAGES[t]!r} package is not installed; "
+                f"pip install {TRACKER_PACKAGES[t]} (or grimoire[logging]), or drop {t!r} "
+                "from log_with"
+                for t in missing
+            ],
+            title="tracker not available",
+        )
+    project, run, paths = project_of(config), config.run_name, tracker_paths(config)
+    trackers: list[Any] = []
+    for name in requested:
+        if name == "tensorboard":
+            # accelerate's tracker writes to <logging_dir>/<run_name>: name it project[/run].
+            sub = paths["tensorboard"].relative_to(config.output_dir)
+            trackers.append(TensorBoardTracker(str(sub), config.output_dir))
+        elif name == "wandb":
+            kwargs: dict[str, Any] = {"name": run} if run else {}
+            if "WANDB_DIR" not in os.environ:
+                kwargs["dir"] = str(paths["wandb"])
+            trackers.append(WandBTracker(project, **kwargs))
+        elif name == "mlflow":
+            if accelerator.is_main_process:
+                _use_local_mlflow_store(paths["mlflow"])
+            trackers.append(MLflowTracker(experiment_name=project, run_name=run))
+    if accelerator.is_main_process:
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    accelerator.log_with = trackers
     hparams = {
-        k: str(v) if isinstance(v, list | tuple | dict) else v for k, v in config.to_dict().items()
+        k: str(v) if isinstance(v, list | tuple | dict) or v is None else v
+        for k, v in config.to_dict().items()
     }
-    accelerator.init_trackers(
-        os.environ.get("WANDB_PROJECT", "grimoire"), config=hparams, init_kwargs=init
-    )
+    accelerator.init_trackers(project, config=hparams)
+
+
+def _use_local_mlflow_store(path: Path) -> None:
+    """Point mlflow at a file store under ``output_dir`` unless the user chose a tracking URI
+    (``MLFLOW_TRACKING_URI``, or ``mlflow.set_tracking_uri`` before the run); mlflow's own
+    default is the current directory, which would mix every run launched from it."""
+    import os
+
+    import mlflow
+    from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+
+    global _mlflow_uri_set_by_us
+    if "MLFLOW_TRACKING_URI" in os.environ:
+        return
+    if is_tracking_uri_set() and mlflow.get_tracking_uri() != _mlflow_uri_set_by_us:
+        return
+    _mlflow_uri_set_by_us = path.resolve().as_uri()
+    mlflow.set_tracking_uri(_mlflow_uri_set_by_us)
+    # mlflow >= 3.7 refuses a file store unless opted in (it prefers a database, which needs
+    # sqlalchemy, absent from mlflow-skinny); a folder beside the run needs no server or db.
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+def finish_trackers(accelerator: Any) -> None:
+    """Close the trackers (flush tensorboard, end the wandb / mlflow runs).
+
+    Unlike ``accelerator.end_training()`` this keeps the process group: the model is usually
+    saved after ``train()``, which needs every rank.
+    """
+    for tracker in accelerator.trackers:
+        tracker.finish()
+    accelerator.trackers = []
