@@ -327,6 +327,8 @@ def summarize(output_dir: str | Path, save_to: str | None) -> str:
         if "eval/exact_match" in last:
             lines.append(f"held-out exact match: {100 * last['eval/exact_match']:.1f}%")
     lines.append(f"metrics: {Path(output_dir) / 'metrics.jsonl'}")
+    if (Path(output_dir) / "run_summary.json").is_file():
+        lines.append(f"run summary: {Path(output_dir) / 'run_summary.json'}")
     lines.append(
         f"model saved to: {save_to}"
         if save_to
