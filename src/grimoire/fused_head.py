@@ -117,16 +117,34 @@ def _unsupported_reason(model: torch.nn.Module, base: torch.nn.Module) -> str | 
     return None
 
 
-def fused_parts(model: torch.nn.Module) -> _Parts | None:
-    """Decoder and head for the fused path, or ``None`` to use the full path (logged once)."""
+def fused_parts(model: torch.nn.Module, require: bool = False) -> _Parts | None:
+    """Decoder and head for the fused path, or ``None`` to use the full path (logged once).
+
+    ``require=True`` (a loss built with ``fused="require"``) turns a structural reason to fall
+    back (sharded head, FSDP1 wrapper, no decoder, no ``logits_to_keep``) into a ``ConfigError``
+    instead: the full ``[B, T, V]`` logits the fallback builds may not fit where the fused path
+    was counted on.
+    """
     base = _unwrap(model)
     if model not in _SUPPORT:
         reason = _SUPPORT[model] = _unsupported_reason(model, base)
-        if reason is not None:
+        if reason is not None and not require:
             logger.info(
                 "fused log-probs off for %s: %s; using full logits", type(base).__name__, reason
             )
-    if _SUPPORT[model] is not None:
+    reason = _SUPPORT[model]
+    if reason is not None:
+        if require:
+            from .errors import ConfigError
+
+            raise ConfigError(
+                [
+                    f"fused='require': the fused log-prob path cannot run on "
+                    f"{type(base).__name__}: {reason}. Fix: keep the LM head unsharded (DeepSpeed "
+                    "ZeRO stage <= 2, or leave lm_head out of FSDP sharding), or build the loss "
+                    "with fused=True to fall back to full [batch, seq, vocab] logits"
+                ]
+            )
         return None
     state = _STATE.setdefault(base, _FusedState())
     if state.disabled is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -145,7 +145,7 @@ def compute_token_logps(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     *,
-    fused: bool = True,
+    fused: bool | Literal["require"] = True,
     chunk_size: int = 1024,
     return_entropy: bool = False,
 ) -> TokenLogps:
@@ -157,6 +157,8 @@ def compute_token_logps(
     Args:
         fused: use the memory-lean chunked LM-head path where the model supports it (it falls
             back to the full-logits path by itself otherwise; see the module docstring).
+            ``"require"``: raise a ConfigError instead of falling back when the model cannot
+            take the fused path (e.g. its head is sharded by ZeRO-3 / FSDP).
         chunk_size: rows pushed through the LM head at once on the fused path; peak logits
             memory is ``chunk_size x vocab``. Must be > 0 (checked on both paths).
         return_entropy: also return the per-token entropy (fp32) of the predictive distribution,
@@ -175,7 +177,7 @@ def compute_token_logps(
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     if fused:
-        parts = fused_parts(model)
+        parts = fused_parts(model, require=fused == "require")
         if parts is not None:
             transforms = post_head_transforms(getattr(parts.base, "config", None))
             out = fused_token_logps(

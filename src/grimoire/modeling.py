@@ -100,20 +100,89 @@ def count_tokens(batch: Mapping[str, Any]) -> float:
 
 
 def resolve_mixed_precision(config: TrainingConfig) -> str:
-    """The precision accelerate is asked for; fp16 needs CUDA (its loss scaler)."""
+    """The precision accelerate is asked for; fp16 needs CUDA (its loss scaler).
+
+    ``"auto"`` is decided by the hardware (``precision.resolve_auto``: bf16 where the GPU or CPU
+    has native bf16 matmuls, else fp32), and an explicit bf16 on a CPU without it warns.
+    """
+    from .precision import resolve_auto
+
     if config.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError(
-            ["mixed_precision='fp16' needs a CUDA GPU; on CPU use 'bf16' (fast with AMX) or 'no'"]
+            [
+                "mixed_precision='fp16' needs a CUDA GPU; on CPU use 'auto', 'bf16' (fast with "
+                "AMX or AVX512-BF16) or 'no'"
+            ]
         )
+    precision = resolve_auto(config.mixed_precision)
     if config.distributed == "fsdp2":
         return "no"  # FSDP2's MixedPrecisionPolicy casts the gathered weights instead of autocast
-    return config.mixed_precision
+    return precision
+
+
+def _is_norm_module(module: torch.nn.Module) -> bool:
+    # Same rule as optim's weight-decay groups: torch norms and every architecture's RMSNorm.
+    return isinstance(module, torch.nn.LayerNorm | torch.nn.GroupNorm) or (
+        "norm" in type(module).__name__.lower()
+    )
+
+
+def upcast_for_kbit(model: torch.nn.Module, mode: str) -> list[str]:
+    """Cast the non-quantized half-precision parameters of a k-bit base to float32, in place.
+
+    ``mode``: ``"all"`` (peft's ``prepare_model_for_kbit_training``: every fp16/bf16 parameter
+    that is not a bitsandbytes ``Params4bit``), ``"norms"`` (only the norm layers' parameters:
+    the rest stays in half precision, saving memory; norms are where low precision hurts most),
+    ``"none"`` (nothing). Returns the names of the parameters it cast.
+    """
+    if mode not in ("all", "norms", "none"):
+        raise ConfigError([f"kbit_upcast must be 'all', 'norms' or 'none', got {mode!r}"])
+    if mode == "none":
+        return []
+    if mode == "all":
+        candidates = list(model.named_parameters())
+    else:
+        candidates = [
+            (f"{mod_name}.{p_name}" if mod_name else p_name, p)
+            for mod_name, module in model.named_modules()
+            if _is_norm_module(module)
+            for p_name, p in module.named_parameters(recurse=False)
+        ]
+    cast = []
+    for name, param in candidates:
+        if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
+            param.data = param.data.to(torch.float32)
+            cast.append(name)
+    return cast
+
+
+def prepare_kbit_model(model: torch.nn.Module, upcast: str, checkpointing: bool) -> torch.nn.Module:
+    """peft's k-bit preparation with the upcast chosen by ``kbit_upcast``.
+
+    ``"all"`` is ``peft.prepare_model_for_kbit_training`` itself. It has no switch for its
+    upcast, so for ``"norms"`` / ``"none"`` we take its steps ourselves: freeze every base
+    parameter and upcast per :func:`upcast_for_kbit`; its remaining step, non-reentrant
+    checkpointing (which needs no input-grad hook), is :func:`enable_checkpointing`, applied by
+    the caller when ``checkpointing`` is set. Unverified on real k-bit models here (no CUDA).
+    """
+    if upcast == "all":
+        from peft import prepare_model_for_kbit_training
+
+        return prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    for param in model.parameters():
+        param.requires_grad_(False)
+    upcast_for_kbit(model, upcast)
+    return model
 
 
 def prepare_model(
     model: torch.nn.Module, peft_config: Any, config: TrainingConfig, accelerator: Accelerator
 ) -> tuple[torch.nn.Module, list[Any]]:
-    """Liger, LoRA (k-bit preparation for quantized bases), checkpointing, dropout, OSFT.
+    """Liger, LoRA (k-bit preparation for quantized bases), checkpointing, dropout, NEFTune, OSFT.
 
     Returns the model to train and the optimizer-step hooks it needs (OSFT's projection).
     """
@@ -126,22 +195,25 @@ def prepare_model(
         from .kernels import apply_liger
 
         apply_liger(model)
+    checkpointing = config.gradient_checkpointing
     if peft_config is not None:
-        from peft import get_peft_model, prepare_model_for_kbit_training
+        from peft import get_peft_model
 
         if quantized:
-            model = prepare_model_for_kbit_training(
-                model,
-                use_gradient_checkpointing=config.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False},
-            )
+            if config.kbit_gradient_checkpointing is not None:
+                checkpointing = config.kbit_gradient_checkpointing
+            model = prepare_kbit_model(model, config.kbit_upcast, checkpointing)
         model = get_peft_model(model, peft_config)
-    if config.gradient_checkpointing:
+    if checkpointing:
         enable_checkpointing(model)
     if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
+    if config.neftune_noise_alpha is not None:
+        from .neftune import attach_neftune
+
+        attach_neftune(model, config.neftune_noise_alpha)
     hooks: list[Any] = []
     if config.osft:
         from .osft import attach_osft

@@ -43,8 +43,136 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
+def _embedding_param_ids(model: torch.nn.Module) -> set[int]:
+    """Ids of the input / output embedding weights (tied or not) and of every nn.Embedding."""
+    ids: set[int] = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        fn = getattr(model, getter, None)
+        try:
+            module = fn() if callable(fn) else None
+        except (AttributeError, NotImplementedError):  # some wrappers raise instead of None
+            module = None
+        if isinstance(module, torch.nn.Module):
+            ids.update(id(p) for p in module.parameters())
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            ids.update(id(p) for p in module.parameters())
+    return ids
+
+
+def muon_param_groups(model: torch.nn.Module, weight_decay: float) -> tuple[list[dict], list[dict]]:
+    """``(muon_groups, adamw_groups)``: every trainable parameter in exactly one group.
+
+    Muon gets the 2-D hidden weight matrices (attention / MLP projections, LoRA factors); the
+    input embeddings, the LM head (tied or not: the same tensor is never listed twice), other
+    embeddings, norms and biases go to AdamW, split by weight decay as :func:`param_groups`.
+    Muon orthogonalises a matrix-shaped update, which is meaningless for a lookup table
+    (embeddings: each row is updated only when its token occurs) and for the head's logit scale,
+    so Keller Jordan's recipe keeps those on AdamW too.
+    """
+    skip = no_decay_names(model)
+    embeddings = _embedding_param_ids(model)
+    muon, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():  # named_parameters yields a tied tensor once
+        if not p.requires_grad:
+            continue
+        if name in skip:
+            no_decay.append(p)
+        elif p.ndim == 2 and id(p) not in embeddings:
+            muon.append(p)
+        else:
+            decay.append(p)
+    muon_groups = [{"params": muon, "weight_decay": weight_decay}] if muon else []
+    adamw_groups = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
+    return muon_groups, adamw_groups
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """One optimizer object over a :class:`torch.optim.Muon` and a :class:`torch.optim.AdamW`.
+
+    ``torch.optim.Muon`` refuses any parameter that is not 2-D, so the two halves need two
+    optimizers; this class makes them one for the trainer, the LR scheduler and checkpoints.
+    ``param_groups`` is the Muon groups followed by the AdamW groups (the very dicts the inner
+    optimizers read, so a scheduler that scales ``group["lr"]`` drives both, each from its own
+    initial lr), and ``state`` is one mapping shared by both, so the inherited ``state_dict`` /
+    ``load_state_dict`` (and DCP's ``get_state_dict``) see a single ordinary optimizer.
+    """
+
+    def __init__(
+        self,
+        muon_groups: list[dict],
+        adamw_groups: list[dict],
+        *,
+        muon_kwargs: dict[str, Any],
+        adamw_kwargs: dict[str, Any],
+    ):
+        if not muon_groups or not adamw_groups:
+            raise ConfigError(
+                [
+                    "optimizer='muon' needs both 2-D hidden weight matrices (for Muon) and other "
+                    "trainable parameters (for AdamW); this model has "
+                    f"{'no 2-D hidden matrices' if not muon_groups else 'only 2-D hidden matrices'}"
+                    ": use optimizer='adamw'"
+                ]
+            )
+        self._muon = torch.optim.Muon(muon_groups, **muon_kwargs)
+        self._adamw = torch.optim.AdamW(adamw_groups, **adamw_kwargs)
+        super().__init__([*self._muon.param_groups, *self._adamw.param_groups], {})
+        self._link()
+
+    def _link(self) -> None:
+        n = len(self._muon.param_groups)
+        self._muon.param_groups = self.param_groups[:n]
+        self._adamw.param_groups = self.param_groups[n:]
+        self._muon.state = self._adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon.step()
+        self._adamw.step()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The base class rebuilds param_groups and state as new objects: re-point both halves.
+        super().load_state_dict(state_dict)
+        self._link()
+
+
 def build_optimizer(model: torch.nn.Module, config: TrainingConfig) -> torch.optim.Optimizer:
-    """The optimizer named by ``config.optimizer`` over ``param_groups(model)``."""
+    """The optimizer named by ``config.optimizer`` over ``param_groups(model)``.
+
+    ``"muon"``: :class:`MuonWithAdamW` over :func:`muon_param_groups` (Muon at
+    ``muon_learning_rate`` / ``muon_momentum``, AdamW at ``learning_rate``).
+    """
+    if config.optimizer == "muon":
+        if not hasattr(torch.optim, "Muon"):
+            raise ConfigError(
+                [
+                    f"optimizer='muon' needs torch >= 2.9 (torch.optim.Muon); found {torch.__version__}"
+                ]
+            )
+        muon_groups, adamw_groups = muon_param_groups(model, config.weight_decay)
+        return MuonWithAdamW(
+            muon_groups,
+            adamw_groups,
+            muon_kwargs={"lr": config.muon_learning_rate, "momentum": config.muon_momentum},
+            adamw_kwargs={
+                "lr": config.learning_rate,
+                "betas": (config.adam_beta1, config.adam_beta2),
+                "eps": config.adam_epsilon,
+            },
+        )
     groups = param_groups(model, config.weight_decay)
     lr, betas, eps = (
         config.learning_rate,

@@ -235,7 +235,7 @@ def test_cpo_matches_naive(policy, pairs, loss_type, reduction):
     c, r, nll = naive_pairs(policy, pairs, reduction)
     pref, expected = cpo_loss(c, r, beta=0.2, loss_type=loss_type)
     assert loss.item() == pytest.approx(float(pref.mean() + 0.7 * nll), abs=ATOL)
-    assert float(metrics["nll"]) == pytest.approx(float(nll), abs=ATOL)
+    assert float(metrics["nll_loss"]) == pytest.approx(float(nll), abs=ATOL)
     check_metrics(metrics, expected)
 
 
@@ -250,7 +250,7 @@ def test_orpo_matches_naive_with_gradients(policy, pairs):
     expected_loss = nll + odds.mean()
     assert loss.item() == pytest.approx(float(expected_loss), abs=ATOL)
     check_metrics(metrics, {k: expected[k] for k in (*PAIR_METRICS, "log_odds_ratio")})
-    assert float(metrics["nll"]) == pytest.approx(float(nll), abs=ATOL)
+    assert float(metrics["nll_loss"]) == pytest.approx(float(nll), abs=ATOL)
     for g, e in zip(grads, torch.autograd.grad(expected_loss, list(policy.parameters()))):
         torch.testing.assert_close(g, e.float(), atol=1e-5, rtol=1e-4)
 

@@ -31,7 +31,7 @@ class CPOLoss(DPOFamilyLoss):
     ``NLL(chosen)`` is the token-mean NLL over all chosen tokens of the micro-batch (TRL). With
     gradient accumulation the trainer weights micro-batches by pairs, so that term is a
     pair-weighted mean of per-micro-batch token means (as in TRL). Metrics: ``rewards/*``
-    (``beta * S``), ``logps/*``, ``nll``. ``loss_weight`` = pairs.
+    (``beta * S``), ``logps/*``, ``nll_loss`` (TRL's name). ``loss_weight`` = pairs.
     """
 
     loss_types = CPO_LOSS_TYPES
@@ -64,7 +64,7 @@ class CPOLoss(DPOFamilyLoss):
         nll = chosen_nll(chosen)
         loss = cpo_total_loss(pref, nll, alpha=self.cpo_alpha).mean()
         out = scalar_metrics(metrics)
-        out["nll"] = nll.detach()
+        out["nll_loss"] = nll.detach()  # TRL's CPOTrainer name
         return loss, out
 
 

@@ -23,7 +23,7 @@ class ORPOLoss(PairwiseLoss):
     per-token AVERAGED log-probs (``p = exp(A)`` must be a per-token probability for ``1 - p`` to
     mean anything), so there is no ``logp_reduction`` option. ``beta`` is the paper's lambda.
 
-    Metrics (scalar means): ``rewards/*`` (``beta * A``), ``logps/*`` (averages), ``nll``,
+    Metrics (scalar means): ``rewards/*`` (``beta * A``), ``logps/*`` (averages), ``nll_loss``,
     ``log_odds_ratio`` (``log sigma(LOR)``, TRL's name), ``log_odds_chosen`` (``LOR``).
     ``loss_weight`` = pairs.
     """
@@ -41,7 +41,7 @@ class ORPOLoss(PairwiseLoss):
         nll = chosen_nll(chosen)
         loss = nll.float() + odds_losses.mean()
         out = scalar_metrics(metrics)
-        out["nll"] = nll.detach()
+        out["nll_loss"] = nll.detach()  # TRL's ORPOTrainer name
         return loss, out
 
 

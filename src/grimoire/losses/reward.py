@@ -46,7 +46,8 @@ class RewardModelLoss(GrimoireLoss):
 
     Chosen and rejected go through the model in one concatenated forward. Metrics (scalar
     means): ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (``r_w - r_l``,
-    without ``m``), ``rewards/accuracies``. There are no log-probs to log. ``loss_weight`` =
+    without ``m``), ``rewards/accuracies``, and TRL's aliases ``accuracy`` / ``margin``. There
+    are no log-probs to log. ``loss_weight`` =
     pairs.
     """
 
@@ -108,7 +109,11 @@ class RewardModelLoss(GrimoireLoss):
         if self.margin_field is not None:
             margin = torch.as_tensor(batch[self.margin_field], device=rewards.device).float()
         losses, metrics = bradley_terry_loss(rewards[:n], rewards[n:], margin)
-        return losses.mean(), scalar_metrics(metrics)
+        out = scalar_metrics(metrics)
+        # Aliases under TRL RewardTrainer's names, so its dashboards and sweeps read ours.
+        out["accuracy"] = out["rewards/accuracies"]
+        out["margin"] = out["rewards/margins"]
+        return losses.mean(), out
 
     @staticmethod
     def _check_pooling(ids: Tensor, mask: Tensor, pad: int | None) -> None:

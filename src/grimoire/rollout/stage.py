@@ -189,6 +189,8 @@ class RolloutStage:
             "completions/clipped_ratio": float(clipped.mean()),
             "frac_reward_zero_std": float(flat.float().mean()),
         }
+        # TRL's GRPO/RLOO names for the same two numbers (users' dashboards look for them).
+        out["reward"], out["reward_std"] = out["rewards/mean"], out["rewards/std"]
         for name in groups[0].per_func:
             r = torch.cat([g.per_func[name] for g in groups]).float()
             out[f"rewards/{name}/mean"] = float(r.mean())
