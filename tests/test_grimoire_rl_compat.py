@@ -355,3 +355,32 @@ def test_grimoire_rl_reward_functions_get_metadata():
     assert seen["metadata"] == [{"answer": "ba", "id": 1}, {"answer": "cd", "id": 2}]
     assert per["rl_style"].tolist() == per["ours"].tolist() == [1.0, 0.0]
     assert total.tolist() == [2.0, 0.0]
+
+
+def test_grimoire_rl_loss_argument_names(tiny_dir, tokenizer):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from grimoire.data import tokenize_preference
+    from grimoire.losses import KTOLoss, RAFTMethod, RewardModelLoss
+
+    kto = KTOLoss(lambda_d=1.5, lambda_u=0.5)
+    assert (kto.desirable_weight, kto.undesirable_weight) == (1.5, 0.5)
+    with pytest.raises(ValueError, match="not both"):
+        KTOLoss(lambda_d=1.5, desirable_weight=2.0)
+    assert RAFTMethod("exact_match", min_reward=0.5).reward_threshold == 0.5
+
+    # RewardModelLoss(margin=m) is the per-pair margin column filled with m everywhere (that
+    # path's math is checked against a naive reference in tests/losses).
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_dir, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    rows = [tokenize_preference(r, tokenizer, max_length=64) for r in preference_rows(4, seed=1)]
+    batch = RewardModelLoss().create_collator(tokenizer.pad_token_id)(rows)
+    constant, _ = RewardModelLoss(margin=0.7)(model, batch, training=False)
+    column, _ = RewardModelLoss(margin_field="m")(
+        model, {**batch, "m": torch.full((4,), 0.7)}, training=False
+    )
+    none, _ = RewardModelLoss()(model, batch, training=False)
+    assert torch.allclose(constant, column) and constant > none
+    with pytest.raises(ValueError, match="not both"):
+        RewardModelLoss(margin_field="m", margin=1.0)

@@ -42,13 +42,19 @@ class RAFTMethod(OnlineMethod):
         reward_funcs: RewardFn | str | Sequence[RewardFn | str],
         reward_threshold: float | None = None,
         log_entropy: bool = False,
+        min_reward: float | None = None,
         **kwargs: Any,
     ):
         unknown = sorted(set(kwargs) & set(self.hidden_args))
         if unknown:
             raise TypeError(f"RAFTMethod has no reference model: unexpected argument(s) {unknown}")
+        if min_reward is not None and reward_threshold is not None:
+            raise ValueError(
+                "RAFTMethod: give reward_threshold or min_reward (its alias), not both"
+            )
         super().__init__(reward_funcs, log_entropy=log_entropy, **kwargs)
-        self.reward_threshold = reward_threshold
+        # min_reward: grimoire-rl's name (a winner below it is not trained on).
+        self.reward_threshold = reward_threshold if min_reward is None else min_reward
 
     @property
     def logp_temperature(self) -> float:

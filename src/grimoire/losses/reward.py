@@ -43,6 +43,7 @@ class RewardModelLoss(GrimoireLoss):
     Args:
         margin_field: name of a numeric batch column holding the per-pair margin ``m`` (e.g.
             written by ``tokenize_preference(..., margin_field="margin")``); None for no margin.
+        margin: one constant ``m`` for every pair (grimoire-rl's argument); 0 = none.
 
     Chosen and rejected go through the model in one concatenated forward. Metrics (scalar
     means): ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (``r_w - r_l``,
@@ -54,8 +55,12 @@ class RewardModelLoss(GrimoireLoss):
     #: The CLI loads ``AutoModelForSequenceClassification(num_labels=1)`` for this method.
     model_kind = "sequence_classification"
 
-    def __init__(self, margin_field: str | None = None):
-        self.margin_field = margin_field
+    def __init__(self, margin_field: str | None = None, margin: float = 0.0):
+        if margin_field is not None and margin:
+            raise ValueError(
+                "give margin_field (a per-pair column) or margin (a constant), not both"
+            )
+        self.margin_field, self.margin = margin_field, float(margin)
         self.required_columns = RM_COLUMNS + ((margin_field,) if margin_field else ())
 
     def create_collator(self, pad_token_id: int) -> PreferenceCollator:
@@ -105,7 +110,7 @@ class RewardModelLoss(GrimoireLoss):
         self._check_pooling(ids, mask, pad)
         rewards = logits[:, 0]
         n = batch["chosen_input_ids"].shape[0]
-        margin = None
+        margin = self.margin or None
         if self.margin_field is not None:
             margin = torch.as_tensor(batch[self.margin_field], device=rewards.device).float()
         losses, metrics = bradley_terry_loss(rewards[:n], rewards[n:], margin)
