@@ -384,3 +384,13 @@ def test_grimoire_rl_loss_argument_names(tiny_dir, tokenizer):
     assert torch.allclose(constant, column) and constant > none
     with pytest.raises(ValueError, match="not both"):
         RewardModelLoss(margin_field="m", margin=1.0)
+
+
+def test_set_with_an_unquoted_list_is_an_error_not_a_string():
+    from grimoire.cli_schema import parse_override
+    from grimoire.errors import ConfigError
+
+    assert parse_override('peft.target_modules=["q_proj","v_proj"]')[1] == ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        parse_override("peft.target_modules=[q_proj,v_proj]")
+    assert parse_override("training.run_name=my-run")[1] == "my-run"

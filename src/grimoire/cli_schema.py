@@ -145,7 +145,17 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError([f"--set {item!r}: expected dotted.key=VALUE (VALUE is JSON)"])
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as exc:
+        if text.strip()[:1] in "[{":
+            # Meant as a list/mapping (e.g. [q_proj,v_proj]); as a string it would fail much
+            # later, deep inside the library that reads it.
+            raise ConfigError(
+                [
+                    f"--set {item!r}: the value looks like a JSON list/mapping but is not valid "
+                    f"JSON ({exc.msg}); quote the strings, e.g. "
+                    f'--set \'{key.strip()}=["q_proj","v_proj"]\''
+                ]
+            ) from exc
         value = text  # not JSON: a bare string such as --set training.run_name=my-run
     return parts, value
 
