@@ -14,6 +14,12 @@ this order of precedence:
 4. ``ref_model="copy"``: a frozen copy of the policy as it is when training starts. Opt-in,
    because it doubles the model's memory; nothing copies the policy silently.
 
+With ``TrainingConfig.precompute_ref_log_probs`` the chosen source runs once, before training
+(:func:`grimoire.data.cache.precompute_reference`), and is then released: training reads the
+cached columns only. There the starting policy itself is the reference for ``"copy"`` (and for no
+source at all): nothing has trained it yet, so no copy is needed (except under FSDP2, where the
+copy is sharded rather than gathering the whole policy on every device).
+
 With none of these, :meth:`Reference.setup` raises a :class:`~grimoire.errors.ConfigError` that
 names every fix, before the first step. Reference forwards run under ``no_grad`` inside the
 trainer's autocast, so they use the policy's precision.
@@ -102,7 +108,9 @@ class Reference:
         self.ref_model = ref_model
         self.owner = owner
         self.cache_columns = cache_columns
-        self.source = "unset"  # "model" | "copy" | "adapters" | "none" (cached columns only)
+        # "model" | "copy" | "adapters" | "policy" (the untrained policy, precompute only) |
+        # "none" (cached columns only) | "cached" (released after precompute)
+        self.source = "unset"
         self._peft_model: torch.nn.Module | None = None
 
     # ---------------------------------------------------------------- set-up
@@ -115,7 +123,15 @@ class Reference:
         policy = ctx.unwrapped_model
         device = ctx.accelerator.device
         prepare = getattr(ctx, "prepare_frozen", None) or (lambda m: m)
-        if self.ref_model == COPY:
+        # Before training the policy IS the starting policy: a precompute pass needs no copy of it.
+        precompute = bool(self.cache_columns) and bool(
+            getattr(getattr(ctx, "config", None), "precompute_ref_log_probs", False)
+        )
+        use_policy = precompute and not getattr(ctx, "sharded", False)
+        if self.ref_model == COPY and use_policy:
+            logger.info("%s: reference = the starting policy (precomputed, no copy)", self.owner)
+            self.ref_model, self.source = None, "policy"
+        elif self.ref_model == COPY:
             logger.info("%s: reference = a frozen copy of the starting policy", self.owner)
             self.ref_model = prepare(self._freeze(copy.deepcopy(unwrap(policy)), device))
             self.source = "copy"
@@ -123,8 +139,14 @@ class Reference:
             ref = self._freeze(self._match_policy(self.ref_model, policy), device)
             self.ref_model = prepare(ref)
             self.source = "model"
-        elif is_peft_model(policy):
-            self._peft_model, self.source = policy, "adapters"
+        elif is_peft_model(unwrap(policy)):
+            self._peft_model, self.source = unwrap(policy), "adapters"
+        elif use_policy:
+            logger.info("%s: reference = the starting policy (precomputed)", self.owner)
+            self.source = "policy"
+        elif precompute:  # sharded: a sharded frozen copy, released after the precompute pass
+            self.ref_model = prepare(self._freeze(copy.deepcopy(unwrap(policy)), device))
+            self.source = "copy"
         else:
             self.source = "none"
         problems = []
@@ -148,8 +170,9 @@ class Reference:
 
     def _missing(self, split: str) -> str:
         cache = (
-            f", or precompute columns {list(self.cache_columns)} with "
-            "grimoire.data.cache.cache_reference_log_probs"
+            f", or precompute columns {list(self.cache_columns)}: "
+            "training.precompute_ref_log_probs=true (the starting policy, scored once before "
+            "training) or grimoire.data.cache.cache_reference_log_probs"
             if self.cache_columns
             else ""
         )
@@ -177,6 +200,11 @@ class Reference:
         ref.requires_grad_(False)
         return ref
 
+    def release(self) -> None:
+        """Drop the reference model after a precompute pass: from here on only cached columns
+        are read (a batch without them is an error, never a silent fallback)."""
+        self.ref_model, self._peft_model, self.source = None, None, "cached"
+
     # ---------------------------------------------------------------- use
 
     def cached(self, batch: dict[str, Any], expected_reduction: str) -> tuple[Tensor, ...] | None:
@@ -202,6 +230,15 @@ class Reference:
         """
         if isinstance(self.ref_model, torch.nn.Module):
             yield self.ref_model
+            return
+        if self.source == "cached":
+            raise RuntimeError(
+                f"{self.owner}: the reference model was released after precompute_ref_log_probs "
+                f"but a batch has no cached columns {list(self.cache_columns)}"
+            )
+        if self.source == "policy":  # precompute only: the policy before any training step
+            with eval_mode(unwrap(policy)):
+                yield policy
             return
         peft_model = self._peft_model
         if peft_model is None and is_peft_model(unwrap(policy)):

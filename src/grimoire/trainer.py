@@ -23,9 +23,11 @@ from accelerate.utils import set_seed
 
 from . import checkpoint as ckpt
 from .callbacks import CallbackList, ProgressCallback, TrainerCallback
+from .compiling import maybe_compile
 from .config import TrainingConfig
 from .context import TrainingContext
 from .data.budget import TokenBudget
+from .data.cache import precompute_reference
 from .data.loader import StepLoader, packed_layout
 from .data.validation import validate_training_data
 from .distributed import (
@@ -42,6 +44,7 @@ from .metrics import (
     JsonlLogger,
     StepReduction,
     WeightedMeans,
+    finish_trackers,
     init_trackers,
     peak_memory_mb,
 )
@@ -57,6 +60,7 @@ from .modeling import (
     save_hf,
 )
 from .optim import build_optimizer, build_scheduler, clip_gradients, scale_gradients
+from .report import note_saved_model, write_model_card, write_run_summary
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +109,8 @@ class GrimoireTrainer:
         self.tokenizer, self.loss_fn = tokenizer, loss_fn
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         model, self.step_hooks = prepare_model(model, peft_config, config, acc)
+        #: What torch_compile did (compiled blocks, or why eager); None when not asked.
+        self.compile_state = maybe_compile(model, config)
         pad_id = pad_token_id_of(tokenizer, model)
         packed = packed_layout(loss_fn, config, pad_id, data_collator)
         budget = config.max_tokens_per_device
@@ -126,6 +132,22 @@ class GrimoireTrainer:
             self.context.prepare_frozen = lambda m: shard_model(m, config)
         if hasattr(loss_fn, "setup"):
             loss_fn.setup(self.context)
+        if config.precompute_ref_log_probs:
+            # One no-grad reference pass now, batched as training will be; then the reference is
+            # released and training reads the datasets' cached columns.
+            make = loss_fn.create_packed_collator if packed else loss_fn.create_collator
+            train_dataset, eval_dataset = precompute_reference(
+                loss_fn,
+                model,
+                (train_dataset, eval_dataset),
+                collator=data_collator or make(pad_id),
+                budget=self.budget,
+                batch_size=config.effective_eval_batch_size,
+                accelerator=acc,
+                move_policy=config.distributed != "fsdp2",
+            )
+            self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+            self.context.train_dataset, self.context.eval_dataset = train_dataset, eval_dataset
         #: The rollout stage, for methods that generate (they own it: engine, rewards).
         self.rollouts = loss_fn.rollouts if getattr(loss_fn, "needs_generation", False) else None
         if getattr(loss_fn, "needs_reference_model", False):
@@ -157,6 +179,8 @@ class GrimoireTrainer:
             self.model, self.optimizer = acc.prepare(model, optimizer)
 
         self.state = ckpt.TrainerState()
+        #: How the run was launched, for the model card: the CLI sets {"command", "config"}.
+        self.launch: dict[str, Any] | None = None
         self.callbacks = CallbackList(
             # The progress bar goes last so its eval line shows metrics other callbacks add.
             list(callbacks or []) + ([ProgressCallback()] if config.progress_bar else [])
@@ -204,6 +228,8 @@ class GrimoireTrainer:
         """Run until ``max_steps`` (or ``num_epochs``), a stop request, or ``max_tokens``."""
         cfg = self.config
         self._maybe_resume()
+        # For run_summary.json: this call's wall time and tokens (a resumed run started earlier).
+        started = (time.time(), self.state.tokens_seen)
         if not cfg.resume_from_checkpoint:
             self.metrics_log.reset()  # a fresh run into an old output_dir starts a fresh log
         if cfg.log_with:
@@ -221,7 +247,8 @@ class GrimoireTrainer:
             self.evaluate()
         self.callbacks("on_train_end", self)
         if cfg.log_with:
-            self.accelerator.end_training()
+            finish_trackers(self.accelerator)  # (end_training would drop the process group)
+        write_run_summary(self, *started)
         return self.state
 
     def _train_loop(self) -> None:
@@ -300,6 +327,9 @@ class GrimoireTrainer:
         """Write a loadable HF model (+ tokenizer). LoRA: the adapter, or merged weights if asked."""
         out = Path(output_dir)
         save_hf(out, self.accelerator, self.model, self.tokenizer, self.step_hooks, merge_adapter)
+        if self.accelerator.is_main_process:
+            write_model_card(self, out)
+            note_saved_model(self.config.output_dir, out)
         self.accelerator.wait_for_everyone()
         return out
 
@@ -311,6 +341,7 @@ class GrimoireTrainer:
             # The HF export is for people (from_pretrained); the DCP shards are for resuming,
             # on any number of processes.
             save_hf(folder, acc, self.model, self.tokenizer, self.step_hooks)
+            write_model_card(self, folder)
             save_dcp(folder, self.model, self.optimizer)
 
         final = ckpt.save(

@@ -18,15 +18,20 @@ reduced differently from their ``logp_reduction`` (a sum next to a mean is silen
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import gc
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..logprobs import compute_token_logps
+from .budget import columns_of
 from .kto import KTOCollator, mismatched_pair
 from .preference import PreferenceCollator
+
+logger = logging.getLogger(__name__)
 
 #: Every column this module may add (replaced when re-caching).
 CACHE_COLUMNS: tuple[str, ...] = (
@@ -49,6 +54,29 @@ def _to_dataset(dataset: Any):
     from .sources import rows_to_dataset
 
     return rows_to_dataset([dict(r) for r in dataset], source="cache_reference_log_probs")
+
+
+def kl_pair_columns(rows: Sequence[Mapping[str, Any]], max_length: int | None) -> dict[str, list]:
+    """KTO's dataset-level mismatched pairs: row ``i``'s prompt with row ``(i + 1) mod N``'s
+    completion, as ``kl_input_ids``/``kl_attention_mask``/``kl_labels`` columns."""
+    n = len(rows)
+    pairs = [mismatched_pair(rows[i], rows[(i + 1) % n], max_length) for i in range(n)]
+    return {
+        "kl_input_ids": [p[0] for p in pairs],
+        "kl_attention_mask": [[1] * len(p[0]) for p in pairs],
+        "kl_labels": [p[1] for p in pairs],
+    }
+
+
+def with_kl_pairs(dataset: Any, max_length: int | None):
+    """``dataset`` (as a ``datasets.Dataset``) with KTO's dataset-level KL pairs; rows that
+    already carry ``kl_input_ids`` keep theirs."""
+    ds = _to_dataset(dataset)
+    if "kl_input_ids" in ds.column_names:
+        return ds
+    for name, values in kl_pair_columns([ds[i] for i in range(len(ds))], max_length).items():
+        ds = ds.add_column(name, values)
+    return ds
 
 
 def _reduce(logps, reduction: str) -> torch.Tensor:
@@ -132,14 +160,7 @@ def cache_reference_log_probs(
         elif {"input_ids", "labels", "label"} <= cols:
             n = len(ds)
             rows = [ds[i] for i in range(n)]
-            pairs = [mismatched_pair(rows[i], rows[(i + 1) % n], max_length) for i in range(n)]
-            new = {
-                "kl_input_ids": [p[0] for p in pairs],
-                "kl_attention_mask": [[1] * len(p[0]) for p in pairs],
-                "kl_labels": [p[1] for p in pairs],
-                "ref_logps": [],
-                "ref_kl_logps": [],
-            }
+            new = {**kl_pair_columns(rows, max_length), "ref_logps": [], "ref_kl_logps": []}
             collate = KTOCollator(pad_token_id)
             for start in range(0, n, batch_size):
                 idx = range(start, min(start + batch_size, n))
@@ -167,4 +188,122 @@ def cache_reference_log_probs(
     return ds
 
 
-__all__ = ["CACHE_COLUMNS", "cache_reference_log_probs"]
+def check_precomputable(method: Any) -> None:
+    """Raise a ConfigError unless ``method`` can score its reference before training."""
+    name = type(method).__name__
+    reference = getattr(method, "reference", None)
+    if not getattr(method, "needs_reference_model", False):
+        raise ConfigError(
+            [
+                f"training.precompute_ref_log_probs=true but {name} uses no reference model: "
+                "there is nothing to precompute; unset precompute_ref_log_probs"
+            ]
+        )
+    if getattr(method, "needs_generation", False) or not getattr(reference, "cache_columns", ()):
+        raise ConfigError(
+            [
+                f"training.precompute_ref_log_probs=true but {name} is an online method: its "
+                "completions are sampled during training, so their reference log-probs cannot "
+                "be computed before it; unset precompute_ref_log_probs"
+            ]
+        )
+    if not callable(getattr(method, "reference_logps", None)):
+        raise ConfigError(
+            [
+                f"training.precompute_ref_log_probs=true but {name} has no "
+                "reference_logps(model, batch) returning its cached columns "
+                f"{list(reference.cache_columns)}; add it, or unset precompute_ref_log_probs"
+            ]
+        )
+
+
+@torch.no_grad()
+def precompute_reference(
+    method: Any,
+    policy: torch.nn.Module,
+    datasets: Sequence[Any],
+    *,
+    collator: Any,
+    budget: Any,
+    batch_size: int,
+    accelerator: Any,
+    move_policy: bool = True,
+) -> list[Any]:
+    """``TrainingConfig.precompute_ref_log_probs``: the datasets with the method's reference
+    columns, from one no-grad pass of its :class:`~grimoire.reference.Reference` (set up by the
+    method's ``setup``), which is then released.
+
+    The pass batches rows the way training does: the run's collator (padded or packed) and
+    token budget (``max_tokens_per_device``, each row fitted as training will fit it), so no
+    forward is larger than a training one and a cut row is cached as it will be trained. Each
+    row's values come from the method's own ``reference_logps(model, batch)`` under the run's
+    autocast, so they are what the live reference would return. KTO first fixes its KL pairs
+    at dataset level (``cache_rows``). Every process computes every row: the values are then
+    the same on all ranks without a collective, and under FSDP2 (a sharded reference: every
+    forward is a collective) all ranks run the same forwards. ``move_policy``: move the policy to
+    the accelerator's device first when it is the reference (not when it is sharded later).
+    """
+    from ..reference import REDUCTION_COLUMN, is_quantized
+    from .loader import StepLoader
+
+    check_precomputable(method)
+    reference = method.reference
+    columns = tuple(reference.cache_columns)
+    scorer = reference.ref_model
+    if not isinstance(scorer, torch.nn.Module):  # the policy (adapters off, or untrained)
+        scorer = policy
+        if move_policy and not is_quantized(policy):
+            policy.to(accelerator.device)  # where accelerate would put it next anyway
+    device = next(scorer.parameters()).device
+    out = []
+    was_training = policy.training
+    policy.eval()  # the policy may itself be the reference (adapters disabled, or untrained)
+    try:
+        for split, dataset in zip(("train", "eval"), datasets):
+            if dataset is None or all(c in columns_of(dataset) for c in columns):
+                out.append(dataset)  # already cached (e.g. cache_reference_log_probs)
+                continue
+            ds = _to_dataset(dataset)
+            ds = ds.remove_columns(
+                [c for c in (*columns, REDUCTION_COLUMN) if c in ds.column_names]
+            )
+            ds = getattr(method, "cache_rows", lambda d: d)(ds)
+            if budget is not None and (problems := budget.problems(ds, split)):
+                raise DataError(problems, title="precompute_ref_log_probs: rows over the budget")
+            loader = StepLoader.build(
+                ds, collator, budget, batch_size=batch_size, world_size=1, rank=0, shuffle=False
+            )
+            values = torch.full((len(ds), len(columns)), float("nan"), dtype=torch.float64)
+            for step in range(loader.steps_per_epoch):
+                for indices in loader.planner.plan(0, step):
+                    if not indices:
+                        continue
+                    batch, _ = loader.collate(indices, True)
+                    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+                    with accelerator.autocast():
+                        got = method.reference_logps(policy, batch)
+                    values[indices] = torch.stack([g.double().cpu() for g in got], dim=1)
+            missing = int(values.isnan().any(dim=1).sum())
+            if missing:  # a planner bug, never a data property: fail loudly, not train on NaN
+                raise RuntimeError(f"precompute_ref_log_probs: {missing} {split} rows not scored")
+            for j, name in enumerate(columns):
+                ds = ds.add_column(name, values[:, j].tolist())
+            out.append(ds.add_column(REDUCTION_COLUMN, [method.logp_reduction] * len(ds)))
+    finally:
+        policy.train(was_training)
+    logger.info("%s: reference log-probs precomputed; reference released", type(method).__name__)
+    reference.release()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+__all__ = [
+    "CACHE_COLUMNS",
+    "cache_reference_log_probs",
+    "check_precomputable",
+    "kl_pair_columns",
+    "precompute_reference",
+    "with_kl_pairs",
+]

@@ -170,7 +170,18 @@ class KTOLoss(ReferenceLoss):
         logp_reduction: str = "sum",
         fused: bool = True,
         fused_chunk_size: int = 1024,
+        lambda_d: float | None = None,
+        lambda_u: float | None = None,
     ):
+        # grimoire-rl's (and the paper's) names for the two weights.
+        for alias, name, default in (
+            (lambda_d, "desirable_weight", desirable_weight),
+            (lambda_u, "undesirable_weight", undesirable_weight),
+        ):
+            if alias is not None and default != 1.0:
+                raise ValueError(f"KTOLoss: give {name} or its alias, not both")
+        desirable_weight = desirable_weight if lambda_d is None else lambda_d
+        undesirable_weight = undesirable_weight if lambda_u is None else lambda_u
         _check_beta(beta)
         _check_weight(desirable_weight, "desirable_weight")
         _check_weight(undesirable_weight, "undesirable_weight")
@@ -251,6 +262,26 @@ class KTOLoss(ReferenceLoss):
                 )
         return problems
 
+    def cache_rows(self, dataset: Any) -> Any:
+        """The rows as a reference cache holds them: with their KL pairs fixed at dataset level
+        (in-batch pairs depend on how rows are batched, so no per-row cache can hold them)."""
+        from ..data.cache import with_kl_pairs
+
+        return with_kl_pairs(dataset, self._kl_max_length)
+
+    def reference_logps(
+        self, model: torch.nn.Module, batch: dict[str, Any]
+    ) -> tuple[Tensor, Tensor]:
+        """``[B]`` reference log-probs of the rows and of their KL pairs, in
+        :data:`REF_KTO_COLUMNS` order: cached, or ONE no-grad forward over both groups."""
+        cached = self.reference.cached(batch, self.logp_reduction)
+        if cached is not None:
+            return cached[0], cached[1]
+        own, kl_rows = kto_parts(batch)
+        ref_fn = self.reference.compute(model, fused=self.fused, chunk_size=self.fused_chunk_size)
+        ref_t, ref_kl_t = joint_logps(batch, own, kl_rows, ref_fn)
+        return reduce_logps(ref_t, self.logp_reduction), reduce_logps(ref_kl_t, self.logp_reduction)
+
     # ------------------------------------------------------------------ loss
 
     def __call__(
@@ -262,16 +293,7 @@ class KTOLoss(ReferenceLoss):
         policy = reduce_logps(own.token_logps(policy_fn), red)
         with torch.no_grad():
             policy_kl = reduce_logps(kl_rows.token_logps(policy_fn), red)
-        cached = self.reference.cached(batch, red)
-        if cached is not None:
-            ref, ref_kl = (t.to(policy.device) for t in cached)
-        else:
-            # One reference forward over the rows and their KL pairs.
-            ref_fn = self.reference.compute(
-                model, fused=self.fused, chunk_size=self.fused_chunk_size
-            )
-            ref_t, ref_kl_t = joint_logps(batch, own, kl_rows, ref_fn)
-            ref, ref_kl = reduce_logps(ref_t, red), reduce_logps(ref_kl_t, red)
+        ref, ref_kl = (t.to(policy.device) for t in self.reference_logps(model, batch))
         kl = kto_kl_estimate(policy_kl, ref_kl, reduce_fn=cross_rank_mean(policy_kl.shape[0]))
         losses, sums = kto_loss(
             policy,

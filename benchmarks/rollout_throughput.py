@@ -1,0 +1,141 @@
+"""GRPO rollout throughput: generated tokens/s and where a step's time goes.
+
+Timers wrap methods on the live instances (nothing in ``grimoire.rollout`` is edited): the
+engine's ``_sample`` (generation: ``model.generate``), its ``score`` (old-policy log-probs), the
+method's ``reference_logps`` (reference scoring), the stage's ``step`` (the whole rollout) and
+the trainer's ``_optimizer_step`` (the whole step; training = step - rollout). It also records,
+per ``model.generate`` call, whether the KV cache was on (``use_cache``) and how many prompt
+groups the call held, to check that the G completions of a prompt are sampled together.
+
+    python benchmarks/rollout_throughput.py           # full table
+    python benchmarks/rollout_throughput.py --tiny    # seconds: table shape only
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+try:
+    from benchmarks import common as bench
+except ModuleNotFoundError:  # run as a script
+    import common as bench
+
+SIZES = {
+    "full": dict(vocab=32_000, hidden=256, layers=4, prompts=16, batch=4, G=8, new=64, steps=4),
+    "tiny": dict(vocab=64, hidden=32, layers=1, prompts=4, batch=2, G=2, new=4, steps=2),
+}
+
+
+def _timed(obj: Any, name: str, totals: dict[str, float], key: str) -> None:
+    """Replace ``obj.name`` by a wrapper adding its wall time to ``totals[key]``."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+
+
+def run(size: str, out: str) -> dict[str, Any]:
+    import torch
+
+    from grimoire import GrimoireTrainer
+    from grimoire.data.grpo import tokenize_grpo
+    from grimoire.losses.grpo import GRPOMethod
+    from grimoire.tiny import build_tokenizer, reverse_rows
+
+    s = SIZES[size]
+    torch.manual_seed(0)
+    tok = build_tokenizer()
+    model = bench.tiny_llama(max(s["vocab"], len(tok)), s["hidden"], s["layers"], 512)
+    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(s["prompts"], seed=1)]
+    method = GRPOMethod(
+        ["char_match"], num_generations=s["G"], max_new_tokens=s["new"], beta=0.04,
+        ref_model="copy", num_iterations=2,
+    )  # fmt: skip
+    config = bench.training_config(
+        out, batch_size=s["batch"], max_steps=s["steps"], gradient_checkpointing=False
+    )
+    trainer = GrimoireTrainer(model, tok, config, method, rows)
+    engine, stage = trainer.rollouts.engine, trainer.rollouts
+    totals = dict.fromkeys(("generation", "old_policy", "reference", "rollout", "step"), 0.0)
+    generated, calls = [0], []
+    _timed(engine, "_sample", totals, "generation")
+    _timed(engine, "score", totals, "old_policy")
+    _timed(method, "reference_logps", totals, "reference")
+    _timed(stage, "step", totals, "rollout")
+    _timed(trainer, "_optimizer_step", totals, "step")
+    policy = engine.model
+    generate = policy.generate
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        ids = kwargs["input_ids"]
+        rows_ = [tuple(r[m.bool()].tolist()) for r, m in zip(ids, kwargs["attention_mask"])]
+        # Rows of one prompt are adjacent and complete: G copies of each distinct prompt.
+        groups = {r: rows_.count(r) for r in rows_}
+        calls.append({"use_cache": bool(policy.config.use_cache), "groups": groups})
+        result = generate(*args, **kwargs)
+        generated[0] += int((result[:, ids.shape[1] :] != engine.pad_token_id).sum())
+        return result
+
+    policy.generate = spy
+    trainer.train()
+    train_s = totals["step"] - totals["rollout"]
+    scoring = totals["old_policy"] + totals["reference"]
+    return {
+        "generated_tokens": generated[0],
+        "gen_tok_s": generated[0] / max(totals["generation"], 1e-9),
+        "generation_s": totals["generation"],
+        "scoring_s": scoring,
+        "old_policy_s": totals["old_policy"],
+        "reference_s": totals["reference"],
+        "other_rollout_s": totals["rollout"] - totals["generation"] - scoring,
+        "train_s": train_s,
+        "step_s": totals["step"],
+        "kv_cache_on": all(c["use_cache"] for c in calls),
+        "groups_whole": all(n == s["G"] for c in calls for n in c["groups"].values()),
+        "generate_calls": len(calls),
+    }
+
+
+def table(r: dict[str, Any], size: str) -> list[str]:
+    s = SIZES[size]
+    step = max(r["step_s"], 1e-9)
+    lines = [
+        bench.machine_line(),
+        f"# GRPO rollout, vocab {s['vocab']}, hidden {s['hidden']}, {s['layers']} layers, "
+        f"{s['batch']} prompts x G={s['G']} per step, max_new_tokens {s['new']}, "
+        f"{s['steps']} steps (num_iterations=2), fp32",
+        "| part | seconds | share of steps |",
+        "|---|---|---|",
+    ]
+    for name in ("generation", "old_policy", "reference", "other_rollout", "train"):
+        lines.append(f"| {name} | {r[name + '_s']:.2f} | {r[name + '_s'] / step:.0%} |")
+    lines += [
+        f"generated {r['generated_tokens']} tokens at {r['gen_tok_s']:.0f} tok/s "
+        f"({r['generate_calls']} generate calls)",
+        f"KV cache on in every generate call: {r['kv_cache_on']}; every call holds all G "
+        f"completions of each of its prompts: {r['groups_whole']}",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run")
+    parser.add_argument("--out", default="/tmp/rollout-throughput")
+    args = parser.parse_args(argv)
+    size = "tiny" if args.tiny else "full"
+    lines = table(run(size, args.out), size)
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
