@@ -41,3 +41,15 @@ def sft_rows(tokenizer):
     from grimoire.tiny import reverse_rows
 
     return [tokenize_sft(r, tokenizer, max_length=64) for r in reverse_rows(64, seed=3, max_len=9)]
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: bit-exact comparisons between two runs do not depend on
+    how a reduction was split over threads (and two tests on two cores do not oversubscribe)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

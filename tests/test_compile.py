@@ -25,12 +25,9 @@ from grimoire.tiny import build_model, preference_rows
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _fresh_dynamo(one_thread):
     yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # compiled graphs must not leak into the next test
 
 
 def _train(tiny_dir, tokenizer, rows, tmp_path, loss, **cfg):

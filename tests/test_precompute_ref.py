@@ -30,12 +30,7 @@ from grimoire.tiny import kto_rows, preference_rows, reverse_rows
 MAX_LEN = 48
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ every data problem (all rows of both datasets) before the model is loaded or a s
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -42,6 +41,7 @@ from .cli_schema import (
 from .config import TrainingConfig
 from .data.sources import load_source, tokenize_dataset
 from .errors import ConfigError, DataError, GrimoireError
+from .report import read_records
 
 COMMANDS = ("train", "validate")
 #: Commands with their own module and argument parser: name -> "module:function(argv) -> int".
@@ -272,22 +272,6 @@ def _export_wandb_env(section: Mapping[str, Any]) -> None:
 SPARK = "_.:-=+*#%@"
 
 
-def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
-    """Records of ``<output_dir>/metrics.jsonl`` (skipping unreadable lines)."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict):
-            records.append(rec)
-    return records
-
-
 def sparkline(values: Sequence[float], width: int = 60) -> str:
     """An ASCII sparkline of ``values`` (down-sampled to ``width``; higher = denser glyph)."""
     vals = [v for v in values if isinstance(v, int | float) and math.isfinite(v)]
@@ -302,7 +286,7 @@ def sparkline(values: Sequence[float], width: int = 60) -> str:
 
 def summarize(output_dir: str | Path, save_to: str | None) -> str:
     """A short text summary: loss curve, a few rows, final eval metrics, where the model is."""
-    records = read_metrics(output_dir)
+    records = read_records(output_dir)
     train = [r for r in records if r.get("split") == "train" and "loss" in r]
     evals = [r for r in records if r.get("split") == "eval"]
     lines = ["", "== grimoire: training finished =="]
