@@ -38,7 +38,7 @@ How a doc file's Python blocks run (the contract for whoever writes docs)
 - **Training is shortened, not rewritten**: docs show realistic settings (``num_epochs=3``,
   ``eval_steps=100``, ...); while the blocks run, every ``TrainingConfig`` built (in Python or by
   the CLI) has ``max_steps`` capped at ``MAX_DOC_STEPS``. The rest of the config is used as
-  written, so the defaults (bf16 autocast, activation checkpointing) are exercised too.
+  written, so the defaults (`auto` precision, activation checkpointing) are exercised too.
 - A block preceded by ``<!-- skip-test: REASON -->`` (only blank lines in between) is not run;
   the reason is required and shown in pytest's skip summary. Keep skips rare: only for blocks
   that cannot run on a CPU-only machine with what is installed (e.g. a GPU or a hub download).

@@ -104,7 +104,8 @@ def test_run_summary_json_matches_the_trainer_and_the_metrics_log(
     records = _records(tmp_path)
     assert summary["steps"] == 3 and summary["max_steps"] == 3
     assert summary["tokens"] == trainer.state.tokens_seen == records[-1]["tokens"]
-    assert summary["stopped_early"] is False
+    assert summary["stopped_early"] is False and trainer.stopped_early is False
+    assert summary["precision"]["requested"] == "no" == summary["precision"]["resolved"]
     assert summary["loss_first"] == records[0]["loss"]
     assert summary["loss_last"] == records[-1]["loss"]
     assert summary["checkpoints"] == [str(tmp_path / "checkpoint-2")]

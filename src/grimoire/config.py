@@ -26,7 +26,7 @@ OPTIMIZERS = (
     "muon",
 )
 LR_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
-MIXED_PRECISION = ("no", "fp16", "bf16")
+MIXED_PRECISION = ("auto", "no", "fp16", "bf16")
 TRACKERS = ("wandb", "tensorboard", "mlflow")
 KBIT_UPCAST = ("all", "norms", "none")
 
@@ -47,7 +47,7 @@ class TrainingConfig:
     warmup_steps: int = 0
     max_grad_norm: float | None = 1.0
     max_length: int = 2048
-    mixed_precision: Literal["no", "fp16", "bf16"] = "bf16"
+    mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"  # auto: see precision.py
     gradient_checkpointing: bool = True
     optimizer: str = "adamw"
     adam_beta1: float = 0.9

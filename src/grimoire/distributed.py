@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .precision import decide
+
 logger = logging.getLogger(__name__)
 
 #: Sub-folder of a checkpoint holding the DCP shards of the model and optimizer.
@@ -89,7 +91,7 @@ def shard_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     ensure_process_group()
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if config.mixed_precision == "bf16"
+        if decide(config.mixed_precision)[0] == "bf16"  # "auto" resolved for this hardware
         else MixedPrecisionPolicy()
     )
     kwargs = {

@@ -226,10 +226,14 @@ def _grad_logits(
     """
     out = torch.empty_like(logits, memory_format=torch.contiguous_format)
     use_entropy = entropy is not None and grad_entropy is not None
+    in_place = out.dtype == torch.float32
     for rows in _row_blocks(logits.shape[0], logits.shape[-1]):
-        # A copy, never an alias of ``logits`` (the head's backward may need it).
-        z = logits[rows].to(torch.float32, copy=True)
-        z.sub_(lse[rows].unsqueeze(-1))  # log p
+        # log p, written by one op into fresh memory, never an alias of ``logits`` (the head's
+        # backward may need it); for an fp32 head straight into ``out``, which skips a copy
+        # pass and a temporary per block (the fp32 promotion and subtraction are the same ops
+        # as casting first, so the values are bitwise unchanged).
+        z = out[rows] if in_place else torch.empty_like(logits[rows], dtype=torch.float32)
+        torch.sub(logits[rows], lse[rows].unsqueeze(-1), out=z)  # log p
         g = grad_logps[rows].unsqueeze(-1)
         if use_entropy:
             probs = z.exp()
@@ -240,7 +244,8 @@ def _grad_logits(
         else:
             z.exp_().mul_(-g)  # -g * p
         z.scatter_add_(-1, targets[rows].unsqueeze(-1), g)  # + g * onehot(target)
-        out[rows] = z
+        if not in_place:
+            out[rows] = z
     return out
 
 

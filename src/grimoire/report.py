@@ -104,6 +104,7 @@ def run_summary(trainer: Any, started: float, tokens_before: int = 0) -> dict[st
         "wall_time_s": round(wall, 3),
         "tokens_per_sec": (state.tokens_seen - tokens_before) / wall,
         "peak_memory_mb": round(peak_memory_mb(), 1),
+        "precision": _precision(cfg.mixed_precision),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
         "eval": {k: v for k, v in last_eval.items() if k.startswith("eval/")},
@@ -112,6 +113,14 @@ def run_summary(trainer: Any, started: float, tokens_before: int = 0) -> dict[st
         "checkpoints": [str(p) for p in checkpoints],
         "saved_model": None,  # filled in by save_model
     }
+
+
+def _precision(requested: str) -> dict[str, str]:
+    """What ``mixed_precision`` ran as on this machine, and why (``auto`` depends on it)."""
+    from .precision import cpu_capability, decide
+
+    resolved, why = decide(requested)
+    return {"requested": requested, "resolved": resolved, "why": why, "cpu": cpu_capability()}
 
 
 def summary_text(summary: dict[str, Any]) -> str:

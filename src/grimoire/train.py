@@ -237,6 +237,7 @@ def cache_reference(ref_model: Any, dataset: Any, loss_fn: Any, config: Training
     import torch
 
     from .data.cache import cache_reference_log_probs
+    from .precision import decide
 
     return cache_reference_log_probs(
         ref_model,
@@ -244,7 +245,7 @@ def cache_reference(ref_model: Any, dataset: Any, loss_fn: Any, config: Training
         batch_size=config.effective_eval_batch_size,
         fused=getattr(loss_fn, "fused", True),
         reduction=getattr(loss_fn, "logp_reduction", "sum"),
-        autocast_dtype=torch.bfloat16 if config.mixed_precision == "bf16" else None,
+        autocast_dtype=torch.bfloat16 if decide(config.mixed_precision)[0] == "bf16" else None,
         max_length=config.max_length,
     )
 
