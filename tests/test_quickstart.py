@@ -9,7 +9,7 @@ from grimoire.train import main
 
 def test_quickstart_demo_learns(tmp_path, capsys):
     out = tmp_path / "quickstart"
-    # The bundled config exactly as `python -m grimoire.train` runs it (600 steps, ~1 min on 2
+    # The bundled config exactly as `python -m grimoire.train` runs it (1000 steps, under a minute on 2
     # idle cores), only redirected to tmp. Chance exact match on random reversals is ~0.
     code = main(
         ["train", "--set", f'training.output_dir="{out}"', "--set", f'save_to="{out / "final"}"']
