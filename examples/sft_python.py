@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grimoire import ExactMatchCallback, GrimoireTrainer, TrainingConfig
 from grimoire.data import load_source, tokenize_dataset, tokenize_sft
 from grimoire.losses import SFTLoss
-from grimoire.train import read_metrics
+from grimoire.report import read_records
 
 OUT = "./output/sft-example"
 
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> None:
     final = trainer.save_model(f"{OUT}/final")
     if trainer.accelerator.is_main_process:
         # Training ends with an evaluation; its record is the last "eval" line of metrics.jsonl.
-        last = [r for r in read_metrics(OUT) if r["split"] == "eval"][-1]
+        last = [r for r in read_records(OUT) if r["split"] == "eval"][-1]
         print(f"step {last['step']}: eval loss {last['eval/loss']:.4f}, ", end="")
         print(f"held-out exact match {last['eval/exact_match']:.1%}; model saved to {final}")
 

@@ -215,7 +215,7 @@ def test_shipped_configs_validate_and_match():
         assert main(["validate", "--config", str(path)]) == 0, path
     assert main(["--dry-run"]) == 0  # no --config: the embedded default
     assert load_config(EXAMPLE) == load_config(None) == load_config(DEFAULT_CONFIG)
-    assert load_config(None)["training"]["learning_rate"] == 3e-3
+    assert load_config(None)["training"]["learning_rate"] == 1.5e-3
 
 
 def test_validate_command_exits_1_and_lists_problems(tmp_path, capsys):

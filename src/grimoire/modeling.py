@@ -210,6 +210,13 @@ def prepare_model(
         model.config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
+    if config.padding_free or config.max_tokens_per_device:
+        # Packed rows then attend per sample instead of through a dense L x L mask; exact, and
+        # every other call (padded, generation, eval) stays transformers' sdpa. Harmless when
+        # the run ends up padded (packed_layout decides later), so no need to know it here.
+        from .packed_attention import enable_packed_attention
+
+        enable_packed_attention(model, torch_compile=config.torch_compile)
     if config.neftune_noise_alpha is not None:
         from .neftune import attach_neftune
 

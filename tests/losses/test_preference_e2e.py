@@ -159,7 +159,7 @@ def test_reward_model_fits_its_training_pairs(warm_dir, tok, tmp_path):
     trainer = GrimoireTrainer(
         model,
         tok,
-        config(tmp_path, batch_size=8, learning_rate=1e-3, max_steps=60),
+        config(tmp_path, batch_size=8, learning_rate=1e-3, max_steps=120),
         RewardModelLoss(),
         train,
         train,
