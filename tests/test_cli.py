@@ -370,7 +370,9 @@ def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monk
     assert validate_config({**raw, "loss": {"type": "dpo", "ref_model": "copy"}}) == []
     loaded: list[str] = []
     monkeypatch.setattr(
-        train_cli, "load_model", lambda cfg, path, kind="causal_lm", quant=None: loaded.append(path) or path
+        train_cli,
+        "load_model",
+        lambda cfg, path, kind="causal_lm", quant=None: loaded.append(path) or path,
     )
     monkeypatch.setattr(grimoire.trainer, "GrimoireTrainer", lambda **kwargs: kwargs)
     if cache:

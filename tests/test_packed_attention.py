@@ -188,12 +188,24 @@ def test_marker_without_position_ids_fails_loudly():
 
 @pytest.mark.parametrize(
     "overrides,selected",
-    [({"padding_free": True}, True), ({"max_tokens_per_device": 64}, True), ({}, False)],
+    [
+        ({"padding_free": True}, True),
+        ({"max_tokens_per_device": 64}, True),
+        ({}, True),  # auto: SFT packs and the llama's sdpa keeps samples apart
+        ({"padding_free": False}, False),
+    ],
 )
-def test_prepare_model_selects_it_for_packed_runs(tmp_path, overrides, selected):
-    config = quiet_config(tmp_path, **overrides)
-    model, _ = prepare_model(build_model("llama", vocab_size=64), None, config, None)
-    assert (model.config._attn_implementation == NAME) is selected
+def test_the_trainer_selects_it_for_packed_runs(tmp_path, tokenizer, overrides, selected):
+    from grimoire import GrimoireTrainer
+    from grimoire.losses import SFTLoss
+
+    rows = [{"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 6, 7]}] * 4
+    trainer = GrimoireTrainer(
+        build_model("llama", vocab_size=64), tokenizer, quiet_config(tmp_path, **overrides),
+        SFTLoss(), rows,
+    )  # fmt: skip
+    assert trainer.packed is selected
+    assert (trainer.unwrapped_model.config._attn_implementation == NAME) is selected
 
 
 def test_lora_model_is_switched_on_its_base(tmp_path):
@@ -201,7 +213,7 @@ def test_lora_model_is_switched_on_its_base(tmp_path):
 
     config = quiet_config(tmp_path, padding_free=True)
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8)
-    model, _ = prepare_model(build_model("llama", vocab_size=64), lora, config, None)
+    model, _ = prepare_model(build_model("llama", vocab_size=64), lora, config, None, packed=True)
     assert model.get_base_model().config._attn_implementation == NAME
     ids, pos = _packed(_samples(LENGTHS))
     plain = copy.deepcopy(model)

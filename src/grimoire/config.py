@@ -74,7 +74,9 @@ class TrainingConfig:
     dataloader_num_workers: int = 0
     progress_bar: bool = True
     # Padding-free packing and token budgets (see docs/packing.md).
-    padding_free: bool = False
+    # None (auto): packed whenever the method can pack and the model's attention keeps packed
+    # samples apart (decided and logged at start; docs/packing.md); True / False force it.
+    padding_free: bool | None = None
     max_tokens_per_device: int | None = None
     max_tokens: int | None = None
     truncate_long_samples: bool = False

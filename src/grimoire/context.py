@@ -49,6 +49,8 @@ class TrainingContext:
     #: Applied to a frozen model a method keeps beside the policy (a reference): shards it the
     #: way the policy is sharded (FSDP2), or leaves it as it is.
     prepare_frozen: Any = None
+    #: Whether the run's micro-batches are packed rows (the trainer's packing decision).
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if self.step is None:

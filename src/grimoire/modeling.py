@@ -180,7 +180,11 @@ def prepare_kbit_model(model: torch.nn.Module, upcast: str, checkpointing: bool)
 
 
 def prepare_model(
-    model: torch.nn.Module, peft_config: Any, config: TrainingConfig, accelerator: Accelerator
+    model: torch.nn.Module,
+    peft_config: Any,
+    config: TrainingConfig,
+    accelerator: Accelerator,
+    packed: bool = False,
 ) -> tuple[torch.nn.Module, list[Any]]:
     """Liger, LoRA (k-bit preparation for quantized bases), checkpointing, dropout, NEFTune, OSFT.
 
@@ -210,10 +214,9 @@ def prepare_model(
         model.config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
-    if config.padding_free or config.max_tokens_per_device:
+    if packed:
         # Packed rows then attend per sample instead of through a dense L x L mask; exact, and
-        # every other call (padded, generation, eval) stays transformers' sdpa. Harmless when
-        # the run ends up padded (packed_layout decides later), so no need to know it here.
+        # every other call (padded, generation, eval) stays transformers' sdpa.
         from .packed_attention import enable_packed_attention
 
         enable_packed_attention(model, torch_compile=config.torch_compile)
@@ -227,6 +230,25 @@ def prepare_model(
 
         hooks.append(attach_osft(model, config, accelerator))
     return model, hooks
+
+
+def frozen_preparer(config: TrainingConfig, packed: bool) -> Any:
+    """How a frozen model kept beside the policy (a reference) is prepared: the policy's packed
+    attention, so both run the same kernels (policy == reference then gives exact ties, and the
+    reference passes are as fast), and the policy's FSDP2 sharding."""
+
+    def prepare(model: torch.nn.Module) -> torch.nn.Module:
+        if packed:
+            from .packed_attention import enable_packed_attention
+
+            enable_packed_attention(model, torch_compile=config.torch_compile)
+        if config.distributed == "fsdp2":
+            from .distributed import shard_model
+
+            return shard_model(model, config)
+        return model
+
+    return prepare
 
 
 def save_hf(

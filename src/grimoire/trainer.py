@@ -28,7 +28,7 @@ from .config import TrainingConfig
 from .context import TrainingContext
 from .data.budget import TokenBudget
 from .data.cache import precompute_reference
-from .data.loader import StepLoader, packed_layout
+from .data.loader import StepLoader, packing_decision
 from .data.validation import validate_training_data
 from .distributed import (
     gradient_sync,
@@ -52,6 +52,7 @@ from .modeling import (
     check_world_size,
     configure_deepspeed,
     count_tokens,
+    frozen_preparer,
     has_accelerator,
     pad_token_id_of,
     prepare_model,
@@ -108,11 +109,14 @@ class GrimoireTrainer:
         set_seed(config.seed)
         self.tokenizer, self.loss_fn = tokenizer, loss_fn
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        model, self.step_hooks = prepare_model(model, peft_config, config, acc)
+        pad_id = pad_token_id_of(tokenizer, model)
+        #: Whether micro-batches are packed rows (padding_free: auto / forced), and why.
+        self.packed, why = packing_decision(loss_fn, config, pad_id, data_collator, model)
+        packed = self.packed
+        logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
+        model, self.step_hooks = prepare_model(model, peft_config, config, acc, packed)
         #: What torch_compile did (compiled blocks, or why eager); None when not asked.
         self.compile_state = maybe_compile(model, config)
-        pad_id = pad_token_id_of(tokenizer, model)
-        packed = packed_layout(loss_fn, config, pad_id, data_collator)
         budget = config.max_tokens_per_device
         self.budget = (
             TokenBudget(budget, loss_fn, packed, config.truncate_long_samples) if budget else None
@@ -127,9 +131,10 @@ class GrimoireTrainer:
         )
         # The method reads the run through this context only; set up before its collator exists
         # (KTO bounds its KL rows by max_length) and before DDP wraps the policy.
-        self.context = TrainingContext(config, acc, tokenizer, model, train_dataset, eval_dataset)
-        if config.distributed == "fsdp2":
-            self.context.prepare_frozen = lambda m: shard_model(m, config)
+        self.context = TrainingContext(
+            config, acc, tokenizer, model, train_dataset, eval_dataset, packed=packed
+        )
+        self.context.prepare_frozen = frozen_preparer(config, packed)
         if hasattr(loss_fn, "setup"):
             loss_fn.setup(self.context)
         if config.precompute_ref_log_probs:

@@ -131,7 +131,9 @@ def test_orpo_raises_heldout_preference_accuracy(warm_dir, tok, tmp_path):
     # The quantity ORPO optimises, the held-out log odds ratio, grows clearly.
     assert after["eval/log_odds_chosen"] > before["eval/log_odds_chosen"] + 0.25, (before, after)
     assert after["eval/rewards/margins"] > before["eval/rewards/margins"]
-    assert after["eval/nll_loss"] < before["eval/nll_loss"]  # the SFT term keeps improving the chosen
+    assert (
+        after["eval/nll_loss"] < before["eval/nll_loss"]
+    )  # the SFT term keeps improving the chosen
 
 
 def test_kto_moves_rewards_apart(warm_dir, tok, tmp_path):

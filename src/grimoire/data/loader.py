@@ -96,17 +96,45 @@ class StepLoader:
             yield from self.step(0, step)
 
 
-def packed_layout(loss_fn: Any, config: Any, pad_id: int, given: Any = None) -> bool:
-    """Whether micro-batches are packed rows: whenever padding-free or a token budget is asked
-    for and the method can pack; a budget with a method that cannot (reward modelling) bins
-    padded micro-batches instead. A user's ``data_collator`` counts as padded unless it has
-    ``packed = True``."""
+#: Attention implementations that keep the samples of a packed row apart (transformers detects
+#: the restarting position_ids; flash-attention reads them as varlen boundaries).
+PACKING_ATTENTION = (
+    "sdpa",
+    "eager",
+    "flash_attention_2",
+    "flash_attention_3",
+    "grimoire_packed_sdpa",
+)
+
+
+def packing_decision(
+    loss_fn: Any, config: Any, pad_id: int, given: Any = None, model: Any = None
+) -> tuple[bool, str]:
+    """Whether micro-batches are packed rows, and why (logged at start).
+
+    Packed whenever ``padding_free`` or a token budget is asked for and the method can pack. With
+    ``padding_free=None`` (the default, "auto") also packed when the method can pack and ``model``
+    is a transformers model whose attention keeps packed samples apart: the loss is the same as
+    padded (the parity tests), with less work on rows of different lengths. A budget with a
+    method that cannot pack (reward modelling) bins padded micro-batches instead. A user's
+    ``data_collator`` counts as padded unless it has ``packed = True``.
+    """
     if given is not None:
-        return bool(getattr(given, "packed", False))
-    if not (config.padding_free or config.max_tokens_per_device):
-        return False
-    if getattr(loss_fn, "create_packed_collator", lambda _: None)(pad_id) is not None:
-        return True
+        packed = bool(getattr(given, "packed", False))
+        return packed, "the data_collator given to the trainer"
+    can_pack = getattr(loss_fn, "create_packed_collator", lambda _: None)(pad_id) is not None
+    asked = bool(config.padding_free or config.max_tokens_per_device)
+    if config.padding_free is None and not asked:
+        if not can_pack:
+            return False, f"{type(loss_fn).__name__} has no packed collator"
+        reason = _attention_cannot_pack(model)
+        if reason is not None:
+            return False, reason
+        return True, "auto: the method packs and the model's attention keeps samples apart"
+    if not asked:
+        return False, "padding_free=False"
+    if can_pack:
+        return True, "padding_free / max_tokens_per_device"
     if config.padding_free:
         raise ConfigError(
             [
@@ -115,7 +143,27 @@ def packed_layout(loss_fn: Any, config: Any, pad_id: int, given: Any = None) -> 
                 "its padded micro-batches)"
             ]
         )
-    return False
+    return False, f"{type(loss_fn).__name__} cannot pack: padded micro-batches within the budget"
+
+
+def packed_layout(
+    loss_fn: Any, config: Any, pad_id: int, given: Any = None, model: Any = None
+) -> bool:
+    """Whether micro-batches are packed rows (:func:`packing_decision` without the reason)."""
+    return packing_decision(loss_fn, config, pad_id, given, model)[0]
+
+
+def _attention_cannot_pack(model: Any) -> str | None:
+    """Why ``model`` is not known to keep packed samples apart (None: it is)."""
+    if model is None:
+        return "no model to check"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not type(base).__module__.startswith("transformers."):
+        return f"{type(base).__name__} is not a transformers model (its attention is unknown)"
+    impl = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if impl not in PACKING_ATTENTION:
+        return f"attention implementation {impl!r} is not known to isolate packed samples"
+    return None
 
 
 def _identity(x: Any) -> Any:
@@ -135,4 +183,4 @@ class _Steps(torch.utils.data.Dataset):
         return self.loader.step(self.epoch, self.start + i)
 
 
-__all__ = ["StepLoader", "packed_layout"]
+__all__ = ["PACKING_ATTENTION", "StepLoader", "packed_layout", "packing_decision"]

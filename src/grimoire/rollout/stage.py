@@ -85,7 +85,7 @@ class RolloutStage:
         self.engine.bind(policy, self.pad_token_id, eos, ctx.accelerator.autocast)
         self.engine.max_tokens = ctx.config.max_tokens_per_device
         self.tokenizer = tok
-        self.pack = bool(ctx.config.padding_free or ctx.config.max_tokens_per_device)
+        self.pack = ctx.packed
         self.sharded = ctx.sharded
         if ctx.sharded:  # every forward of a sharded policy is a collective: keep ranks even
             self.engine.agree = ctx.all_reduce_max
