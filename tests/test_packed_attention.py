@@ -186,26 +186,41 @@ def test_marker_without_position_ids_fails_loudly():
         packed_sdpa_attention_forward(attn, q, kv, kv, PACKED_CAUSAL)
 
 
+UNIFORM = [{"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 6, 7]}] * 8
+#: One long row among short ones: a padded batch of 4 computes 4 x 40 positions for 49 tokens.
+LONG_TAILED = [{"input_ids": [1] + [5] * n, "labels": [-100] + [5] * n} for n in (39, 2, 3, 1)] * 2
+
+
 @pytest.mark.parametrize(
-    "overrides,selected",
+    "overrides,rows,selected",
     [
-        ({"padding_free": True}, True),
-        ({"max_tokens_per_device": 64}, True),
-        ({}, True),  # auto: SFT packs and the llama's sdpa keeps samples apart
-        ({"padding_free": False}, False),
+        ({"padding_free": True}, UNIFORM, True),
+        ({"max_tokens_per_device": 64}, UNIFORM, True),
+        ({}, LONG_TAILED, True),  # auto: padding adds >= 80% positions however rows are batched
+        ({}, UNIFORM, False),  # auto: nothing to save, the padded path is cheaper
+        ({"padding_free": False}, LONG_TAILED, False),
     ],
 )
-def test_the_trainer_selects_it_for_packed_runs(tmp_path, tokenizer, overrides, selected):
+def test_the_trainer_selects_it_for_packed_runs(tmp_path, tokenizer, overrides, rows, selected):
     from grimoire import GrimoireTrainer
     from grimoire.losses import SFTLoss
 
-    rows = [{"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 6, 7]}] * 4
     trainer = GrimoireTrainer(
-        build_model("llama", vocab_size=64), tokenizer, quiet_config(tmp_path, **overrides),
-        SFTLoss(), rows,
+        build_model("llama", vocab_size=64), tokenizer,
+        quiet_config(tmp_path, batch_size=4, **overrides), SFTLoss(), rows,
     )  # fmt: skip
     assert trainer.packed is selected
     assert (trainer.unwrapped_model.config._attn_implementation == NAME) is selected
+
+
+def test_padding_ratio_by_hand():
+    from grimoire.data.budget import padding_ratio
+
+    # One batch of all 8 rows (however they are shuffled): 8 x 40 positions for 2 x 49 tokens.
+    assert padding_ratio(LONG_TAILED, batch_size=8) == pytest.approx(320 / 98)
+    assert padding_ratio(UNIFORM, batch_size=4) == 1.0
+    pairs = [{"chosen_input_ids": [1] * 3, "rejected_input_ids": [1] * 1}] * 2
+    assert padding_ratio(pairs, batch_size=2) == 1.0  # each column is padded on its own
 
 
 def test_lora_model_is_switched_on_its_base(tmp_path):

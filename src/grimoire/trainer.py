@@ -111,7 +111,9 @@ class GrimoireTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pad_id = pad_token_id_of(tokenizer, model)
         #: Whether micro-batches are packed rows (padding_free: auto / forced), and why.
-        self.packed, why = packing_decision(loss_fn, config, pad_id, data_collator, model)
+        self.packed, why = packing_decision(
+            loss_fn, config, pad_id, data_collator, model, train_dataset
+        )
         packed = self.packed
         logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
         model, self.step_hooks = prepare_model(model, peft_config, config, acc, packed)

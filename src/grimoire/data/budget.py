@@ -61,6 +61,31 @@ def sequence_lengths(dataset: Any) -> list[dict[str, int]]:
     return [{p: per_col[p][i] for p in prefixes} for i in range(len(dataset))]
 
 
+def padding_ratio(dataset: Any, batch_size: int, seed: int = 0, sample: int = 4096) -> float:
+    """Positions a padded micro-batch computes per real token, estimated on the dataset.
+
+    Up to ``sample`` rows are shuffled into micro-batches of ``batch_size``; each sequence column
+    (``input_ids``, ``chosen_input_ids``, ...) is padded to its batch's longest. 1.0 means the rows
+    are all the same length; 2.9 is the long-tailed SFT data of docs/performance.md.
+    """
+    import random
+
+    n = len(dataset)
+    if n == 0 or not sequence_prefixes(columns_of(dataset)):
+        return 1.0
+    rows = random.Random(seed).sample(range(n), min(n, sample))
+    subset = dataset.select(rows) if hasattr(dataset, "select") else [dataset[i] for i in rows]
+    lengths = sequence_lengths(subset)
+    padded = real = 0
+    for start in range(0, len(lengths), batch_size):
+        batch = lengths[start : start + batch_size]
+        for prefix in batch[0]:
+            widths = [row[prefix] for row in batch]
+            padded += len(widths) * max(widths)
+            real += sum(widths)
+    return padded / max(real, 1)
+
+
 def default_budget_tokens(lengths: Mapping[str, int], packed: bool) -> int:
     """Tokens a row's sequences put into one forward pass.
 
