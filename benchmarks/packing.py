@@ -35,7 +35,11 @@ def run(mode: str, rows: list[dict], args, model_dir: str) -> dict[str, float]:
     from grimoire.losses import SFTLoss
 
     layout = (
-        dict(batch_size=args.micro, gradient_accumulation_steps=args.global_batch // args.micro)
+        dict(
+            batch_size=args.micro,
+            gradient_accumulation_steps=args.global_batch // args.micro,
+            padding_free=False,  # the baseline (the default, auto, may pack)
+        )
         if mode == "padded"
         else dict(batch_size=args.global_batch, max_tokens_per_device=args.budget)
     )

@@ -159,6 +159,8 @@ def _grimoire_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: _C
         extra = dict(progress_bar=False)
         if spec["impl"] == "ours packed":
             extra.update(padding_free=True, max_tokens_per_device=spec["max_tokens"])
+        else:  # the padded baseline (the default, auto, would pack these long-tailed rows)
+            extra.update(padding_free=False)
         config = TrainingConfig(**common, **extra)
     trainer = GrimoireTrainer(
         model=model,

@@ -234,6 +234,7 @@ def run_cell(family: str, path: str, preset: dict[str, Any], args: argparse.Name
             gradient_checkpointing=args.gradient_checkpointing,
             max_length=2 * top,
             max_tokens_per_device=budget,
+            padding_free=budget is not None,  # the padded baseline stays padded (auto may pack)
             truncate_long_samples=budget is not None,
         )
         trainer = GrimoireTrainer(model, build_tokenizer(), config, loss, rows)
