@@ -169,18 +169,6 @@ def packing_decision(
     return False, f"{type(loss_fn).__name__} cannot pack: padded micro-batches within the budget"
 
 
-def packed_layout(
-    loss_fn: Any,
-    config: Any,
-    pad_id: int,
-    given: Any = None,
-    model: Any = None,
-    dataset: Any = None,
-) -> bool:
-    """Whether micro-batches are packed rows (:func:`packing_decision` without the reason)."""
-    return packing_decision(loss_fn, config, pad_id, given, model, dataset)[0]
-
-
 def _attention_cannot_pack(model: Any) -> str | None:
     """Why ``model`` is not known to keep packed samples apart (None: it is)."""
     if model is None:
@@ -215,6 +203,5 @@ __all__ = [
     "AUTO_PACKING_MIN_RATIO",
     "PACKING_ATTENTION",
     "StepLoader",
-    "packed_layout",
     "packing_decision",
 ]
