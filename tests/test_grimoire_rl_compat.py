@@ -349,9 +349,10 @@ def test_grimoire_rl_reward_functions_get_metadata():
         return [float(c == a) for c, a in zip(completions, answer)]
 
     cols = {"answer": ["ba", "cd"], "id": [1, 2]}
-    total, per = score_completions(
-        resolve_reward_funcs([rl_style, ours]), ["p1", "p2"], ["ba", "xx"], cols
-    )
+    funcs = resolve_reward_funcs([rl_style, ours])
+    # metadata is built from the columns, so it is not a column the dataset must have.
+    assert [f.required_columns() for f in funcs] == [[], ["answer"]]
+    total, per = score_completions(funcs, ["p1", "p2"], ["ba", "xx"], cols)
     assert seen["metadata"] == [{"answer": "ba", "id": 1}, {"answer": "cd", "id": 2}]
     assert per["rl_style"].tolist() == per["ours"].tolist() == [1.0, 0.0]
     assert total.tolist() == [2.0, 0.0]

@@ -88,16 +88,36 @@ class RewardFunction:
     name: str
     weight: float = 1.0
 
+    def __post_init__(self) -> None:
+        # Read once: the signature decides both the column check and how each call passes them.
+        try:
+            self._params = list(inspect.signature(self.fn).parameters.values())
+        except (TypeError, ValueError):
+            self._params = []
+        names = {p.name for p in self._params}
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in self._params)
+        #: grimoire-rl's convention: ``fn(prompts, completions, metadata)``, ``metadata[i]`` the
+        #: dict of completion ``i``'s columns (``metadata_fields`` of ``tokenize_grpo``).
+        self.takes_metadata = "metadata" in names and not takes_kwargs
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], columns: Mapping[str, list[Any]]
+    ) -> Any:
+        """The function's raw output for ``N`` completions (columns by name, or as metadata)."""
+        if self.takes_metadata and "metadata" not in columns:
+            n = len(completions)
+            metadata = [{k: v[i] for k, v in columns.items()} for i in range(n)]
+            return self.fn(list(prompts), list(completions), metadata=metadata)
+        return self.fn(list(prompts), list(completions), **dict(columns))
+
     def required_columns(self) -> list[str]:
-        """Keyword parameters without a default besides ``prompts``/``completions``.
+        """Keyword parameters without a default besides ``prompts``/``completions`` (and a
+        grimoire-rl ``metadata``, which is built from all columns).
 
         These must be dataset columns; checked before training. Unknown for ``*args``-style
         callables (returns what can be seen).
         """
-        try:
-            params = list(inspect.signature(self.fn).parameters.values())
-        except (TypeError, ValueError):
-            return []
+        params = [p for p in self._params if not (self.takes_metadata and p.name == "metadata")]
         named = [
             p
             for p in params
@@ -181,7 +201,7 @@ def score_completions(
     total = torch.zeros(n, dtype=torch.float32)
     for rf in reward_funcs:
         try:
-            values = rf.fn(list(prompts), list(completions), **_reward_kwargs(rf.fn, columns, n))
+            values = rf(prompts, completions, columns)
         except Exception as exc:
             raise RewardFunctionError(
                 f"reward function {rf.name!r} raised {type(exc).__name__}: {exc} "
@@ -190,20 +210,6 @@ def score_completions(
         per_func[rf.name] = _as_rewards(values, n, rf.name)
         total += rf.weight * per_func[rf.name]
     return total.to(device), {k: v.to(device) for k, v in per_func.items()}
-
-
-def _reward_kwargs(fn: RewardFn, columns: Mapping[str, list[Any]], n: int) -> dict[str, Any]:
-    """The columns as ``fn`` takes them: by name (``**columns``), or, for a function written for
-    grimoire-rl, ``fn(prompts, completions, metadata)`` with ``metadata[i]`` the dict of
-    completion ``i``'s columns (``metadata_fields`` of ``tokenize_grpo``)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return dict(columns)
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if "metadata" in params and "metadata" not in columns and not takes_kwargs:
-        return {"metadata": [{k: v[i] for k, v in columns.items()} for i in range(n)]}
-    return dict(columns)
 
 
 @torch.no_grad()
