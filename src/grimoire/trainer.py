@@ -111,10 +111,8 @@ class GrimoireTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pad_id = pad_token_id_of(tokenizer, model)
         #: Whether micro-batches are packed rows (padding_free: auto / forced), and why.
-        self.packed, why = packing_decision(
-            loss_fn, config, pad_id, data_collator, model, train_dataset
-        )
-        packed = self.packed
+        packed, why = packing_decision(loss_fn, config, pad_id, data_collator, model, train_dataset)
+        self.packed = packed
         logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
         model, self.step_hooks = prepare_model(model, peft_config, config, acc, packed)
         #: What torch_compile did (compiled blocks, or why eager); None when not asked.
@@ -139,15 +137,17 @@ class GrimoireTrainer:
         self.context.prepare_frozen = frozen_preparer(config, packed)
         if hasattr(loss_fn, "setup"):
             loss_fn.setup(self.context)
+        self.collator = data_collator or (
+            loss_fn.create_packed_collator(pad_id) if packed else loss_fn.create_collator(pad_id)
+        )
         if config.precompute_ref_log_probs:
             # One no-grad reference pass now, batched as training will be; then the reference is
             # released and training reads the datasets' cached columns.
-            make = loss_fn.create_packed_collator if packed else loss_fn.create_collator
             train_dataset, eval_dataset = precompute_reference(
                 loss_fn,
                 model,
                 (train_dataset, eval_dataset),
-                collator=data_collator or make(pad_id),
+                collator=self.collator,
                 budget=self.budget,
                 batch_size=config.effective_eval_batch_size,
                 accelerator=acc,
@@ -160,9 +160,6 @@ class GrimoireTrainer:
         if getattr(loss_fn, "needs_reference_model", False):
             source = getattr(getattr(loss_fn, "reference", None), "source", "the method's own")
             logger.info("%s: reference log-probs from %s", type(loss_fn).__name__, source)
-        self.collator = data_collator or (
-            loss_fn.create_packed_collator(pad_id) if packed else loss_fn.create_collator(pad_id)
-        )
         self.loader = self._loader(
             train_dataset,
             config.batch_size,
