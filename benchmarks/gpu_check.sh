@@ -5,27 +5,47 @@
 #                           for): one plain process, `torchrun --nproc-per-node 1`, and one
 #                           process with fsdp_cpu_offload (it cannot run on a CPU-only machine)
 #   $OUT/fused_logprobs.log benchmarks/fused_logprobs.py --device cuda (fused vs full logits)
-#   $OUT/test_fsdp2.log     python -m pytest -q tests/test_fsdp2.py (CPU / gloo, as in CI)
+#   $OUT/checks.log         benchmarks/gpu_checks.py: the fused head's eager and recompute routes
+#                           against full logits on CUDA; use_liger=True; mixed_precision auto
+#   $OUT/throughput.log     benchmarks/throughput.py --device cuda: SFT tok/s, ours packed /
+#                           padded / grimoire-rl (where its wheel is carried), bf16, a 1024 x 8
+#                           model
 #   $OUT/summary.txt        one line per section: its exit code and seconds
-# Nothing in CI runs or depends on this script; it has not been run yet. It installs nothing
-# but grimoire itself (`pip install -e .`, only if grimoire is not importable; torch with CUDA
-# must already be there). A failing section is recorded and the next one runs.
+# Nothing in CI runs or depends on this script. It runs grimoire from src/ (PYTHONPATH) and
+# installs only what a `.whl/` folder next to it carries (liger-kernel, datasets; grimoire-rl
+# into its own folder, since both packages are named grimoire); torch with CUDA, transformers,
+# accelerate and peft must already be there. A failing section is recorded and the next runs.
 #
-#   OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh      # about 6-8 minutes on one H200
+# Sections run most important first, each under its own time limit, and the whole script stays
+# inside BUDGET_S seconds (default 480): a section that would start past it is skipped and
+# recorded as such, so one call of a leased machine always returns its files.
+#
+#   OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh      # about 5 minutes on one H200
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-check}"
+BUDGET_S="${BUDGET_S:-480}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 : >"$OUT/summary.txt"
+if ! command -v python >/dev/null; then  # images with only python3
+  mkdir -p "$WORK/bin" && ln -s "$(command -v python3)" "$WORK/bin/python" && PATH="$WORK/bin:$PATH"
+fi
 
-# section NAME LOG TIMEOUT_S CMD...: run CMD under a time limit, append its output to LOG, record rc
+# section NAME LOG TIMEOUT_S CMD...: run CMD under a time limit (cut to what is left of
+# BUDGET_S), append its output to LOG, record rc; skipped when under 20 s are left.
 section() {
-  local name=$1 log=$2 limit=$3 rc start=$SECONDS
+  local name=$1 log=$2 limit=$3 rc start=$SECONDS left=$((BUDGET_S - SECONDS))
   shift 3
+  if ((left < 20)); then
+    echo "$name skipped (budget spent)" | tee -a "$OUT/summary.txt"
+    return
+  fi
+  ((limit > left)) && limit=$left
   echo "=== $name: $*" | tee -a "$OUT/$log"
   if timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$log"; then rc=0; else rc=$?; fi
   echo "$name rc=$rc ($((SECONDS - start)) s)" | tee -a "$OUT/summary.txt" "$OUT/$log"
@@ -39,13 +59,30 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch
 print('devices', [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 print('bf16', torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 print('nccl', torch.distributed.is_nccl_available())
-import transformers, accelerate, peft, datasets
+import transformers, accelerate, peft
 print('transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)
 "
-if ! python -c "import grimoire" >/dev/null 2>&1; then
-  section pip-install env.log 300 pip install -e .
+if ls .whl/*.whl >/dev/null 2>&1; then
+  mkdir -p /tmp/site /tmp/peer
+  section wheels env.log 120 sh -c 'python -m pip install -q --no-index --no-deps --no-compile \
+    --target /tmp/site $(ls .whl/*.whl | grep -v grimoire_rl) && if ls .whl/grimoire_rl*.whl; \
+    then python -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer \
+    .whl/grimoire_rl*.whl; fi'
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 section grimoire env.log 60 python -c "import grimoire, sys; print('grimoire from', grimoire.__file__)"
+
+# ---------------------------------------------------------------- correctness on CUDA
+section head-parity checks.log 90 python benchmarks/gpu_checks.py head-parity
+
+# ---------------------------------------------------------------- SFT throughput on CUDA
+# The peer runs under the same python with only its own folder in front (run_impl drops our
+# PYTHONPATH for it): a two-line wrapper stands in for a venv's interpreter.
+printf '#!/bin/sh\nPYTHONPATH=/tmp/peer:/tmp/site exec python "$@"\n' >"$WORK/peer-python"
+chmod +x "$WORK/peer-python"
+section throughput throughput.log 180 python benchmarks/throughput.py --device cuda \
+  --precisions bf16 --impls "ours packed" "ours padded" grimoire-rl --peer-python "$WORK/peer-python" \
+  --batch 32 --max-len 2048 --max-tokens 16384 --steps 16 --warmup 4
 
 # ---------------------------------------------------------------- FSDP2, bf16, CUDA
 cat >"$WORK/fsdp2_step.py" <<'PY'
@@ -90,17 +127,17 @@ with tempfile.TemporaryDirectory() as out:
     trainer.close()
 raise SystemExit(0 if ok else 1)
 PY
-section fsdp2-1proc fsdp2_step.log 120 python "$WORK/fsdp2_step.py"
-section fsdp2-torchrun fsdp2_step.log 120 \
+section fsdp2-1proc fsdp2_step.log 90 python "$WORK/fsdp2_step.py"
+section fsdp2-torchrun fsdp2_step.log 90 \
   torchrun --nproc-per-node 1 --master-port 29533 "$WORK/fsdp2_step.py"
-section fsdp2-cpu-offload fsdp2_step.log 120 env OFFLOAD=1 python "$WORK/fsdp2_step.py"
+section fsdp2-cpu-offload fsdp2_step.log 90 env OFFLOAD=1 python "$WORK/fsdp2_step.py"
+
+# ---------------------------------------------------------------- Liger, precision
+section liger checks.log 120 python benchmarks/gpu_checks.py liger
+section precision-auto checks.log 45 python benchmarks/gpu_checks.py precision
 
 # ---------------------------------------------------------------- fused log-probs on CUDA
-section fused-logprobs fused_logprobs.log 150 python benchmarks/fused_logprobs.py --device cuda \
+section fused-logprobs fused_logprobs.log 120 python benchmarks/fused_logprobs.py --device cuda \
   --vocabs 32000,128000,256000 --batch 4 --seq-len 2048 --hidden 2048 --layers 2 --repeats 5
-
-# ---------------------------------------------------------------- FSDP2 tests (CPU, gloo)
-# The tests are written for gloo on CPU; hide the GPU so both workers do not pick it with NCCL.
-section test-fsdp2 test_fsdp2.log 240 env CUDA_VISIBLE_DEVICES= python -m pytest -q tests/test_fsdp2.py
 
 cat "$OUT/summary.txt"

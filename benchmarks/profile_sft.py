@@ -61,8 +61,8 @@ def _instrument(clock: dict[str, float], live: list[bool]) -> None:
         (trainer.GrimoireTrainer, "_optimizer_step", "step"),
         (loader.StepLoader, "step", "plan + collate"),
         (llama.LlamaModel, "forward", "decoder forward"),
-        (head._HeadChunkLogps, "forward", "head forward"),
-        (head._HeadChunkLogps, "backward", "head backward"),
+        (head._HeadLogps, "forward", "head forward"),
+        (head._HeadLogps, "backward", "head backward"),
         (accelerate.Accelerator, "backward", "backward"),
         (trainer, "clip_gradients", "clip"),
         (torch.optim.AdamW, "step", "optimizer"),
@@ -117,6 +117,8 @@ def profile(impl: str, args: argparse.Namespace, model: Path) -> dict[str, float
     out["attention backward (sdpa)"] = self_time(*attention_bwd)
     out["all matmuls (aten::mm)"] = self_time("aten::mm", "aten::addmm", "aten::bmm")
     out["decoder backward"] = out.get("backward", 0.0) - out.get("head backward", 0.0)
+    top = sorted(ops.values(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    out["_top"] = [(e.key, e.self_cpu_time_total / 1e6 / n, e.count // n) for e in top]
     return out
 
 
@@ -145,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=2048)
     p.add_argument("--precision", default="no", choices=["no", "bf16"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--top", type=int, default=0, help="also list the N ops with most self time")
     args = p.parse_args(argv)
     import torch
 
@@ -161,6 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     for key in ORDER:
         a, b = (results[i].get(key, 0.0) for i in ("ours padded", "ours packed"))
         print(f"{key:<28} {a:>8.3f} {b:>8.3f}")
+    for impl in ("ours padded", "ours packed") if args.top else ():
+        print(f"\n# {impl}: top {args.top} ops by self time (s/step, calls/step)")
+        for name, seconds, calls in results[impl]["_top"][: args.top]:
+            print(f"{name:<44} {seconds:>8.3f} {calls:>6}")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ PEER_PYTHON = "/work/venvs/peers/bin/python"
 IMPLS = ("ours packed", "ours padded", "grimoire-rl", "trl")
 MODEL = dict(vocab_size=32000, hidden_size=256, num_layers=4, max_position_embeddings=512)
 TINY_MODEL = dict(vocab_size=512, hidden_size=32, num_layers=1, max_position_embeddings=64)
+#: ``--device cuda``: a model big enough that a GPU step is not all launch overhead.
+GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=8, max_position_embeddings=2048)
 
 
 # --------------------------------------------------------------------------- data and model
@@ -82,18 +84,21 @@ def model_flops(rows: list[dict[str, Any]], params: int, layers: int, hidden: in
     return 6.0 * params * tokens + attention
 
 
-def measured_peak(hidden: int, vocab: int, intermediate: int, dtype: str, tokens: int) -> float:
+def measured_peak(
+    hidden: int, vocab: int, intermediate: int, dtype: str, tokens: int, device: str = "cpu"
+) -> float:
     """The best GFLOP/s of the model's GEMMs (head, MLP, attention projection, forward and the
     backward's transposed forms) at ``tokens`` rows, best of 3 after one warm-up call."""
     import torch
 
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     g = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     best = 0.0
     for out in (vocab, intermediate, hidden):
-        x = torch.randn(tokens, hidden, generator=g).to(dt)
-        w = torch.randn(out, hidden, generator=g).to(dt)
-        dy = torch.randn(tokens, out, generator=g).to(dt)
+        x = torch.randn(tokens, hidden, generator=g).to(device, dt)
+        w = torch.randn(out, hidden, generator=g).to(device, dt)
+        dy = torch.randn(tokens, out, generator=g).to(device, dt)
         for fn in (
             lambda x=x, w=w: x @ w.t(),
             lambda w=w, dy=dy: dy @ w,
@@ -101,8 +106,10 @@ def measured_peak(hidden: int, vocab: int, intermediate: int, dtype: str, tokens
         ):
             fn()
             for _ in range(3):
+                sync()
                 t0 = time.perf_counter()
                 fn()
+                sync()
                 best = max(best, 2.0 * tokens * hidden * out / (time.perf_counter() - t0) / 1e9)
     return best
 
@@ -117,12 +124,18 @@ def save_model(path: Path, spec: dict[str, int]) -> Path:
 
 
 class _Clock:
-    """``on_step_end`` timestamps; the same callback protocol in both grimoires."""
+    """``on_step_end`` timestamps; the same callback protocol in both grimoires. On a GPU the
+    step's queued kernels are waited for first, so a timestamp means the step is done."""
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool = False) -> None:
         self.times: list[float] = []
+        self.cuda = cuda
 
     def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
         self.times.append(time.perf_counter())
 
     def __getattr__(self, name: str) -> Any:  # every other hook: nothing to do
@@ -190,7 +203,7 @@ def _trl_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: _Clock)
         learning_rate=1e-5,
         lr_scheduler_type="constant",
         bf16=spec["precision"] == "bf16",
-        use_cpu=True,
+        use_cpu=spec.get("device", "cpu") == "cpu",
         max_length=spec["max_len"],
         completion_only_loss=True,
         gradient_checkpointing=True,
@@ -216,7 +229,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     rows = long_tailed_rows(spec["rows"], spec["vocab"], spec["max_len"], spec["seed"])
-    clock = _Clock()
+    clock = _Clock(cuda=spec.get("device") == "cuda")
     if spec["impl"] == "trl":
         _trl_worker(spec, rows, clock)
     else:
@@ -248,6 +261,7 @@ def run_impl(impl: str, precision: str, args: argparse.Namespace, model: Path) -
         "seed": args.seed,
         "warmup": args.warmup,
         "threads": args.threads,
+        "device": args.device,
     }
     script = str(Path(__file__).resolve())
     if impl == "grimoire-rl":
@@ -283,7 +297,10 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
     mean_tokens = sum(len(r["input_ids"]) for r in rows) // len(rows) * args.batch
     print(
         bench.machine_line(
-            f", torch threads {args.threads}", cpu_capability=True, tail=f"steps {args.steps}"
+            f", torch threads {args.threads}",
+            cpu_capability=True,
+            tail=f"steps {args.steps}"
+            + (f"; GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""),
         )
     )
     print(
@@ -297,30 +314,38 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
         model = save_model(Path(tmp) / "model", spec)
         for precision in args.precisions:
             peak = measured_peak(
-                spec["hidden_size"], spec["vocab_size"], intermediate, precision, mean_tokens
+                spec["hidden_size"],
+                spec["vocab_size"],
+                intermediate,
+                precision,
+                mean_tokens,
+                args.device,
             )
             label = "fp32" if precision == "no" else precision
             print(f"\n## {label}  (GEMM peak measured here: {peak:.0f} GFLOP/s)")
-            print(f"{'impl':<12} {'tok/s':>8} {'x padded':>9} {'MFU':>7}  note")
+            print(f"{'impl':<12} {'tok/s':>8} {'x padded':>9} {'x peer':>7} {'MFU':>7}  note")
             results: dict[str, dict[str, Any]] = {}
             for impl in args.impls:
                 r = run_impl(impl, precision, args, model)
                 results[impl] = r
                 row: dict[str, Any] = {"precision": label, "impl": impl, "note": ""}
+                row.update(ratio=None, ratio_peer=None)
                 if "skipped" in r or not r.get("seconds"):
-                    row.update(tok_s=None, ratio=None, mfu=None)
+                    row.update(tok_s=None, mfu=None)
                     row["note"] = r.get("skipped", "too few steps to time")
                 else:
                     share = r["timed_steps"] / r["steps"]
                     row["tok_s"] = labels * share / r["seconds"]
                     row["mfu"] = flops * share / r["seconds"] / 1e9 / peak
                 out.append(row)
-            base = next(
-                (r["tok_s"] for r in out[-len(args.impls) :] if r["impl"] == "ours padded"), None
-            )
-            for row in out[-len(args.impls) :]:
-                if row["tok_s"] is not None and base:
-                    row["ratio"] = row["tok_s"] / base
+            mine = out[-len(args.impls) :]
+            # Ratios against our padded path and against grimoire-rl, where each ran.
+            base = next((r["tok_s"] for r in mine if r["impl"] == "ours padded"), None)
+            peer = next((r["tok_s"] for r in mine if r["impl"] == "grimoire-rl"), None)
+            for row in mine:
+                if row["tok_s"] is not None:
+                    row["ratio"] = row["tok_s"] / base if base else None
+                    row["ratio_peer"] = row["tok_s"] / peer if peer else None
                 print(_fmt(row))
     return out
 
@@ -332,7 +357,7 @@ def _fmt(row: dict[str, Any]) -> str:
     mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
     return (
         f"{row['impl']:<12} {num(row['tok_s'], '.0f'):>8} {num(row['ratio'], '.2f'):>9} "
-        f"{mfu:>7}  {row['note']}"
+        f"{num(row['ratio_peer'], '.2f'):>7} {mfu:>7}  {row['note']}"
     )
 
 
@@ -352,10 +377,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tiny model)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: every run trains on the GPU (accelerate places it), a 1024 x 8 model",
+    )
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.spec = dict(TINY_MODEL if args.tiny else MODEL)
+    args.spec = dict(TINY_MODEL if args.tiny else GPU_MODEL if args.device == "cuda" else MODEL)
     if args.tiny:
         args.max_len = min(args.max_len, TINY_MODEL["max_position_embeddings"])
     if args.warmup >= args.steps:

@@ -306,9 +306,9 @@ def test_dropout_in_head_is_replayed_in_backward():
     hidden = torch.randn(9, 16, requires_grad=True)
     targets = torch.randint(0, 40, (9,))
     params = list(head.parameters())
-    spec = fh._ChunkSpec(head, [], False, "cpu", len(params))
+    spec = fh._HeadSpec(head, [], False, "cpu", len(params), chunk_size=4)
     torch.manual_seed(7)
-    out = fh._HeadChunkLogps.apply(hidden, targets, spec, *params)
+    out = fh._HeadLogps.apply(hidden, targets, spec, *params)
     g_hidden, g_w = torch.autograd.grad(out.sum(), [hidden, params[0]])
     torch.manual_seed(7)  # the same mask, through plain autograd
     ref = lp.logps_from_logits(head(hidden), targets)

@@ -6,14 +6,15 @@ accepts ``logits_to_keep``), then :func:`fused_token_logps`, which runs the mode
 ``logits_to_keep=1``, captures the decoder's last hidden state with a forward hook, checks once
 per model that the head plus the declared post-head transforms reproduce the model's own logits
 (:func:`_self_check`), and pushes the positions that have a target through the head
-``chunk_size`` rows at a time (:class:`_HeadChunkLogps`, a checkpointing autograd Function
-specialised to a softmax head; RNG state is replayed for heads with dropout). Peak logits memory
+``chunk_size`` rows at a time (:class:`_HeadLogps`, an autograd Function specialised to a
+softmax head that either recomputes the logits in backward, like activation checkpointing, or,
+for a token-mean loss, computes the head's gradients during the forward; RNG state is replayed
+for heads with dropout). Peak logits memory
 is ``chunk_size x V`` instead of ``B x T x V``. See ``docs/fused-logprobs.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import warnings
@@ -25,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .head_function import _head_logits, _HeadLogps, _HeadSpec
+
 # The public entry point lives in grimoire.logprobs, and so does the logger name users filter on.
 logger = logging.getLogger("grimoire.logprobs")
 
@@ -35,6 +38,10 @@ class _FusedState:
 
     checked: bool = False  # the self-check passed
     disabled: str | None = None  # why the fused path is off for good (None: it is on)
+    # CPU only: the [rows, V] logits buffer of a plain Linear head, reused across calls. A fresh
+    # buffer of that size comes from mmap and page-faults on first touch every step (~40 ms per
+    # 100 MB here, a quarter of the logits matmul); CUDA's caching allocator already reuses.
+    workspace: Tensor | None = None
 
 
 # The self-check verdict, keyed by the unwrapped CausalLM so DDP / PEFT wrappers of one model
@@ -159,197 +166,6 @@ def _disable(state: _FusedState, base: torch.nn.Module, reason: str) -> None:
     logger.info("fused log-probs off for %s: %s; using full logits", type(base).__name__, reason)
 
 
-def _head_logits(head: torch.nn.Module, transforms: list, hidden: Tensor) -> Tensor:
-    """``transforms(head(hidden))`` in the head's output dtype: ``[N, H] -> [N, V]``."""
-    logits = head(hidden)
-    for fn, value in transforms:
-        logits = fn(logits, value)
-    return logits
-
-
-#: fp32 work on ``[rows, V]`` logits is done this many elements at a time (128 MiB temporaries),
-#: so a chunk's fp32 copies never add up to ``chunk_size x V x 4`` bytes, while the head matmul
-#: still runs on the whole chunk (big matmuls are what's efficient).
-_FP32_BLOCK_ELEMS = 1 << 25
-
-
-def _row_blocks(rows: int, vocab: int) -> list[slice]:
-    step = max(1, _FP32_BLOCK_ELEMS // max(vocab, 1))
-    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
-
-
-@torch.no_grad()
-def _softmax_stats(
-    logits: Tensor, targets: Tensor, want_entropy: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Target log-probs, log-sum-exp and (optionally) entropy of each row, all fp32 ``[N]``.
-
-    ``logits [N, V]`` (any float dtype; may be overwritten), ``targets [N]``. The log-sum-exp is
-    written out (``m + log(sum(exp(z - m)))``) so the fp32 block is reused in place.
-    """
-    n = logits.shape[0]
-    logps = logits.new_empty(n, dtype=torch.float32)
-    lse = torch.empty_like(logps)
-    entropy = torch.empty_like(logps) if want_entropy else None
-    for rows in _row_blocks(n, logits.shape[-1]):
-        z = logits[rows].float()
-        m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
-        picked = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
-        if entropy is not None:
-            e = (z - m).exp_()
-            total = e.sum(-1)
-            # H = lse - sum_v p_v z_v = lse - sum_v e_v z_v / sum_v e_v.
-            weighted = e.mul_(z).sum(-1)
-            block_lse = m.squeeze(-1) + total.log()
-            entropy[rows] = block_lse - weighted / total
-        else:
-            block_lse = m.squeeze(-1) + z.sub_(m).exp_().sum(-1).log()
-        lse[rows] = block_lse
-        logps[rows] = picked - block_lse
-    return logps, lse, entropy
-
-
-@torch.no_grad()
-def _grad_logits(
-    logits: Tensor,
-    targets: Tensor,
-    lse: Tensor,
-    entropy: Tensor | None,
-    grad_logps: Tensor,
-    grad_entropy: Tensor | None,
-) -> Tensor:
-    """``dL/dlogits`` in ``logits``' dtype from the incoming grads of logps / entropy.
-
-    Shapes: ``logits [N, V]`` (read only), the rest ``[N]``. With ``p = softmax(z)``:
-    ``dlogp_t/dz = onehot(t) - p`` and ``dH/dz = -p * (log p + H)``; computed in fp32, in place,
-    one row block at a time.
-    """
-    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-    use_entropy = entropy is not None and grad_entropy is not None
-    in_place = out.dtype == torch.float32
-    for rows in _row_blocks(logits.shape[0], logits.shape[-1]):
-        # log p, written by one op into fresh memory, never an alias of ``logits`` (the head's
-        # backward may need it); for an fp32 head straight into ``out``, which skips a copy
-        # pass and a temporary per block (the fp32 promotion and subtraction are the same ops
-        # as casting first, so the values are bitwise unchanged).
-        z = out[rows] if in_place else torch.empty_like(logits[rows], dtype=torch.float32)
-        torch.sub(logits[rows], lse[rows].unsqueeze(-1), out=z)  # log p
-        g = grad_logps[rows].unsqueeze(-1)
-        if use_entropy:
-            probs = z.exp()
-            # -p * (g + e * (log p + H)), in place on log p.
-            z.add_(entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].unsqueeze(-1)).add_(g)
-            z.mul_(probs).neg_()
-            del probs
-        else:
-            z.exp_().mul_(-g)  # -g * p
-        z.scatter_add_(-1, targets[rows].unsqueeze(-1), g)  # + g * onehot(target)
-        if not in_place:
-            out[rows] = z
-    return out
-
-
-@dataclass
-class _ChunkSpec:
-    """The non-tensor inputs of :class:`_HeadChunkLogps` (one per compute_token_logps call)."""
-
-    head: torch.nn.Module
-    transforms: list
-    return_entropy: bool
-    device_type: str
-    n_params: int  # how many trailing inputs of ``apply`` are head parameters
-
-
-def _needs_rng_replay(head: torch.nn.Module) -> bool:
-    """Does the head draw random numbers (e.g. LoRA dropout on lm_head in training mode)?"""
-    return any(
-        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
-        for m in head.modules()
-    )
-
-
-class _HeadChunkLogps(torch.autograd.Function):
-    """``log p(target)`` (and entropy) for one chunk of rows, without keeping ``[C, V]`` logits.
-
-    Forward: ``hidden [C, H]``, ``targets [C]`` -> ``logps [C]`` (+ ``entropy [C]``), both fp32;
-    only ``hidden``, ``targets`` and the per-row log-sum-exp (``[C]``) are saved. Backward
-    recomputes the head's logits (in the forward's autocast state and RNG state), forms
-    ``dL/dlogits`` in closed form, in place, in fp32, and backpropagates it through the head with
-    ``torch.autograd.grad`` — so any head works (plain / biased / LoRA-wrapped Linear, declared
-    transforms), and its parameters are explicit inputs, so their gradients flow through the
-    normal (non-reentrant) autograd graph (tied weights, DDP hooks all behave).
-
-    This is activation checkpointing specialised to a softmax head: compared with
-    ``torch.utils.checkpoint`` around autograd ops it skips recomputing the log-sum-exp and
-    does the softmax backward in ~4 in-place passes instead of ~10 allocating ones; the cost
-    over the full path is one extra head matmul per chunk (the recompute).
-
-    Gradients (``z``: logits, ``p = softmax(z)``, ``H`` entropy, ``g``/``e`` the incoming grads
-    of logps/entropy): ``dlogp_t/dz = onehot(t) - p``; ``dH/dz = -p * (log p + H)``.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, hidden: Tensor, targets: Tensor, spec: _ChunkSpec, *params: Tensor):
-        dev = spec.device_type
-        ctx.spec = spec
-        # Unused outputs (typically a logged-only entropy) come back as None: skip their math.
-        ctx.set_materialize_grads(False)
-        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        ctx.rng = None
-        if _needs_rng_replay(spec.head):
-            ctx.rng = (torch.get_rng_state(), _device_rng_state(hidden.device))
-        logits = _head_logits(spec.head, spec.transforms, hidden)
-        logps, lse, entropy = _softmax_stats(logits, targets, spec.return_entropy)
-        del logits
-        if not spec.return_entropy:
-            ctx.save_for_backward(hidden, targets, lse, *params)
-            return logps
-        ctx.save_for_backward(hidden, targets, lse, entropy, *params)
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx: Any, grad_logps: Tensor | None, grad_entropy: Tensor | None = None):
-        spec: _ChunkSpec = ctx.spec
-        saved = ctx.saved_tensors
-        hidden, targets, lse = saved[:3]
-        if grad_logps is None:
-            grad_logps = torch.zeros_like(lse)
-        entropy = saved[3] if spec.return_entropy else None
-        params = saved[len(saved) - spec.n_params :]
-        enabled, dtype = ctx.autocast
-        with contextlib.ExitStack() as stack:
-            if ctx.rng is not None:  # replay the forward's dropout masks
-                devices = [hidden.device] if hidden.device.type != "cpu" else []
-                stack.enter_context(torch.random.fork_rng(devices=devices))
-                torch.set_rng_state(ctx.rng[0])
-                _set_device_rng_state(hidden.device, ctx.rng[1])
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(torch.autocast(spec.device_type, dtype=dtype, enabled=enabled))
-            h = hidden.detach().requires_grad_(ctx.needs_input_grad[0])
-            logits = _head_logits(spec.head, spec.transforms, h)
-        grad = _grad_logits(logits.detach(), targets, lse, entropy, grad_logps, grad_entropy)
-        wanted = [i for i, p in enumerate(params) if ctx.needs_input_grad[3 + i]]
-        inputs = ([h] if ctx.needs_input_grad[0] else []) + [params[i] for i in wanted]
-        grads = torch.autograd.grad(logits, inputs, grad, allow_unused=True) if inputs else []
-        grads = list(grads)
-        grad_hidden = grads.pop(0) if ctx.needs_input_grad[0] else None
-        grad_params: list[Tensor | None] = [None] * len(params)
-        for i, gp in zip(wanted, grads):
-            grad_params[i] = gp
-        return (grad_hidden, None, None, *grad_params)
-
-
-def _device_rng_state(device: torch.device) -> Tensor | None:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return None
-
-
-def _set_device_rng_state(device: torch.device, state: Tensor | None) -> None:
-    if state is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-
-
 def _self_check(
     head: torch.nn.Module, transforms: list, hidden: Tensor, model_logits: Tensor
 ) -> bool | None:
@@ -386,6 +202,7 @@ def fused_token_logps(
     mask: Tensor,
     chunk_size: int,
     return_entropy: bool,
+    uniform_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None] | None:
     """The fused path: ``(logps, entropy)``, both ``[B, T]`` fp32 and 0 where ``mask`` is False
     (``entropy`` None unless asked), or ``None`` when the path turned itself off for this model
@@ -448,20 +265,22 @@ def fused_token_logps(
 
     # Parameters are explicit inputs so autograd routes their gradients (and skips the frozen).
     params = [p for p in head.parameters() if p.requires_grad]
-    spec = _ChunkSpec(head, transforms, return_entropy, hidden.device.type, len(params))
-    pieces: list[tuple[Tensor, ...]] = []
+    spec = _HeadSpec(
+        head,
+        transforms,
+        return_entropy,
+        hidden.device.type,
+        len(params),
+        chunk_size,
+        uniform_grad,
+        parts.state,
+    )
     with autocast:
-        for start in range(0, rows.shape[0], chunk_size):
-            out = _HeadChunkLogps.apply(
-                rows[start : start + chunk_size],
-                rows_targets[start : start + chunk_size],
-                spec,
-                *params,
-            )
-            pieces.append(out if isinstance(out, tuple) else (out,))
+        out = _HeadLogps.apply(rows, rows_targets, spec, *params)
+    pieces = out if isinstance(out, tuple) else (out,)
 
     def scatter(i: int) -> Tensor:
-        values = torch.cat([p[i] for p in pieces])
+        values = pieces[i]
         if scale != 1.0:
             values = values * scale
         zeros = values.new_zeros(batch * seq)

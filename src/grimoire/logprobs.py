@@ -148,6 +148,7 @@ def compute_token_logps(
     fused: bool | Literal["require"] = True,
     chunk_size: int = 1024,
     return_entropy: bool = False,
+    uniform_grad: bool = False,
 ) -> TokenLogps:
     """Run ``model`` and return the log-probs of ``labels`` (HF convention: labels aligned with
     ``input_ids``, ``-100`` = not trained; the shift happens here).
@@ -163,6 +164,11 @@ def compute_token_logps(
             memory is ``chunk_size x vocab``. Must be > 0 (checked on both paths).
         return_entropy: also return the per-token entropy (fp32) of the predictive distribution,
             differentiable, e.g. for online-RL metrics or an entropy bonus.
+        uniform_grad: a promise that the loss is ``c * logps.sum()`` for one scalar ``c`` (a
+            token-mean or token-sum NLL, as in SFT): the fused path then computes the LM head's
+            gradients during the forward (one head matmul fewer, no logits recompute). Backward
+            checks the promise and recomputes if it does not hold, so results are exact either
+            way; a loss that mostly breaks it only loses time.
 
     Call it inside the caller's autocast context: the head chunks run in the same context as the
     model (and are recomputed in it during backward).
@@ -181,7 +187,15 @@ def compute_token_logps(
         if parts is not None:
             transforms = post_head_transforms(getattr(parts.base, "config", None))
             out = fused_token_logps(
-                model, parts, transforms, kwargs, targets, mask, chunk_size, return_entropy
+                model,
+                parts,
+                transforms,
+                kwargs,
+                targets,
+                mask,
+                chunk_size,
+                return_entropy,
+                uniform_grad,
             )
             if out is not None:
                 return TokenLogps(logps=out[0], mask=mask, entropy=out[1])

@@ -34,6 +34,7 @@ class SFTLoss(TokenLogpsLoss):
             position_ids=batch.get("position_ids"),
             fused=self.fused,
             chunk_size=self.fused_chunk_size,
+            uniform_grad=True,  # -sum(logps) / N: one upstream grad for every token
         )
         n_tokens = out.mask.sum()
         loss = -out.logps.sum() / n_tokens.clamp(min=1)

@@ -1,0 +1,152 @@
+"""Correctness checks that need a CUDA GPU; run by ``benchmarks/gpu_check.sh`` (one section each).
+
+    python benchmarks/gpu_checks.py head-parity   # fused head (eager + recompute) vs full logits
+    python benchmarks/gpu_checks.py liger         # use_liger=True: same first loss, loss falls
+    python benchmarks/gpu_checks.py precision     # mixed_precision="auto" resolves to bf16 here
+
+Each prints what it measured and exits non-zero when a check fails. Nothing in CI runs this.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import tempfile
+
+import torch
+
+#: ``GPU_CHECK_DEVICE=cpu`` dry-runs the checks' logic on a CPU (slow, bf16 bounds the same).
+DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
+
+
+def _model(vocab: int = 32000, hidden: int = 512, layers: int = 2, seed: int = 0):
+    from grimoire.tiny import build_model
+
+    model = build_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=layers,
+        seed=seed,
+        tie_word_embeddings=False,
+        max_position_embeddings=1024,
+    )
+    return model.to(DEVICE)
+
+
+def head_parity() -> bool:
+    """Log-probs and gradients of the fused head (eager and recompute routes) against the
+    full-logits path on CUDA, fp32 and bf16 autocast, several chunks per call."""
+    from grimoire import fused_head as fh
+    from grimoire.logprobs import compute_token_logps
+
+    torch.manual_seed(0)
+    model = _model()
+    ids = torch.randint(3, 32000, (4, 300), device=DEVICE)
+    labels = ids.clone()
+    labels[:, :50] = -100
+    ok = True
+    for bf16 in (False, True):
+        results = {}
+        for name, kw in (
+            ("full", dict(fused=False)),
+            ("recompute", dict(fused=True)),
+            ("eager", dict(fused=True, uniform_grad=True)),
+        ):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=bf16):
+                out = compute_token_logps(model, ids, labels, chunk_size=256, **kw)
+                loss = -out.logps.sum() / out.mask.sum()
+            loss.backward()
+            grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
+            results[name] = (out.logps.detach().float(), grads)
+        assert fh._STATE[model].checked and fh._STATE[model].disabled is None
+        ref_logps, ref_grads = results["full"]
+        for name in ("recompute", "eager"):
+            logps, grads = results[name]
+            err = float((logps - ref_logps).abs().max())
+            rel = max(
+                float((grads[n] - g).abs().max() / g.abs().max().clamp(min=1e-12))
+                for n, g in ref_grads.items()
+            )
+            bound = (0.05, 0.03) if bf16 else (1e-3, 1e-3)
+            good = err <= bound[0] and rel <= bound[1]
+            ok &= good
+            print(
+                f"{'bf16' if bf16 else 'fp32'} {name:<9}: max |logp - full| {err:.2e}, "
+                f"max grad rel err {rel:.2e} (bounds {bound}) {'ok' if good else 'FAIL'}"
+            )
+    return ok
+
+
+def _sft_rows(n: int = 64, length: int = 128, vocab: int = 32000):
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * 16 + ids[16:]})
+    return rows
+
+
+def _train(use_liger: bool, steps: int = 12) -> list[float]:
+    from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
+    from grimoire.losses import SFTLoss
+    from grimoire.tiny import build_tokenizer
+
+    losses: list[float] = []
+
+    class Losses(TrainerCallback):
+        def on_step_end(self, trainer, step, loss, metrics):
+            losses.append(loss)
+
+    rows = _sft_rows()
+    with tempfile.TemporaryDirectory() as out:
+        config = TrainingConfig(
+            output_dir=out,
+            max_steps=steps,
+            batch_size=8,
+            learning_rate=1e-3,
+            lr_scheduler="constant",
+            warmup_ratio=0.0,
+            logging_steps=1,
+            progress_bar=False,
+            save_on_epoch_end=False,
+            use_liger=use_liger,
+            seed=0,
+        )
+        trainer = GrimoireTrainer(
+            _model(), build_tokenizer(), config, SFTLoss(), rows, callbacks=[Losses()]
+        )
+        trainer.train()
+        trainer.close()
+    return losses
+
+
+def liger() -> bool:
+    """``use_liger=True`` against the same run without it: first losses agree (same model, same
+    batch, bf16 kernels), and the loss falls."""
+    plain, patched = _train(False), _train(True)
+    first = abs(plain[0] - patched[0]) / plain[0]
+    ok = first < 0.02 and patched[-1] < patched[0] - 0.1 and all(map(math.isfinite, patched))
+    print(f"no liger: {plain[0]:.4f} -> {plain[-1]:.4f}")
+    print(f"liger   : {patched[0]:.4f} -> {patched[-1]:.4f}; first-step rel diff {first:.2e}")
+    print("ok" if ok else "FAIL")
+    return ok
+
+
+def precision() -> bool:
+    from grimoire.precision import resolve_auto
+
+    logging.basicConfig(level=logging.INFO)
+    resolved = resolve_auto("auto")
+    print(f"auto -> {resolved} (torch.cuda.is_bf16_supported() = {torch.cuda.is_bf16_supported()})")
+    return resolved == "bf16"
+
+
+CHECKS = {"head-parity": head_parity, "liger": liger, "precision": precision}
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    sys.exit(0 if CHECKS[name]() else 1)

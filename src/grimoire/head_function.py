@@ -1,0 +1,409 @@
+"""The LM head's autograd Function: per-row log-probs of ``[rows, V]`` logits, chunk by chunk.
+
+Stage: the second half of the forward stage's fused path. :func:`grimoire.fused_head.
+fused_token_logps` gathers the rows that have a target and calls :class:`_HeadLogps` on them;
+this module holds the softmax math (statistics and closed-form gradients, fp32, in place, in
+row blocks) and the two routes to the head's gradients (recompute in backward, or eager in the
+forward for a token-mean loss). See ``docs/fused-logprobs.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _head_logits(head: torch.nn.Module, transforms: list, hidden: Tensor) -> Tensor:
+    """``transforms(head(hidden))`` in the head's output dtype: ``[N, H] -> [N, V]``."""
+    logits = head(hidden)
+    for fn, value in transforms:
+        logits = fn(logits, value)
+    return logits
+
+
+#: fp32 work on ``[rows, V]`` logits is done this many elements at a time (128 MiB temporaries),
+#: so a chunk's fp32 copies never add up to ``chunk_size x V x 4`` bytes, while the head matmul
+#: still runs on the whole chunk (big matmuls are what's efficient).
+_FP32_BLOCK_ELEMS = 1 << 25
+
+
+def _row_blocks(rows: int, vocab: int) -> list[slice]:
+    step = max(1, _FP32_BLOCK_ELEMS // max(vocab, 1))
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+@torch.no_grad()
+def _softmax_stats(
+    logits: Tensor, targets: Tensor, want_entropy: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Target log-probs, log-sum-exp and (optionally) entropy of each row, all fp32 ``[N]``.
+
+    ``logits [N, V]`` (any float dtype; may be overwritten), ``targets [N]``. The log-sum-exp is
+    written out (``m + log(sum(exp(z - m)))``) so the fp32 block is reused in place.
+    """
+    n = logits.shape[0]
+    logps = logits.new_empty(n, dtype=torch.float32)
+    lse = torch.empty_like(logps)
+    entropy = torch.empty_like(logps) if want_entropy else None
+    for rows in _row_blocks(n, logits.shape[-1]):
+        z = logits[rows].float()
+        m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
+        picked = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+        if entropy is not None:
+            e = (z - m).exp_()
+            total = e.sum(-1)
+            # H = lse - sum_v p_v z_v = lse - sum_v e_v z_v / sum_v e_v.
+            weighted = e.mul_(z).sum(-1)
+            block_lse = m.squeeze(-1) + total.log()
+            entropy[rows] = block_lse - weighted / total
+        else:
+            block_lse = m.squeeze(-1) + z.sub_(m).exp_().sum(-1).log()
+        lse[rows] = block_lse
+        logps[rows] = picked - block_lse
+    return logps, lse, entropy
+
+
+@torch.no_grad()
+def _grad_logits(
+    logits: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    grad_logps: Tensor,
+    grad_entropy: Tensor | None,
+) -> Tensor:
+    """``dL/dlogits`` in ``logits``' dtype from the incoming grads of logps / entropy.
+
+    Shapes: ``logits [N, V]`` (read only), the rest ``[N]``. With ``p = softmax(z)``:
+    ``dlogp_t/dz = onehot(t) - p`` and ``dH/dz = -p * (log p + H)``; computed in fp32, in place,
+    one row block at a time.
+    """
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    use_entropy = entropy is not None and grad_entropy is not None
+    in_place = out.dtype == torch.float32
+    for rows in _row_blocks(logits.shape[0], logits.shape[-1]):
+        # log p, written by one op into fresh memory, never an alias of ``logits`` (the head's
+        # backward may need it); for an fp32 head straight into ``out``, which skips a copy
+        # pass and a temporary per block (the fp32 promotion and subtraction are the same ops
+        # as casting first, so the values are bitwise unchanged).
+        z = out[rows] if in_place else torch.empty_like(logits[rows], dtype=torch.float32)
+        torch.sub(logits[rows], lse[rows].unsqueeze(-1), out=z)  # log p
+        g = grad_logps[rows].unsqueeze(-1)
+        if use_entropy:
+            probs = z.exp()
+            # -p * (g + e * (log p + H)), in place on log p.
+            z.add_(entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].unsqueeze(-1)).add_(g)
+            z.mul_(probs).neg_()
+            del probs
+        else:
+            z.exp_().mul_(-g)  # -g * p
+        z.scatter_add_(-1, targets[rows].unsqueeze(-1), g)  # + g * onehot(target)
+        if not in_place:
+            out[rows] = z
+    return out
+
+
+@torch.no_grad()
+def _stats_and_unit_grad(
+    logits: Tensor, targets: Tensor, want_entropy: bool, out: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """:func:`_softmax_stats` plus ``dlogp_t/dz = onehot(t) - p`` written into ``out``.
+
+    Shapes: ``logits [N, V]``, ``out [N, V]`` in ``logits``' dtype (``out`` may be ``logits``
+    itself, which is then overwritten), ``targets [N]``; returns fp32 ``[N]`` log-probs,
+    log-sum-exp and entropy. This is the gradient for an upstream grad of 1 on every log-prob:
+    the eager head scales it by the true upstream grad in backward. One exp pass serves the
+    statistics and the gradient.
+    """
+    n = logits.shape[0]
+    logps = logits.new_empty(n, dtype=torch.float32)
+    lse = torch.empty_like(logps)
+    entropy = torch.empty_like(logps) if want_entropy else None
+    fp32_out = out.dtype == torch.float32
+    for rows in _row_blocks(n, logits.shape[-1]):
+        z = logits[rows].float()
+        m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
+        t = targets[rows].unsqueeze(-1)
+        picked = z.gather(-1, t).squeeze(-1)
+        e = out[rows] if fp32_out else torch.empty_like(z)
+        torch.sub(z, m, out=e)  # z - m (e may alias z: elementwise, so that is safe)
+        shifted = e.clone() if entropy is not None else None
+        total = e.exp_().sum(-1, keepdim=True)
+        log_total = total.log()
+        lse[rows] = (m + log_total).squeeze(-1)
+        logps[rows] = picked - lse[rows]
+        if entropy is not None:
+            # H = lse - sum_v p_v z_v = log(total) - sum_v e_v (z_v - m) / total.
+            entropy[rows] = (log_total - (e * shifted).sum(-1, keepdim=True) / total).squeeze(-1)
+        e.mul_(total.reciprocal_().neg_())  # -p
+        e.scatter_add_(-1, t, torch.ones_like(t, dtype=e.dtype))  # + onehot(target)
+        if not fp32_out:
+            out[rows] = e
+    return logps, lse, entropy
+
+
+@dataclass
+class _HeadSpec:
+    """The non-tensor inputs of :class:`_HeadLogps` (one per compute_token_logps call)."""
+
+    head: torch.nn.Module
+    transforms: list
+    return_entropy: bool
+    device_type: str
+    n_params: int  # how many trailing inputs of ``apply`` are head parameters
+    chunk_size: int = 1024
+    uniform_grad: bool = False  # the caller promises one upstream grad for every log-prob
+    state: Any = None  # the model's _FusedState: holds the CPU logits workspace
+
+
+def _needs_rng_replay(head: torch.nn.Module) -> bool:
+    """Does the head draw random numbers (e.g. LoRA dropout on lm_head in training mode)?"""
+    return any(
+        isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+        for m in head.modules()
+    )
+
+
+def _plain_linear(spec: _HeadSpec) -> bool:
+    """A bare ``nn.Linear`` head with no post-head transforms and no hooks: its logits and
+    gradients are three plain matmuls, done here by hand into a reusable buffer (no autograd
+    graph). Anything else (LoRA, hooks, offloading) goes through the module's own forward."""
+    head = spec.head
+    hooked = (
+        head._forward_hooks
+        or head._forward_pre_hooks
+        or "forward" in vars(head)  # accelerate's offload / device hooks replace forward
+        or torch.nn.modules.module._global_forward_hooks
+        or torch.nn.modules.module._global_forward_pre_hooks
+    )
+    return type(head) is torch.nn.Linear and not spec.transforms and not hooked
+
+
+def _linear_logits(spec: _HeadSpec, hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """``(logits [N, V], weight)`` of a plain Linear head, in the dtype ``F.linear`` would use
+    here (the autocast dtype inside an autocast region, else the weight's), written into the
+    CPU workspace or a fresh buffer; ``weight`` is the head weight cast to that dtype."""
+    head = spec.head
+    dev = spec.device_type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
+    weight = head.weight.detach().to(dtype)
+    shape = (hidden.shape[0], weight.shape[0])
+    state = spec.state
+    if state is not None and hidden.device.type == "cpu":
+        ws = state.workspace
+        if ws is None or ws.dtype != dtype or ws.shape[1] != shape[1] or ws.shape[0] < shape[0]:
+            ws = state.workspace = None  # drop the old one before allocating
+            ws = state.workspace = hidden.new_empty(shape, dtype=dtype)
+        out = ws[: shape[0]]
+    else:
+        out = hidden.new_empty(shape, dtype=dtype)
+    torch.mm(hidden.detach().to(dtype), weight.t(), out=out)
+    if head.bias is not None:
+        out.add_(head.bias.detach().to(dtype))
+    return out, weight
+
+
+class _HeadLogps(torch.autograd.Function):
+    """``log p(target)`` (and entropy) of every row, ``chunk_size`` rows of ``[C, V]`` logits at
+    a time, none of them kept for backward.
+
+    Forward: ``hidden [N, H]``, ``targets [N]`` -> ``logps [N]`` (+ ``entropy [N]``), both fp32.
+    Gradients (``z``: logits, ``p = softmax(z)``, ``H`` entropy, ``g``/``e`` the incoming grads
+    of logps/entropy): ``dlogp_t/dz = onehot(t) - p``; ``dH/dz = -p * (log p + H)``.
+
+    Two ways to the gradients, exact both:
+
+    * **recompute** (default): only ``hidden``, ``targets`` and the per-row log-sum-exp are
+      saved; backward recomputes each chunk's logits (in the forward's autocast and RNG state),
+      forms ``dL/dlogits`` in closed form, in place, in fp32, and backpropagates it through the
+      head with ``torch.autograd.grad``, so any head works (plain / biased / LoRA-wrapped Linear,
+      declared transforms, dropout) and parameter gradients flow through the normal autograd
+      graph. Activation checkpointing specialised to a softmax head: one extra head matmul.
+    * **eager** (``spec.uniform_grad``: the caller's loss is ``c * sum(logps)``, e.g. token-mean
+      NLL): the forward already backpropagates ``onehot - p`` (upstream grad 1) through the head
+      and keeps the results (``[N, H]`` for ``hidden``, one parameter-sized buffer per trainable
+      head parameter, summed over chunks); backward multiplies them by the one upstream grad.
+      Three head matmuls instead of four and no second pass over the logits, the trick of
+      Liger's fused linear cross-entropy. Backward checks the promise (every incoming grad
+      equal, no grad on the entropy) and otherwise takes the recompute route, so a broken
+      promise costs time, never exactness.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, targets: Tensor, spec: _HeadSpec, *params: Tensor):
+        dev = spec.device_type
+        ctx.spec = spec
+        # Unused outputs (typically a logged-only entropy) come back as None: skip their math.
+        ctx.set_materialize_grads(False)
+        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.rng = None
+        if _needs_rng_replay(spec.head):
+            ctx.rng = (torch.get_rng_state(), _device_rng_state(hidden.device))
+        n = hidden.shape[0]
+        need_h = ctx.needs_input_grad[0]
+        wanted = [i for i in range(len(params)) if ctx.needs_input_grad[3 + i]]
+        eager = spec.uniform_grad and (need_h or bool(wanted))
+        logps = hidden.new_empty(n, dtype=torch.float32)
+        lse = torch.empty_like(logps)
+        entropy = torch.empty_like(logps) if spec.return_entropy else None
+        grad_h = torch.empty_like(hidden) if eager and need_h else None
+        grad_params: list[Tensor | None] = [None] * len(params)
+        plain = _plain_linear(spec)
+        for start in range(0, n, spec.chunk_size):
+            c = slice(start, min(start + spec.chunk_size, n))
+            if not eager:
+                if plain:
+                    logits = _linear_logits(spec, hidden[c])[0]
+                else:
+                    logits = _head_logits(spec.head, spec.transforms, hidden[c])
+                out = _softmax_stats(logits, targets[c], spec.return_entropy)
+                del logits
+            elif plain:
+                logits, weight = _linear_logits(spec, hidden[c])
+                out = _stats_and_unit_grad(logits, targets[c], spec.return_entropy, logits)
+                grads = _linear_grads(spec.head, logits, weight, hidden[c], need_h, params, wanted)
+                if need_h:
+                    grad_h[c] = grads.pop(0)
+                _accumulate(grad_params, wanted, grads)
+                del logits, weight
+            else:
+                with torch.enable_grad():
+                    h = hidden[c].detach().requires_grad_(need_h)
+                    logits = _head_logits(spec.head, spec.transforms, h)
+                unit = torch.empty_like(logits)  # the head's graph may hold on to its output
+                out = _stats_and_unit_grad(logits.detach(), targets[c], spec.return_entropy, unit)
+                inputs = ([h] if need_h else []) + [params[i] for i in wanted]
+                grads = list(torch.autograd.grad(logits, inputs, unit, allow_unused=True))
+                del logits, unit
+                if need_h:
+                    grad_h[c] = grads.pop(0)
+                _accumulate(grad_params, wanted, grads)
+            logps[c], lse[c] = out[0], out[1]
+            if entropy is not None:
+                entropy[c] = out[2]
+        # Intermediates, not inputs or outputs: kept on ctx, dropped once used.
+        ctx.eager = (grad_h, grad_params) if eager else None
+        if entropy is None:
+            ctx.save_for_backward(hidden, targets, lse, *params)
+            return logps
+        ctx.save_for_backward(hidden, targets, lse, entropy, *params)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad_logps: Tensor | None, grad_entropy: Tensor | None = None):
+        spec: _HeadSpec = ctx.spec
+        saved = ctx.saved_tensors
+        hidden, targets, lse = saved[:3]
+        entropy = saved[3] if spec.return_entropy else None
+        params = saved[len(saved) - spec.n_params :]
+        eager, ctx.eager = ctx.eager, None  # a second backward (retain_graph) recomputes
+        if eager is not None and grad_entropy is None and grad_logps is not None:
+            scale = grad_logps[:1]
+            # One sync per backward: whether the caller kept its promise decides the route.
+            if bool((grad_logps == scale).all()):
+                grad_h, grad_params = eager
+                grad_h = grad_h.mul_(scale.to(grad_h.dtype)) if grad_h is not None else None
+                grad_params = [
+                    g.mul_(scale.to(g.dtype)) if g is not None else None for g in grad_params
+                ]
+                return (grad_h, None, None, *grad_params)
+        if grad_logps is None:
+            grad_logps = torch.zeros_like(lse)
+        grads = _recompute_backward(
+            ctx, hidden, targets, lse, entropy, params, grad_logps, grad_entropy
+        )
+        return (*grads,)
+
+
+def _linear_grads(
+    head: torch.nn.Linear,
+    unit: Tensor,
+    weight: Tensor,
+    hidden: Tensor,
+    need_h: bool,
+    params: tuple[Tensor, ...],
+    wanted: list[int],
+) -> list[Tensor | None]:
+    """The gradients a plain Linear head's backward would give for ``dL/dlogits = unit``:
+    ``[dL/dhidden]`` (if ``need_h``) then one per ``wanted`` parameter, each in its own dtype.
+
+    Shapes: ``unit [N, V]`` and ``weight [V, H]`` in the compute dtype, ``hidden [N, H]``.
+    """
+    out: list[Tensor | None] = []
+    if need_h:
+        out.append(torch.mm(unit, weight).to(hidden.dtype))
+    for i in wanted:
+        p = params[i]
+        if p is head.weight:
+            out.append(torch.mm(unit.t(), hidden.to(unit.dtype)).to(p.dtype))
+        elif p is head.bias:
+            out.append(unit.sum(0).to(p.dtype))
+        else:  # pragma: no cover - a plain Linear has no other parameters
+            out.append(None)
+    return out
+
+
+def _accumulate(total: list[Tensor | None], wanted: list[int], grads: list) -> None:
+    """Sum one chunk's parameter gradients into ``total`` (in place after the first chunk)."""
+    for i, g in zip(wanted, grads):
+        if g is not None:
+            total[i] = g if total[i] is None else total[i].add_(g)
+
+
+def _recompute_backward(
+    ctx: Any,
+    hidden: Tensor,
+    targets: Tensor,
+    lse: Tensor,
+    entropy: Tensor | None,
+    params: tuple[Tensor, ...],
+    grad_logps: Tensor,
+    grad_entropy: Tensor | None,
+) -> list[Tensor | None]:
+    """:class:`_HeadLogps`' recompute route: the gradients of all its inputs, chunk by chunk."""
+    spec: _HeadSpec = ctx.spec
+    need_h = ctx.needs_input_grad[0]
+    wanted = [i for i in range(len(params)) if ctx.needs_input_grad[3 + i]]
+    grad_hidden = torch.empty_like(hidden) if need_h else None
+    grad_params: list[Tensor | None] = [None] * len(params)
+    enabled, dtype = ctx.autocast
+    with contextlib.ExitStack() as stack:
+        if ctx.rng is not None:  # replay the forward's dropout masks, chunks in forward order
+            devices = [hidden.device] if hidden.device.type != "cpu" else []
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            torch.set_rng_state(ctx.rng[0])
+            _set_device_rng_state(hidden.device, ctx.rng[1])
+        for start in range(0, hidden.shape[0], spec.chunk_size):
+            c = slice(start, min(start + spec.chunk_size, hidden.shape[0]))
+            with (
+                torch.enable_grad(),
+                torch.autocast(spec.device_type, dtype=dtype, enabled=enabled),
+            ):
+                h = hidden[c].detach().requires_grad_(need_h)
+                logits = _head_logits(spec.head, spec.transforms, h)
+            ge = grad_entropy[c] if grad_entropy is not None else None
+            ent = entropy[c] if entropy is not None else None
+            grad = _grad_logits(logits.detach(), targets[c], lse[c], ent, grad_logps[c], ge)
+            inputs = ([h] if need_h else []) + [params[i] for i in wanted]
+            if not inputs:
+                continue
+            grads = list(torch.autograd.grad(logits, inputs, grad, allow_unused=True))
+            if need_h:
+                grad_hidden[c] = grads.pop(0)
+            _accumulate(grad_params, wanted, grads)
+    return [grad_hidden, None, None, *grad_params]
+
+
+def _device_rng_state(device: torch.device) -> Tensor | None:
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return None
+
+
+def _set_device_rng_state(device: torch.device, state: Tensor | None) -> None:
+    if state is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
