@@ -64,10 +64,11 @@ print('transformers', transformers.__version__, 'accelerate', accelerate.__versi
 "
 if ls .whl/*.whl >/dev/null 2>&1; then
   mkdir -p /tmp/site /tmp/peer
-  section wheels env.log 120 sh -c 'python -m pip install -q --no-index --no-deps --no-compile \
-    --target /tmp/site $(ls .whl/*.whl | grep -v grimoire_rl) && if ls .whl/grimoire_rl*.whl; \
-    then python -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer \
-    .whl/grimoire_rl*.whl; fi'
+  # One wheel at a time, so a wheel this python cannot take does not stop the others.
+  section wheels env.log 120 sh -c 'for w in .whl/*.whl; do
+    case $w in *grimoire_rl*) dest=/tmp/peer ;; *) dest=/tmp/site ;; esac
+    python -m pip install -q --no-index --no-deps --no-compile --target $dest $w || echo "not installed: $w"
+  done'
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 section grimoire env.log 60 python -c "import grimoire, sys; print('grimoire from', grimoire.__file__)"

@@ -98,10 +98,23 @@ def profile(impl: str, args: argparse.Namespace, model: Path) -> dict[str, float
         "batch": args.batch,
         "max_len": args.max_len,
         "max_tokens": args.max_tokens,
+        "device": args.device,
     }
     rows = tp.long_tailed_rows(args.steps * args.batch, tp.MODEL["vocab_size"], args.max_len)
-    prof = torch.profiler.profile(activities=[ProfilerActivity.CPU])
-    tp._grimoire_worker(spec, rows, Arm())
+    activities = [ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    if args.cprofile:  # Python-level hot spots of the whole run (host overhead on a GPU)
+        import cProfile
+        import pstats
+
+        py = cProfile.Profile()
+        py.runcall(tp._grimoire_worker, spec, rows, Arm())
+        print(f"# {impl}: cProfile, top {args.cprofile} by own time")
+        pstats.Stats(py).sort_stats("tottime").print_stats(args.cprofile)
+    else:
+        tp._grimoire_worker(spec, rows, Arm())
     prof.stop()
     n = args.steps - args.warmup
     # Steps after the last one we count are not timed (live turns on at the warm-up's end).
@@ -119,6 +132,9 @@ def profile(impl: str, args: argparse.Namespace, model: Path) -> dict[str, float
     out["decoder backward"] = out.get("backward", 0.0) - out.get("head backward", 0.0)
     top = sorted(ops.values(), key=lambda e: e.self_cpu_time_total, reverse=True)
     out["_top"] = [(e.key, e.self_cpu_time_total / 1e6 / n, e.count // n) for e in top]
+    if args.device == "cuda":
+        gpu = sorted(ops.values(), key=lambda e: e.self_device_time_total, reverse=True)
+        out["_top_gpu"] = [(e.key, e.self_device_time_total / 1e6 / n, e.count // n) for e in gpu]
     return out
 
 
@@ -148,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", default="no", choices=["no", "bf16"])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=0, help="also list the N ops with most self time")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--cprofile", type=int, default=0, help="print the N hottest Python functions")
     args = p.parse_args(argv)
     import torch
 
@@ -156,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     _instrument(CLOCK, LIVE)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = tp.save_model(Path(tmp) / "model", tp.MODEL)
+        model = tp.save_model(
+            Path(tmp) / "model", tp.GPU_MODEL if args.device == "cuda" else tp.MODEL
+        )
         for impl in ("ours padded", "ours packed"):
             results[impl] = profile(impl, args, model)
     print(f"# s/step over {args.steps - args.warmup} steps, precision {args.precision}")
@@ -168,6 +188,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n# {impl}: top {args.top} ops by self time (s/step, calls/step)")
         for name, seconds, calls in results[impl]["_top"][: args.top]:
             print(f"{name:<44} {seconds:>8.3f} {calls:>6}")
+        if "_top_gpu" in results[impl]:
+            print(f"# {impl}: top {args.top} ops by GPU time (s/step, calls/step)")
+            for name, seconds, calls in results[impl]["_top_gpu"][: args.top]:
+                print(f"{name:<44} {seconds:>8.3f} {calls:>6}")
 
 
 if __name__ == "__main__":

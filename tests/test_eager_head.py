@@ -223,16 +223,25 @@ def test_second_backward_recomputes_exactly():
         torch.testing.assert_close(b, r, **FP32_TOL)
 
 
-def test_cpu_workspace_is_reused_across_calls():
-    model = make_model("llama", tie=False)
+def test_cpu_workspace_is_shared_and_reused_across_calls():
+    """One CPU logits buffer serves every plain-Linear head call (forward, recompute, another
+    model) instead of a fresh mmap'd one per call; results do not depend on its old contents."""
+    from grimoire import head_function as hf
+
+    hf.release_workspace()
+    model, other = make_model("llama", tie=False), make_model("llama", tie=False, seed=1)
     batch = padded_batch()
     with torch.no_grad():
         first = fh_compute(model, batch)
-        ptr = fh._STATE[model].workspace.data_ptr()
-        second = fh_compute(model, batch)
-    assert fh._STATE[model].workspace.data_ptr() == ptr
-    assert fh._STATE[model].workspace.shape == (CHUNK, VOCAB)
-    torch.testing.assert_close(first.logps, second.logps, rtol=0, atol=0)
+        ptr = hf._WORKSPACE.buf.data_ptr()
+        fh_compute(other, batch)
+        again = fh_compute(model, batch)
+    run(model, batch, fused=True, chunk_size=CHUNK)  # the recompute route uses it too
+    assert hf._WORKSPACE.buf.data_ptr() == ptr
+    assert hf._WORKSPACE.buf.shape == (CHUNK, VOCAB)
+    torch.testing.assert_close(first.logps, again.logps, rtol=0, atol=0)
+    hf.release_workspace()
+    assert hf._WORKSPACE.buf is None
 
 
 def test_sft_loss_takes_the_eager_route_and_matches_the_full_path():

@@ -213,6 +213,21 @@ def test_the_trainer_selects_it_for_packed_runs(tmp_path, tokenizer, overrides, 
     assert (trainer.unwrapped_model.config._attn_implementation == NAME) is selected
 
 
+def test_auto_stays_padded_on_a_cuda_device_and_an_explicit_switch_still_packs(tmp_path):
+    """The one GPU measurement had packing 6.6x slower than padded: auto does not pack on CUDA
+    (device_type is what the trainer passes from its accelerator), padding_free=True does."""
+    from grimoire.data.loader import AUTO_PACKING_CUDA_NOTE, packing_decision
+    from grimoire.losses import SFTLoss
+
+    model = build_model("llama", vocab_size=64)
+    auto = quiet_config(tmp_path, batch_size=4)
+    assert packing_decision(SFTLoss(), auto, 0, None, model, LONG_TAILED, "cpu")[0] is True
+    packed, why = packing_decision(SFTLoss(), auto, 0, None, model, LONG_TAILED, "cuda")
+    assert (packed, why) == (False, AUTO_PACKING_CUDA_NOTE)
+    forced = quiet_config(tmp_path, batch_size=4, padding_free=True)
+    assert packing_decision(SFTLoss(), forced, 0, None, model, LONG_TAILED, "cuda")[0] is True
+
+
 def test_padding_ratio_by_hand():
     from grimoire.data.budget import padding_ratio
 

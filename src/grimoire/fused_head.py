@@ -38,10 +38,6 @@ class _FusedState:
 
     checked: bool = False  # the self-check passed
     disabled: str | None = None  # why the fused path is off for good (None: it is on)
-    # CPU only: the [rows, V] logits buffer of a plain Linear head, reused across calls. A fresh
-    # buffer of that size comes from mmap and page-faults on first touch every step (~40 ms per
-    # 100 MB here, a quarter of the logits matmul); CUDA's caching allocator already reuses.
-    workspace: Tensor | None = None
 
 
 # The self-check verdict, keyed by the unwrapped CausalLM so DDP / PEFT wrappers of one model
@@ -273,7 +269,6 @@ def fused_token_logps(
         len(params),
         chunk_size,
         uniform_grad,
-        parts.state,
     )
     with autocast:
         out = _HeadLogps.apply(rows, rows_targets, spec, *params)

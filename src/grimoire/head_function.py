@@ -10,6 +10,7 @@ forward for a token-mean loss). See ``docs/fused-logprobs.md``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,14 +76,17 @@ def _grad_logits(
     entropy: Tensor | None,
     grad_logps: Tensor,
     grad_entropy: Tensor | None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """``dL/dlogits`` in ``logits``' dtype from the incoming grads of logps / entropy.
 
-    Shapes: ``logits [N, V]`` (read only), the rest ``[N]``. With ``p = softmax(z)``:
+    Shapes: ``logits [N, V]`` (read only unless ``out`` is ``logits``, then overwritten), the
+    rest ``[N]``. With ``p = softmax(z)``:
     ``dlogp_t/dz = onehot(t) - p`` and ``dH/dz = -p * (log p + H)``; computed in fp32, in place,
     one row block at a time.
     """
-    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
     use_entropy = entropy is not None and grad_entropy is not None
     in_place = out.dtype == torch.float32
     for rows in _row_blocks(logits.shape[0], logits.shape[-1]):
@@ -157,7 +161,6 @@ class _HeadSpec:
     n_params: int  # how many trailing inputs of ``apply`` are head parameters
     chunk_size: int = 1024
     uniform_grad: bool = False  # the caller promises one upstream grad for every log-prob
-    state: Any = None  # the model's _FusedState: holds the CPU logits workspace
 
 
 def _needs_rng_replay(head: torch.nn.Module) -> bool:
@@ -183,21 +186,36 @@ def _plain_linear(spec: _HeadSpec) -> bool:
     return type(head) is torch.nn.Linear and not spec.transforms and not hooked
 
 
-def _linear_logits(spec: _HeadSpec, hidden: Tensor) -> tuple[Tensor, Tensor]:
-    """``(logits [N, V], weight)`` of a plain Linear head, in the dtype ``F.linear`` would use
-    here (the autocast dtype inside an autocast region, else the weight's), written into the
-    CPU workspace or a fresh buffer; ``weight`` is the head weight cast to that dtype."""
-    head = spec.head
-    dev = spec.device_type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else head.weight.dtype
+#: CPU only: one ``[rows, V]`` logits buffer per thread, reused by every plain-Linear head call
+#: (policy and reference alike). A fresh buffer of that size comes from mmap and page-faults on
+#: first touch, every call: ~40 ms per 100 MB here, a quarter of the logits matmul. It is
+#: released by :func:`release_workspace`; CUDA's caching allocator already reuses memory.
+_WORKSPACE = threading.local()
+
+
+def release_workspace() -> None:
+    """Free this thread's CPU logits buffer (the next head call allocates a new one)."""
+    _WORKSPACE.buf = None
+
+
+def _compute_dtype(head: torch.nn.Module, autocast: tuple[bool, torch.dtype]) -> torch.dtype:
+    """The dtype ``F.linear`` computes the head in: autocast's, if on, else the weight's."""
+    enabled, dtype = autocast
+    return dtype if enabled else head.weight.dtype
+
+
+def _linear_logits(
+    head: torch.nn.Linear, hidden: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(logits [N, V], weight [V, H])`` of a plain Linear head in ``dtype`` (``weight`` is the
+    head weight cast to it), the logits in the CPU workspace or a fresh buffer."""
     weight = head.weight.detach().to(dtype)
     shape = (hidden.shape[0], weight.shape[0])
-    state = spec.state
-    if state is not None and hidden.device.type == "cpu":
-        ws = state.workspace
+    if hidden.device.type == "cpu":
+        ws = getattr(_WORKSPACE, "buf", None)
         if ws is None or ws.dtype != dtype or ws.shape[1] != shape[1] or ws.shape[0] < shape[0]:
-            ws = state.workspace = None  # drop the old one before allocating
-            ws = state.workspace = hidden.new_empty(shape, dtype=dtype)
+            _WORKSPACE.buf = None  # free the old one before allocating the new
+            ws = _WORKSPACE.buf = hidden.new_empty(shape, dtype=dtype)
         out = ws[: shape[0]]
     else:
         out = hidden.new_empty(shape, dtype=dtype)
@@ -253,17 +271,18 @@ class _HeadLogps(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if eager and need_h else None
         grad_params: list[Tensor | None] = [None] * len(params)
         plain = _plain_linear(spec)
+        dtype = _compute_dtype(spec.head, ctx.autocast) if plain else None
         for start in range(0, n, spec.chunk_size):
             c = slice(start, min(start + spec.chunk_size, n))
             if not eager:
                 if plain:
-                    logits = _linear_logits(spec, hidden[c])[0]
+                    logits = _linear_logits(spec.head, hidden[c], dtype)[0]
                 else:
                     logits = _head_logits(spec.head, spec.transforms, hidden[c])
                 out = _softmax_stats(logits, targets[c], spec.return_entropy)
                 del logits
             elif plain:
-                logits, weight = _linear_logits(spec, hidden[c])
+                logits, weight = _linear_logits(spec.head, hidden[c], dtype)
                 out = _stats_and_unit_grad(logits, targets[c], spec.return_entropy, logits)
                 grads = _linear_grads(spec.head, logits, weight, hidden[c], need_h, params, wanted)
                 if need_h:
@@ -371,6 +390,7 @@ def _recompute_backward(
     grad_hidden = torch.empty_like(hidden) if need_h else None
     grad_params: list[Tensor | None] = [None] * len(params)
     enabled, dtype = ctx.autocast
+    plain = _plain_linear(spec)
     with contextlib.ExitStack() as stack:
         if ctx.rng is not None:  # replay the forward's dropout masks, chunks in forward order
             devices = [hidden.device] if hidden.device.type != "cpu" else []
@@ -379,14 +399,24 @@ def _recompute_backward(
             _set_device_rng_state(hidden.device, ctx.rng[1])
         for start in range(0, hidden.shape[0], spec.chunk_size):
             c = slice(start, min(start + spec.chunk_size, hidden.shape[0]))
+            ge = grad_entropy[c] if grad_entropy is not None else None
+            ent = entropy[c] if entropy is not None else None
+            if plain:  # by hand, in the workspace: dL/dlogits overwrites the recomputed logits
+                logits, weight = _linear_logits(
+                    spec.head, hidden[c], _compute_dtype(spec.head, ctx.autocast)
+                )
+                grad = _grad_logits(logits, targets[c], lse[c], ent, grad_logps[c], ge, out=logits)
+                grads = _linear_grads(spec.head, grad, weight, hidden[c], need_h, params, wanted)
+                if need_h:
+                    grad_hidden[c] = grads.pop(0)
+                _accumulate(grad_params, wanted, grads)
+                continue
             with (
                 torch.enable_grad(),
                 torch.autocast(spec.device_type, dtype=dtype, enabled=enabled),
             ):
                 h = hidden[c].detach().requires_grad_(need_h)
                 logits = _head_logits(spec.head, spec.transforms, h)
-            ge = grad_entropy[c] if grad_entropy is not None else None
-            ent = entropy[c] if entropy is not None else None
             grad = _grad_logits(logits.detach(), targets[c], lse[c], ent, grad_logps[c], ge)
             inputs = ([h] if need_h else []) + [params[i] for i in wanted]
             if not inputs:

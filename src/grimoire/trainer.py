@@ -111,7 +111,9 @@ class GrimoireTrainer:
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pad_id = pad_token_id_of(tokenizer, model)
         #: Whether micro-batches are packed rows (padding_free: auto / forced), and why.
-        packed, why = packing_decision(loss_fn, config, pad_id, data_collator, model, train_dataset)
+        packed, why = packing_decision(
+            loss_fn, config, pad_id, data_collator, model, train_dataset, acc.device.type
+        )
         self.packed = packed
         logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
         model, self.step_hooks = prepare_model(model, peft_config, config, acc, packed)

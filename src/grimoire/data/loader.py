@@ -111,6 +111,13 @@ PACKING_ATTENTION = (
 #: positions: on rows of nearly equal length the packed path's per-sample work costs more than
 #: the padding it saves (measured on the quickstart: padded ~1.3x faster at a ratio of ~1.1).
 AUTO_PACKING_MIN_RATIO = 1.25
+#: Why ``padding_free=None`` does not pack on a CUDA GPU: the one GPU measurement so far (an
+#: H200, SFT on long-tailed rows; docs/performance.md, "On a GPU") had the packed path 6.6x
+#: slower than padded, cause not yet found. Packing stays one switch away, and exact.
+AUTO_PACKING_CUDA_NOTE = (
+    "auto: on a CUDA GPU the packed path measured 6.6x slower than padded (docs/performance.md, "
+    "'On a GPU'); set padding_free=True to pack anyway"
+)
 
 
 def packing_decision(
@@ -120,6 +127,7 @@ def packing_decision(
     given: Any = None,
     model: Any = None,
     dataset: Any = None,
+    device_type: str = "cpu",
 ) -> tuple[bool, str]:
     """Whether micro-batches are packed rows, and why (logged at start).
 
@@ -130,7 +138,8 @@ def packing_decision(
     positions (:func:`~grimoire.data.budget.padding_ratio`): the loss is the same as padded (the
     parity tests), with less work on rows of different lengths. A budget with a
     method that cannot pack (reward modelling) bins padded micro-batches instead. A user's
-    ``data_collator`` counts as padded unless it has ``packed = True``.
+    ``data_collator`` counts as padded unless it has ``packed = True``. On a CUDA device
+    (``device_type``) auto stays padded: see :data:`AUTO_PACKING_CUDA_NOTE`.
     """
     if given is not None:
         packed = bool(getattr(given, "packed", False))
@@ -143,6 +152,8 @@ def packing_decision(
         reason = _attention_cannot_pack(model)
         if reason is not None:
             return False, reason
+        if device_type == "cuda":
+            return False, AUTO_PACKING_CUDA_NOTE
         if dataset is not None and not getattr(loss_fn, "needs_generation", False):
             # (Online methods pack their sampled completions, whose lengths the prompts do not
             # tell: they always pack.)
