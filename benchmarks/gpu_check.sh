@@ -6,7 +6,8 @@
 #                           process with fsdp_cpu_offload (it cannot run on a CPU-only machine)
 #   $OUT/fused_logprobs.log benchmarks/fused_logprobs.py --device cuda (fused vs full logits)
 #   $OUT/checks.log         benchmarks/gpu_checks.py: the fused head's eager and recompute routes
-#                           against full logits on CUDA; use_liger=True; mixed_precision auto
+#                           against full logits on CUDA; per-sample sdpa with and without cuDNN;
+#                           use_liger=True; mixed_precision auto
 #   $OUT/throughput.log     benchmarks/throughput.py --device cuda: SFT tok/s, ours packed /
 #                           padded / grimoire-rl (where its wheel is carried), bf16, a 1024 x 8
 #                           model
@@ -75,6 +76,7 @@ section grimoire env.log 60 python -c "import grimoire, sys; print('grimoire fro
 
 # ---------------------------------------------------------------- correctness on CUDA
 section head-parity checks.log 90 python benchmarks/gpu_checks.py head-parity
+section sdpa-shapes checks.log 90 python benchmarks/gpu_checks.py sdpa-shapes
 
 # ---------------------------------------------------------------- SFT throughput on CUDA
 # The peer runs under the same python with only its own folder in front (run_impl drops our

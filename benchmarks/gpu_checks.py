@@ -3,6 +3,7 @@
     python benchmarks/gpu_checks.py head-parity   # fused head (eager + recompute) vs full logits
     python benchmarks/gpu_checks.py liger         # use_liger=True: same first loss, loss falls
     python benchmarks/gpu_checks.py precision     # mixed_precision="auto" resolves to bf16 here
+    python benchmarks/gpu_checks.py sdpa-shapes   # per-sample sdpa: default kernels vs no cuDNN
 
 Each prints what it measured and exits non-zero when a check fails. Nothing in CI runs this.
 """
@@ -145,7 +146,52 @@ def precision() -> bool:
     return resolved == "bf16"
 
 
-CHECKS = {"head-parity": head_parity, "liger": liger, "precision": precision}
+def sdpa_shapes() -> bool:
+    """Causal sdpa fwd+bwd over 32 samples of distinct lengths (a packed row's per-sample calls),
+    twice (new shapes, then the same shapes again), with torch's default kernel choice and with
+    cuDNN excluded (grimoire.packed_attention on CUDA). Tests the suspicion that cuDNN's
+    per-length plans made the packed path slow on an H200 (docs/performance.md)."""
+    import contextlib
+    import time
+
+    from grimoire.packed_attention import _per_sample_backends
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(16, 2048, (32,), generator=g).tolist()
+
+    def one_pass(offset: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for n in lengths:
+            q, k, v = (
+                torch.randn(
+                    1, 4, n + offset, 256, device=DEVICE, dtype=torch.bfloat16, requires_grad=True
+                )
+                for _ in range(3)
+            )
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.sum().backward()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    variants = (
+        ("default", contextlib.nullcontext()),
+        ("no cuDNN", _per_sample_backends(torch.device(DEVICE))),
+    )
+    for offset, (name, kernels) in enumerate(variants):
+        # Each variant gets lengths the other has not seen (offset), so both start cold.
+        with kernels:
+            cold, warm = one_pass(offset), one_pass(offset)
+        print(f"{name:<9}: 32 new lengths {cold:.3f} s, the same again {warm:.3f} s")
+    return True
+
+
+CHECKS = {
+    "head-parity": head_parity,
+    "liger": liger,
+    "precision": precision,
+    "sdpa-shapes": sdpa_shapes,
+}
 
 if __name__ == "__main__":
     name = sys.argv[1]

@@ -268,3 +268,19 @@ def test_inference_mode_and_reused_position_ids():
         want = plain(input_ids=ids, position_ids=pos, use_cache=False).logits
         got = packed(input_ids=ids, position_ids=pos, use_cache=False).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_per_sample_calls_exclude_cudnn_attention_on_cuda_only():
+    """cuDNN attention plans per sequence length; per-sample calls on CUDA keep to flash /
+    memory-efficient / math. The CPU path is untouched (no context at all)."""
+    import contextlib
+
+    from grimoire.packed_attention import _per_sample_backends
+
+    assert isinstance(_per_sample_backends(torch.device("cpu")), contextlib.nullcontext)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with _per_sample_backends(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -29,6 +29,7 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Any
@@ -182,6 +183,35 @@ def packed_sdpa_attention_forward(
             f"{NAME}: {type(module).__name__} asks for a sliding window or logit softcapping, "
             "which per-sample causal sdpa does not apply; use attn_implementation='sdpa'."
         )
+    rest = {k: v for k, v in kwargs.items() if k != "position_ids"}
+    with _per_sample_backends(query.device):
+        return _per_sample(module, query, key, value, position_ids, dropout, scaling, **rest)
+
+
+def _per_sample_backends(device: torch.device) -> Any:
+    """On CUDA, sdpa kernels for the per-sample calls without cuDNN's: cuDNN attention (which
+    torch may prefer on Hopper) builds a plan per new sequence length, and every sample of a
+    packed row has its own length. Suspected, not yet measured, as the cause of the packed
+    path's 6.6x slowdown on an H200 (docs/performance.md, "On a GPU"); elsewhere a no-op."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(backends)
+
+
+def _per_sample(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal sdpa on each sample of each row, concatenated back: ``[B, L, heads, head_dim]``."""
     rows = []
     for b, lengths in enumerate(sample_lengths(position_ids, query.shape[0])):
         if len(lengths) == 1:  # one sample: plain causal attention over the row
@@ -193,7 +223,9 @@ def packed_sdpa_attention_forward(
             pieces = list(zip(qs, ks, vs, strict=True))
         outs = [
             # is_causal=True: the dense mask was causal_mask_function within each sample.
-            sdpa_attention_forward(module, q, k, v, None, dropout, scaling, True, **kwargs)[0]
+            sdpa_attention_forward(
+                module, q, k, v, None, dropout, scaling, True, position_ids=position_ids, **kwargs
+            )[0]
             for q, k, v in pieces
         ]
         rows.append(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
