@@ -11,6 +11,8 @@
 #   $OUT/throughput.log     benchmarks/throughput.py --device cuda: SFT tok/s, ours packed /
 #                           padded / grimoire-rl (where its wheel is carried), bf16, a 1024 x 8
 #                           model
+#   $OUT/cpu_bf16.log       the host CPU's AMX / AVX512-BF16 flags and throughput.py on that CPU
+#                           (CUDA hidden), fp32 against bf16
 #   $OUT/summary.txt        one line per section: its exit code and seconds
 # Nothing in CI runs or depends on this script. It runs grimoire from src/ (PYTHONPATH) and
 # installs only what a `.whl/` folder next to it carries (liger-kernel, datasets; grimoire-rl
@@ -86,6 +88,13 @@ chmod +x "$WORK/peer-python"
 section throughput throughput.log 180 python benchmarks/throughput.py --device cuda \
   --precisions bf16 --impls "ours packed" "ours padded" grimoire-rl --peer-python "$WORK/peer-python" \
   --batch 32 --max-len 2048 --max-tokens 16384 --steps 16 --warmup 4
+
+# ---------------------------------------------------------------- bf16 on the host's CPU
+# Issue #16's AMX goal (bf16 >= 2x fp32 on a CPU with AMX) cannot be measured on the CPU-only
+# development machine (AVX512-BF16, no AMX); GPU hosts are often Xeons with AMX.
+section cpu-flags cpu_bf16.log 10 sh -c 'grep -o -w -E "amx_bf16|amx_tile|avx512_bf16" /proc/cpuinfo | sort | uniq -c'
+section cpu-bf16 cpu_bf16.log 150 env CUDA_VISIBLE_DEVICES= python benchmarks/throughput.py \
+  --precisions no bf16 --impls "ours packed" "ours padded" --threads 8 --steps 8 --warmup 2
 
 # ---------------------------------------------------------------- FSDP2, bf16, CUDA
 cat >"$WORK/fsdp2_step.py" <<'PY'

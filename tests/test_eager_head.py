@@ -36,12 +36,8 @@ def make_model(arch: str = "llama", tie: bool = True, **kw) -> torch.nn.Module:
     return _make_model(arch, tie=tie, hidden_size=48, **kw)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# conftest's fixture: one torch thread (deterministic reductions, no oversubscription).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class HeadMatmuls(TorchDispatchMode):

@@ -30,13 +30,8 @@ BF16_SEQ_TOL = {"atol": 5e-3, "rtol": 1e-3}
 BF16_GRAD_REL = 2e-2  # max |g_fused - g_full| / max |g_full|, per parameter tensor
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Several engineers share 2 cores: avoid oversubscription (and keep the runs deterministic).
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# conftest's fixture: one torch thread (deterministic reductions, no oversubscription).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_model(arch: str = "llama", tie: bool = True, seed: int = 0, **kw) -> torch.nn.Module:
