@@ -254,3 +254,28 @@ def test_sft_loss_takes_the_eager_route_and_matches_the_full_path():
         if fused:
             assert mm.count == 3 * n_chunks(batch)
     assert_grads_close(grads[True], grads[False], **FP32_TOL)
+
+
+def test_training_releases_the_cpu_workspace(tmp_path):
+    from tests.helpers.train_utils import quiet_config
+
+    from grimoire import GrimoireTrainer
+    from grimoire import head_function as hf
+    from grimoire.tiny import build_tokenizer
+
+    rows = [{"input_ids": [1, 5, 6, 7, 8], "labels": [-100, 5, 6, 7, 8]}] * 4
+    seen = []
+
+    class Probe:  # the buffer exists during training...
+        def __getattr__(self, name):
+            if name == "on_step_end":
+                return lambda *a, **k: seen.append(getattr(hf._WORKSPACE, "buf", None))
+            raise AttributeError(name)
+
+    trainer = GrimoireTrainer(
+        make_model("llama"), build_tokenizer(), quiet_config(tmp_path, max_steps=2, batch_size=2),
+        SFTLoss(), rows, callbacks=[Probe()],
+    )  # fmt: skip
+    trainer.train()
+    assert seen and all(buf is not None for buf in seen)
+    assert hf._WORKSPACE.buf is None  # ...and is freed when it ends

@@ -176,12 +176,13 @@ def _plain_linear(spec: _HeadSpec) -> bool:
     gradients are three plain matmuls, done here by hand into a reusable buffer (no autograd
     graph). Anything else (LoRA, hooks, offloading) goes through the module's own forward."""
     head = spec.head
+    module = torch.nn.modules.module
     hooked = (
         head._forward_hooks
         or head._forward_pre_hooks
         or "forward" in vars(head)  # accelerate's offload / device hooks replace forward
-        or torch.nn.modules.module._global_forward_hooks
-        or torch.nn.modules.module._global_forward_pre_hooks
+        or getattr(module, "_global_forward_hooks", None)
+        or getattr(module, "_global_forward_pre_hooks", None)
     )
     return type(head) is torch.nn.Linear and not spec.transforms and not hooked
 
@@ -238,9 +239,10 @@ class _HeadLogps(torch.autograd.Function):
     * **recompute** (default): only ``hidden``, ``targets`` and the per-row log-sum-exp are
       saved; backward recomputes each chunk's logits (in the forward's autocast and RNG state),
       forms ``dL/dlogits`` in closed form, in place, in fp32, and backpropagates it through the
-      head with ``torch.autograd.grad``, so any head works (plain / biased / LoRA-wrapped Linear,
-      declared transforms, dropout) and parameter gradients flow through the normal autograd
-      graph. Activation checkpointing specialised to a softmax head: one extra head matmul.
+      head (by hand for a bare Linear, :func:`_plain_linear`; else with ``torch.autograd.grad``,
+      so any head works: LoRA-wrapped Linear, declared transforms, dropout); parameter
+      gradients are returned as the Function's, so they flow through the normal autograd graph.
+      Activation checkpointing specialised to a softmax head: one extra head matmul.
     * **eager** (``spec.uniform_grad``: the caller's loss is ``c * sum(logps)``, e.g. token-mean
       NLL): the forward already backpropagates ``onehot - p`` (upstream grad 1) through the head
       and keeps the results (``[N, H]`` for ``hidden``, one parameter-sized buffer per trainable

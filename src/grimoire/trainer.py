@@ -40,6 +40,7 @@ from .distributed import (
     shard_model,
 )
 from .errors import ConfigError
+from .head_function import release_workspace
 from .metrics import (
     JsonlLogger,
     StepReduction,
@@ -255,6 +256,7 @@ class GrimoireTrainer:
         if cfg.log_with:
             finish_trackers(self.accelerator)  # (end_training would drop the process group)
         write_run_summary(self, *started)
+        release_workspace()  # the head's CPU logits buffer: not held past training
         return self.state
 
     def _train_loop(self) -> None:
