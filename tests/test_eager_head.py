@@ -236,8 +236,21 @@ def test_cpu_workspace_is_shared_and_reused_across_calls():
     assert hf._WORKSPACE.buf.data_ptr() == ptr
     assert hf._WORKSPACE.buf.shape == (CHUNK, VOCAB)
     torch.testing.assert_close(first.logps, again.logps, rtol=0, atol=0)
+    # bf16 logits get their fp32 block in a second reused buffer, for statistics and gradients.
+    full, g_full = run(model, batch, fused=False, bf16=True)
+    bf16_runs = [run(model, batch, fused=True, chunk_size=CHUNK, bf16=True) for _ in range(2)]
+    scratch = hf._WORKSPACE.fp32.data_ptr()
+    eager = run(model, batch, fused=True, chunk_size=CHUNK, bf16=True, uniform_grad=True)
+    assert hf._WORKSPACE.fp32.data_ptr() == scratch
+    torch.testing.assert_close(bf16_runs[0][0].logps, bf16_runs[1][0].logps, rtol=0, atol=0)
+    assert_grads_close(bf16_runs[0][1], bf16_runs[1][1], rtol=0, atol=0)
+    for out, grads in (bf16_runs[1], eager):
+        torch.testing.assert_close(out.sum(), full.sum(), **BF16_SEQ_TOL)
+        for name, g in g_full.items():
+            rel = (grads[name] - g).abs().max() / g.abs().max().clamp(min=1e-12)
+            assert rel <= BF16_GRAD_REL, (name, float(rel))
     hf.release_workspace()
-    assert hf._WORKSPACE.buf is None
+    assert hf._WORKSPACE.buf is None and hf._WORKSPACE.fp32 is None
 
 
 def test_sft_loss_takes_the_eager_route_and_matches_the_full_path():

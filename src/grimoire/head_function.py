@@ -37,6 +37,27 @@ def _row_blocks(rows: int, vocab: int) -> list[slice]:
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
+def _fp32_scratch(like: Tensor) -> Tensor:
+    """An uninitialised fp32 tensor shaped like ``like``: on CPU a view of one per-thread buffer
+    reused by every call (a fresh 100 MB block page-faults on first touch, as the logits buffer
+    below explains), elsewhere a fresh tensor."""
+    if like.device.type != "cpu":
+        return torch.empty(like.shape, dtype=torch.float32, device=like.device)
+    numel = like.numel()
+    buf = getattr(_WORKSPACE, "fp32", None)
+    if buf is None or buf.numel() < numel:
+        _WORKSPACE.fp32 = None
+        buf = _WORKSPACE.fp32 = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel].view(like.shape)
+
+
+def _as_fp32(block: Tensor) -> Tensor:
+    """``block`` itself when fp32 (callers may overwrite it), else an fp32 copy in scratch."""
+    if block.dtype == torch.float32:
+        return block
+    return _fp32_scratch(block).copy_(block)
+
+
 @torch.no_grad()
 def _softmax_stats(
     logits: Tensor, targets: Tensor, want_entropy: bool
@@ -51,7 +72,7 @@ def _softmax_stats(
     lse = torch.empty_like(logps)
     entropy = torch.empty_like(logps) if want_entropy else None
     for rows in _row_blocks(n, logits.shape[-1]):
-        z = logits[rows].float()
+        z = _as_fp32(logits[rows])
         m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
         picked = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
         if entropy is not None:
@@ -94,7 +115,7 @@ def _grad_logits(
         # backward may need it); for an fp32 head straight into ``out``, which skips a copy
         # pass and a temporary per block (the fp32 promotion and subtraction are the same ops
         # as casting first, so the values are bitwise unchanged).
-        z = out[rows] if in_place else torch.empty_like(logits[rows], dtype=torch.float32)
+        z = out[rows] if in_place else _fp32_scratch(logits[rows])
         torch.sub(logits[rows], lse[rows].unsqueeze(-1), out=z)  # log p
         g = grad_logps[rows].unsqueeze(-1)
         if use_entropy:
@@ -129,11 +150,12 @@ def _stats_and_unit_grad(
     entropy = torch.empty_like(logps) if want_entropy else None
     fp32_out = out.dtype == torch.float32
     for rows in _row_blocks(n, logits.shape[-1]):
-        z = logits[rows].float()
+        z = _as_fp32(logits[rows])
         m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
         t = targets[rows].unsqueeze(-1)
         picked = z.gather(-1, t).squeeze(-1)
-        e = out[rows] if fp32_out else torch.empty_like(z)
+        # exp(z - m) and the gradient: into ``out`` for fp32, else over the private fp32 copy.
+        e = out[rows] if fp32_out else z
         torch.sub(z, m, out=e)  # z - m (e may alias z: elementwise, so that is safe)
         shifted = e.clone() if entropy is not None else None
         total = e.exp_().sum(-1, keepdim=True)
@@ -195,8 +217,9 @@ _WORKSPACE = threading.local()
 
 
 def release_workspace() -> None:
-    """Free this thread's CPU logits buffer (the next head call allocates a new one)."""
+    """Free this thread's CPU logits and fp32 scratch buffers (the next head call allocates)."""
     _WORKSPACE.buf = None
+    _WORKSPACE.fp32 = None
 
 
 def _compute_dtype(head: torch.nn.Module, autocast: tuple[bool, torch.dtype]) -> torch.dtype:
