@@ -18,23 +18,18 @@ import tempfile
 
 import torch
 
+try:  # imported as benchmarks.gpu_checks (the repository root on sys.path)
+    from benchmarks import common as bench
+except ModuleNotFoundError:  # run as a script: benchmarks/ is sys.path[0]
+    import common as bench
+
 #: ``GPU_CHECK_DEVICE=cpu`` dry-runs the checks' logic on a CPU (slow, bf16 bounds the same).
 DEVICE = os.environ.get("GPU_CHECK_DEVICE", "cuda")
 
 
-def _model(vocab: int = 32000, hidden: int = 512, layers: int = 2, seed: int = 0):
-    from grimoire.tiny import build_model
-
-    model = build_model(
-        "llama",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_layers=layers,
-        seed=seed,
-        tie_word_embeddings=False,
-        max_position_embeddings=1024,
-    )
-    return model.to(DEVICE)
+def _model():
+    """The checks' model: a 2-layer x 512 Llama, untied 32k vocabulary, on ``DEVICE``."""
+    return bench.tiny_llama(32000, 512, 2, 1024).to(DEVICE)
 
 
 def head_parity() -> bool:

@@ -60,32 +60,44 @@ def _as_fp32(block: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _softmax_stats(
-    logits: Tensor, targets: Tensor, want_entropy: bool
+    logits: Tensor, targets: Tensor, want_entropy: bool, unit_grad: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Target log-probs, log-sum-exp and (optionally) entropy of each row, all fp32 ``[N]``.
+    """Target log-probs, log-sum-exp and (optionally) entropy of each row, all fp32 ``[N]``;
+    with ``unit_grad``, also ``dlogp_t/dz = onehot(t) - p`` written into it.
 
-    ``logits [N, V]`` (any float dtype; may be overwritten), ``targets [N]``. The log-sum-exp is
-    written out (``m + log(sum(exp(z - m)))``) so the fp32 block is reused in place.
+    Shapes: ``logits [N, V]`` (any float dtype; fp32 logits are overwritten), ``targets [N]``,
+    ``unit_grad [N, V]`` in ``logits``' dtype (may be ``logits`` itself). ``unit_grad`` is the
+    gradient for an upstream grad of 1 on every log-prob: the eager head scales it by the true
+    upstream grad in backward. One exp pass serves the statistics and the gradient; the
+    log-sum-exp is written out (``m + log(sum(exp(z - m)))``) so the fp32 block is reused.
     """
     n = logits.shape[0]
     logps = logits.new_empty(n, dtype=torch.float32)
     lse = torch.empty_like(logps)
     entropy = torch.empty_like(logps) if want_entropy else None
+    fp32_out = unit_grad is not None and unit_grad.dtype == torch.float32
     for rows in _row_blocks(n, logits.shape[-1]):
         z = _as_fp32(logits[rows])
         m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
-        picked = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+        t = targets[rows].unsqueeze(-1)
+        picked = z.gather(-1, t).squeeze(-1)
+        # exp(z - m): into ``unit_grad`` for fp32, else over the fp32 block (ours to overwrite).
+        e = unit_grad[rows] if fp32_out else z
+        torch.sub(z, m, out=e)  # z - m (e may alias z: elementwise, so that is safe)
+        shifted = e.clone() if entropy is not None else None
+        total = e.exp_().sum(-1, keepdim=True)
+        log_total = total.log()
+        lse[rows] = (m + log_total).squeeze(-1)
+        logps[rows] = picked - lse[rows]
         if entropy is not None:
-            e = (z - m).exp_()
-            total = e.sum(-1)
-            # H = lse - sum_v p_v z_v = lse - sum_v e_v z_v / sum_v e_v.
-            weighted = e.mul_(z).sum(-1)
-            block_lse = m.squeeze(-1) + total.log()
-            entropy[rows] = block_lse - weighted / total
-        else:
-            block_lse = m.squeeze(-1) + z.sub_(m).exp_().sum(-1).log()
-        lse[rows] = block_lse
-        logps[rows] = picked - block_lse
+            # H = lse - sum_v p_v z_v = log(total) - sum_v e_v (z_v - m) / total.
+            entropy[rows] = (log_total - (e * shifted).sum(-1, keepdim=True) / total).squeeze(-1)
+        if unit_grad is None:
+            continue
+        e.mul_(total.reciprocal_().neg_())  # -p
+        e.scatter_add_(-1, t, torch.ones_like(t, dtype=e.dtype))  # + onehot(target)
+        if not fp32_out:
+            unit_grad[rows] = e
     return logps, lse, entropy
 
 
@@ -97,17 +109,15 @@ def _grad_logits(
     entropy: Tensor | None,
     grad_logps: Tensor,
     grad_entropy: Tensor | None,
-    out: Tensor | None = None,
+    out: Tensor,
 ) -> Tensor:
     """``dL/dlogits`` in ``logits``' dtype from the incoming grads of logps / entropy.
 
-    Shapes: ``logits [N, V]`` (read only unless ``out`` is ``logits``, then overwritten), the
-    rest ``[N]``. With ``p = softmax(z)``:
+    Shapes: ``logits [N, V]`` (read only unless ``out [N, V]`` is ``logits``, then overwritten),
+    the rest ``[N]``. With ``p = softmax(z)``:
     ``dlogp_t/dz = onehot(t) - p`` and ``dH/dz = -p * (log p + H)``; computed in fp32, in place,
     one row block at a time.
     """
-    if out is None:
-        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
     use_entropy = entropy is not None and grad_entropy is not None
     in_place = out.dtype == torch.float32
     for rows in _row_blocks(logits.shape[0], logits.shape[-1]):
@@ -130,46 +140,6 @@ def _grad_logits(
         if not in_place:
             out[rows] = z
     return out
-
-
-@torch.no_grad()
-def _stats_and_unit_grad(
-    logits: Tensor, targets: Tensor, want_entropy: bool, out: Tensor
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """:func:`_softmax_stats` plus ``dlogp_t/dz = onehot(t) - p`` written into ``out``.
-
-    Shapes: ``logits [N, V]``, ``out [N, V]`` in ``logits``' dtype (``out`` may be ``logits``
-    itself, which is then overwritten), ``targets [N]``; returns fp32 ``[N]`` log-probs,
-    log-sum-exp and entropy. This is the gradient for an upstream grad of 1 on every log-prob:
-    the eager head scales it by the true upstream grad in backward. One exp pass serves the
-    statistics and the gradient.
-    """
-    n = logits.shape[0]
-    logps = logits.new_empty(n, dtype=torch.float32)
-    lse = torch.empty_like(logps)
-    entropy = torch.empty_like(logps) if want_entropy else None
-    fp32_out = out.dtype == torch.float32
-    for rows in _row_blocks(n, logits.shape[-1]):
-        z = _as_fp32(logits[rows])
-        m = z.amax(-1, keepdim=True).clamp_(min=torch.finfo(z.dtype).min)  # all -inf row: no NaN
-        t = targets[rows].unsqueeze(-1)
-        picked = z.gather(-1, t).squeeze(-1)
-        # exp(z - m) and the gradient: into ``out`` for fp32, else over the private fp32 copy.
-        e = out[rows] if fp32_out else z
-        torch.sub(z, m, out=e)  # z - m (e may alias z: elementwise, so that is safe)
-        shifted = e.clone() if entropy is not None else None
-        total = e.exp_().sum(-1, keepdim=True)
-        log_total = total.log()
-        lse[rows] = (m + log_total).squeeze(-1)
-        logps[rows] = picked - lse[rows]
-        if entropy is not None:
-            # H = lse - sum_v p_v z_v = log(total) - sum_v e_v (z_v - m) / total.
-            entropy[rows] = (log_total - (e * shifted).sum(-1, keepdim=True) / total).squeeze(-1)
-        e.mul_(total.reciprocal_().neg_())  # -p
-        e.scatter_add_(-1, t, torch.ones_like(t, dtype=e.dtype))  # + onehot(target)
-        if not fp32_out:
-            out[rows] = e
-    return logps, lse, entropy
 
 
 @dataclass
@@ -222,18 +192,20 @@ def release_workspace() -> None:
     _WORKSPACE.fp32 = None
 
 
-def _compute_dtype(head: torch.nn.Module, autocast: tuple[bool, torch.dtype]) -> torch.dtype:
-    """The dtype ``F.linear`` computes the head in: autocast's, if on, else the weight's."""
+def _plain_weight(spec: _HeadSpec, autocast: tuple[bool, torch.dtype]) -> Tensor | None:
+    """For a bare Linear head (:func:`_plain_linear`), its weight in the dtype ``F.linear``
+    computes in (autocast's, if on, else the weight's), cast once per call rather than once per
+    chunk; ``None`` for any other head (it runs as a module)."""
+    if not _plain_linear(spec):
+        return None
     enabled, dtype = autocast
-    return dtype if enabled else head.weight.dtype
+    return spec.head.weight.detach().to(dtype if enabled else spec.head.weight.dtype)
 
 
-def _linear_logits(
-    head: torch.nn.Linear, hidden: Tensor, dtype: torch.dtype
-) -> tuple[Tensor, Tensor]:
-    """``(logits [N, V], weight [V, H])`` of a plain Linear head in ``dtype`` (``weight`` is the
-    head weight cast to it), the logits in the CPU workspace or a fresh buffer."""
-    weight = head.weight.detach().to(dtype)
+def _linear_logits(head: torch.nn.Linear, hidden: Tensor, weight: Tensor) -> Tensor:
+    """``logits [N, V]`` of a plain Linear head whose weight, cast to the compute dtype, is
+    ``weight [V, H]``; written into the CPU workspace or a fresh buffer."""
+    dtype = weight.dtype
     shape = (hidden.shape[0], weight.shape[0])
     if hidden.device.type == "cpu":
         ws = getattr(_WORKSPACE, "buf", None)
@@ -246,7 +218,7 @@ def _linear_logits(
     torch.mm(hidden.detach().to(dtype), weight.t(), out=out)
     if head.bias is not None:
         out.add_(head.bias.detach().to(dtype))
-    return out, weight
+    return out
 
 
 class _HeadLogps(torch.autograd.Function):
@@ -295,37 +267,28 @@ class _HeadLogps(torch.autograd.Function):
         entropy = torch.empty_like(logps) if spec.return_entropy else None
         grad_h = torch.empty_like(hidden) if eager and need_h else None
         grad_params: list[Tensor | None] = [None] * len(params)
-        plain = _plain_linear(spec)
-        dtype = _compute_dtype(spec.head, ctx.autocast) if plain else None
+        weight = _plain_weight(spec, ctx.autocast)
         for start in range(0, n, spec.chunk_size):
             c = slice(start, min(start + spec.chunk_size, n))
-            if not eager:
-                if plain:
-                    logits = _linear_logits(spec.head, hidden[c], dtype)[0]
+            if eager:
+                stats: list = []  # the statistics come out of the gradient's own pass
+
+                def unit_grad(logits: Tensor, out: Tensor, c: slice = c, stats=stats) -> Tensor:
+                    stats.append(_softmax_stats(logits, targets[c], spec.return_entropy, out))
+                    return out
+
+                _chunk_gradients(
+                    spec, weight, ctx.autocast, hidden, c, unit_grad, need_h, params, wanted,
+                    grad_h, grad_params,
+                )  # fmt: skip
+                out = stats[0]
+            else:
+                if weight is not None:
+                    logits = _linear_logits(spec.head, hidden[c], weight)
                 else:
                     logits = _head_logits(spec.head, spec.transforms, hidden[c])
                 out = _softmax_stats(logits, targets[c], spec.return_entropy)
-                del logits
-            elif plain:
-                logits, weight = _linear_logits(spec.head, hidden[c], dtype)
-                out = _stats_and_unit_grad(logits, targets[c], spec.return_entropy, logits)
-                grads = _linear_grads(spec.head, logits, weight, hidden[c], need_h, params, wanted)
-                if need_h:
-                    grad_h[c] = grads.pop(0)
-                _accumulate(grad_params, wanted, grads)
-                del logits, weight
-            else:
-                with torch.enable_grad():
-                    h = hidden[c].detach().requires_grad_(need_h)
-                    logits = _head_logits(spec.head, spec.transforms, h)
-                unit = torch.empty_like(logits)  # the head's graph may hold on to its output
-                out = _stats_and_unit_grad(logits.detach(), targets[c], spec.return_entropy, unit)
-                inputs = ([h] if need_h else []) + [params[i] for i in wanted]
-                grads = list(torch.autograd.grad(logits, inputs, unit, allow_unused=True))
-                del logits, unit
-                if need_h:
-                    grad_h[c] = grads.pop(0)
-                _accumulate(grad_params, wanted, grads)
+                del logits  # (a non-Linear head's [C, V] output: not alive next to the next one)
             logps[c], lse[c] = out[0], out[1]
             if entropy is not None:
                 entropy[c] = out[2]
@@ -398,6 +361,46 @@ def _accumulate(total: list[Tensor | None], wanted: list[int], grads: list) -> N
             total[i] = g if total[i] is None else total[i].add_(g)
 
 
+def _chunk_gradients(
+    spec: _HeadSpec,
+    weight: Tensor | None,
+    autocast: tuple[bool, torch.dtype],
+    hidden: Tensor,
+    c: slice,
+    grad_of_logits: Any,
+    need_h: bool,
+    params: tuple[Tensor, ...],
+    wanted: list[int],
+    grad_h: Tensor | None,
+    grad_params: list[Tensor | None],
+) -> None:
+    """One chunk's logits, ``dL/dlogits = grad_of_logits(logits, out)``, and its gradients:
+    written into ``grad_h[c]`` and summed into ``grad_params``. The eager forward and the
+    recompute backward differ only in ``grad_of_logits``.
+
+    A bare Linear head (``weight``: :func:`_plain_weight`) runs by hand in the workspace,
+    ``dL/dlogits`` over its logits (``out`` is ``logits``); any other head (``weight`` None) runs
+    under autograd in ``autocast``'s state, ``dL/dlogits`` into a fresh ``out`` (the head's graph
+    may hold on to its output).
+    """
+    if weight is not None:
+        logits = _linear_logits(spec.head, hidden[c], weight)
+        grad = grad_of_logits(logits, logits)
+        grads = _linear_grads(spec.head, grad, weight, hidden[c], need_h, params, wanted)
+    else:
+        enabled, dtype = autocast
+        with torch.enable_grad(), torch.autocast(spec.device_type, dtype=dtype, enabled=enabled):
+            h = hidden[c].detach().requires_grad_(need_h)
+            logits = _head_logits(spec.head, spec.transforms, h)
+        z = logits.detach()
+        grad = grad_of_logits(z, torch.empty_like(z, memory_format=torch.contiguous_format))
+        inputs = ([h] if need_h else []) + [params[i] for i in wanted]
+        grads = list(torch.autograd.grad(logits, inputs, grad, allow_unused=True)) if inputs else []
+    if need_h:
+        grad_h[c] = grads.pop(0)
+    _accumulate(grad_params, wanted, grads)
+
+
 def _recompute_backward(
     ctx: Any,
     hidden: Tensor,
@@ -414,8 +417,7 @@ def _recompute_backward(
     wanted = [i for i in range(len(params)) if ctx.needs_input_grad[3 + i]]
     grad_hidden = torch.empty_like(hidden) if need_h else None
     grad_params: list[Tensor | None] = [None] * len(params)
-    enabled, dtype = ctx.autocast
-    plain = _plain_linear(spec)
+    weight = _plain_weight(spec, ctx.autocast)
     with contextlib.ExitStack() as stack:
         if ctx.rng is not None:  # replay the forward's dropout masks, chunks in forward order
             devices = [hidden.device] if hidden.device.type != "cpu" else []
@@ -426,30 +428,14 @@ def _recompute_backward(
             c = slice(start, min(start + spec.chunk_size, hidden.shape[0]))
             ge = grad_entropy[c] if grad_entropy is not None else None
             ent = entropy[c] if entropy is not None else None
-            if plain:  # by hand, in the workspace: dL/dlogits overwrites the recomputed logits
-                logits, weight = _linear_logits(
-                    spec.head, hidden[c], _compute_dtype(spec.head, ctx.autocast)
-                )
-                grad = _grad_logits(logits, targets[c], lse[c], ent, grad_logps[c], ge, out=logits)
-                grads = _linear_grads(spec.head, grad, weight, hidden[c], need_h, params, wanted)
-                if need_h:
-                    grad_hidden[c] = grads.pop(0)
-                _accumulate(grad_params, wanted, grads)
-                continue
-            with (
-                torch.enable_grad(),
-                torch.autocast(spec.device_type, dtype=dtype, enabled=enabled),
-            ):
-                h = hidden[c].detach().requires_grad_(need_h)
-                logits = _head_logits(spec.head, spec.transforms, h)
-            grad = _grad_logits(logits.detach(), targets[c], lse[c], ent, grad_logps[c], ge)
-            inputs = ([h] if need_h else []) + [params[i] for i in wanted]
-            if not inputs:
-                continue
-            grads = list(torch.autograd.grad(logits, inputs, grad, allow_unused=True))
-            if need_h:
-                grad_hidden[c] = grads.pop(0)
-            _accumulate(grad_params, wanted, grads)
+
+            def grad_of_logits(logits: Tensor, out: Tensor, c=c, ent=ent, ge=ge) -> Tensor:
+                return _grad_logits(logits, targets[c], lse[c], ent, grad_logps[c], ge, out)
+
+            _chunk_gradients(
+                spec, weight, ctx.autocast, hidden, c, grad_of_logits, need_h, params, wanted,
+                grad_hidden, grad_params,
+            )  # fmt: skip
     return [grad_hidden, None, None, *grad_params]
 
 

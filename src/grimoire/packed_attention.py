@@ -183,9 +183,8 @@ def packed_sdpa_attention_forward(
             f"{NAME}: {type(module).__name__} asks for a sliding window or logit softcapping, "
             "which per-sample causal sdpa does not apply; use attn_implementation='sdpa'."
         )
-    rest = {k: v for k, v in kwargs.items() if k != "position_ids"}
     with _per_sample_backends(query.device):
-        return _per_sample(module, query, key, value, position_ids, dropout, scaling, **rest)
+        return _per_sample(module, query, key, value, dropout, scaling, **kwargs)
 
 
 def _per_sample_backends(device: torch.device) -> Any:
@@ -206,14 +205,14 @@ def _per_sample(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    position_ids: torch.Tensor,
     dropout: float,
     scaling: float | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal sdpa on each sample of each row, concatenated back: ``[B, L, heads, head_dim]``."""
+    """Causal sdpa on each sample of each row (split at ``kwargs["position_ids"]``' restarts),
+    concatenated back: ``[B, L, heads, head_dim]``."""
     rows = []
-    for b, lengths in enumerate(sample_lengths(position_ids, query.shape[0])):
+    for b, lengths in enumerate(sample_lengths(kwargs["position_ids"], query.shape[0])):
         if len(lengths) == 1:  # one sample: plain causal attention over the row
             pieces = [(query[b : b + 1], key[b : b + 1], value[b : b + 1])]
         else:
@@ -223,9 +222,7 @@ def _per_sample(
             pieces = list(zip(qs, ks, vs, strict=True))
         outs = [
             # is_causal=True: the dense mask was causal_mask_function within each sample.
-            sdpa_attention_forward(
-                module, q, k, v, None, dropout, scaling, True, position_ids=position_ids, **kwargs
-            )[0]
+            sdpa_attention_forward(module, q, k, v, None, dropout, scaling, True, **kwargs)[0]
             for q, k, v in pieces
         ]
         rows.append(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
