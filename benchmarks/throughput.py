@@ -4,19 +4,25 @@ Run: ``python benchmarks/throughput.py`` (about 10 minutes on 2 cores; ``--tiny`
 long smoke run). Every column trains the same model (a 4-layer x 256 Llama, 32k vocabulary,
 random init, saved once and loaded by each run) on the same long-tailed SFT rows (lengths <= 512,
 the first quarter of each row a masked prompt), batch 8, one constant learning rate, default
-activation checkpointing, each in a fresh subprocess:
+activation checkpointing (ours: ``auto``), each in a fresh subprocess:
 
 - ``ours packed``: this repository, ``padding_free=True`` + ``max_tokens_per_device``;
 - ``ours padded``: this repository, padded micro-batches;
 - ``grimoire-rl``: grimoire-rl 2.1.3 through its README Python API, run with the interpreter
   of the venv at ``--peer-python`` (both packages are named ``grimoire``); skipped with a note
   where that venv is missing;
-- ``trl``: TRL's ``SFTTrainer`` (completion-only loss from a ``completion_mask``).
+- ``trl``: TRL's ``SFTTrainer`` (completion-only loss from a ``completion_mask``);
+- like-for-like columns for activation checkpointing, which our ``auto`` turns off on a CPU with
+  room to spare while grimoire-rl and TRL keep theirs on by default: ``ours packed+ckpt``
+  (ours packed, ``gradient_checkpointing=True``) and ``grimoire-rl no-ckpt`` (the peer with
+  ``gradient_checkpointing=False``).
 
 Rows per precision (``--precisions``): ``no`` (fp32) and ``bf16`` (autocast). The first
 ``--warmup`` steps are not timed. Trained tokens are label tokens (the response tokens a loss
 is taken on); the timed steps' count is the run's label tokens times their share of the steps
-(the rows are shuffled, so this is an estimate for a short run). MFU is model FLOPs
+(the rows are shuffled, so this is an estimate for a short run). ``--repeats N`` runs every
+column N times, interleaved, and reports the median (the peers' own figure moves by up to 20%
+between runs on this shared machine). MFU is model FLOPs
 (``6 x parameters`` per real token without the embedding lookup, plus causal attention) per
 second over a peak measured here at start: the best of fp32 (or bf16) GEMMs of the model's
 shapes.
@@ -39,7 +45,15 @@ except ModuleNotFoundError:  # run as a script
     import common as bench
 
 PEER_PYTHON = "/work/venvs/peers/bin/python"
-IMPLS = ("ours packed", "ours padded", "grimoire-rl", "trl")
+IMPLS = (
+    "ours packed",
+    "ours packed+ckpt",
+    "ours padded",
+    "grimoire-rl",
+    "grimoire-rl no-ckpt",
+    "trl",
+)
+PEER = "grimoire-rl"  # the column the ``x peer`` ratios are taken against
 MODEL = dict(vocab_size=32000, hidden_size=256, num_layers=4, max_position_embeddings=512)
 TINY_MODEL = dict(vocab_size=512, hidden_size=32, num_layers=1, max_position_embeddings=64)
 #: ``--device cuda``: a model big enough that a GPU step is not all launch overhead.
@@ -168,10 +182,14 @@ def _grimoire_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: _C
     )
     if spec["impl"] == "grimoire-rl":
         config = TrainingConfig(**common)
+    elif spec["impl"] == "grimoire-rl no-ckpt":
+        config = TrainingConfig(**common, gradient_checkpointing=False)
     else:
-        extra = dict(progress_bar=False)
-        if spec["impl"] == "ours packed":
+        extra: dict[str, Any] = dict(progress_bar=False)
+        if spec["impl"].startswith("ours packed"):
             extra.update(padding_free=True, max_tokens_per_device=spec["max_tokens"])
+            if spec["impl"].endswith("+ckpt"):
+                extra.update(gradient_checkpointing=True)
         else:  # the padded baseline (the default, auto, would pack these long-tailed rows)
             extra.update(padding_free=False)
         config = TrainingConfig(**common, **extra)
@@ -264,7 +282,7 @@ def run_impl(impl: str, precision: str, args: argparse.Namespace, model: Path) -
         "device": args.device,
     }
     script = str(Path(__file__).resolve())
-    if impl == "grimoire-rl":
+    if impl.startswith("grimoire-rl"):
         python = args.peer_python
         if not Path(python).exists():
             return {"skipped": f"no peer venv at {python}"}
@@ -323,25 +341,34 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
             )
             label = "fp32" if precision == "no" else precision
             print(f"\n## {label}  (GEMM peak measured here: {peak:.0f} GFLOP/s)")
-            print(f"{'impl':<12} {'tok/s':>8} {'x padded':>9} {'x peer':>7} {'MFU':>7}  note")
-            results: dict[str, dict[str, Any]] = {}
+            # Interleaved repeats: a slow spell of the machine hits every column alike.
+            runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in args.impls}
+            for _ in range(args.repeats):
+                for impl in args.impls:
+                    runs[impl].append(run_impl(impl, precision, args, model))
+            print(f"{'impl':<19} {'tok/s':>8} {'x padded':>9} {'x peer':>7} {'MFU':>7}  note")
             for impl in args.impls:
-                r = run_impl(impl, precision, args, model)
-                results[impl] = r
                 row: dict[str, Any] = {"precision": label, "impl": impl, "note": ""}
-                row.update(ratio=None, ratio_peer=None)
-                if "skipped" in r or not r.get("seconds"):
-                    row.update(tok_s=None, mfu=None)
+                row.update(ratio=None, ratio_peer=None, tok_s=None, mfu=None)
+                timed = [r for r in runs[impl] if r.get("seconds")]
+                if not timed:
+                    r = runs[impl][0]
                     row["note"] = r.get("skipped", "too few steps to time")
                 else:
-                    share = r["timed_steps"] / r["steps"]
-                    row["tok_s"] = labels * share / r["seconds"]
-                    row["mfu"] = flops * share / r["seconds"] / 1e9 / peak
+                    # labels x share: the label tokens of the timed steps (an estimate, above).
+                    rates = sorted(
+                        labels * r["timed_steps"] / r["steps"] / r["seconds"] for r in timed
+                    )
+                    row["tok_s"] = rates[len(rates) // 2]  # the median (upper, for an even count)
+                    row["tok_s_runs"] = rates
+                    row["mfu"] = row["tok_s"] * flops / labels / 1e9 / peak
+                    if len(rates) > 1:
+                        row["note"] = f"median of {len(rates)}: {min(rates):.0f}-{max(rates):.0f}"
                 out.append(row)
             mine = out[-len(args.impls) :]
             # Ratios against our padded path and against grimoire-rl, where each ran.
             base = next((r["tok_s"] for r in mine if r["impl"] == "ours padded"), None)
-            peer = next((r["tok_s"] for r in mine if r["impl"] == "grimoire-rl"), None)
+            peer = next((r["tok_s"] for r in mine if r["impl"] == PEER), None)
             for row in mine:
                 if row["tok_s"] is not None:
                     row["ratio"] = row["tok_s"] / base if base else None
@@ -356,7 +383,7 @@ def _fmt(row: dict[str, Any]) -> str:
 
     mfu = "-" if row["mfu"] is None else f"{100 * row['mfu']:.1f}%"
     return (
-        f"{row['impl']:<12} {num(row['tok_s'], '.0f'):>8} {num(row['ratio'], '.2f'):>9} "
+        f"{row['impl']:<19} {num(row['tok_s'], '.0f'):>8} {num(row['ratio'], '.2f'):>9} "
         f"{num(row['ratio_peer'], '.2f'):>7} {mfu:>7}  {row['note']}"
     )
 
@@ -376,6 +403,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # docs/performance.md); pass --threads N on an idle machine.
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="runs per column (the median is shown)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (tiny model)")
     p.add_argument(
         "--device",

@@ -21,7 +21,8 @@ def test_throughput_table_shape(tmp_path):
         "--steps", "3",
         "--warmup", "1",
         "--precisions", "no",
-        "--impls", "ours packed", "ours padded", "grimoire-rl",
+        "--impls", "ours packed", "ours packed+ckpt", "ours padded", "grimoire-rl",
+        "--repeats", "2",
         "--peer-python", str(tmp_path / "no-such-venv" / "python"),
         "--json", str(out),
     ]  # fmt: skip
@@ -30,12 +31,16 @@ def test_throughput_table_shape(tmp_path):
     rows = json.loads(out.read_text())
     assert [(r["precision"], r["impl"]) for r in rows] == [
         ("fp32", "ours packed"),
+        ("fp32", "ours packed+ckpt"),
         ("fp32", "ours padded"),
         ("fp32", "grimoire-rl"),
     ]
-    packed, padded, peer = rows
-    for row in (packed, padded):
+    packed, ckpt, padded, peer = rows
+    for row in (packed, ckpt, padded):
         assert row["tok_s"] > 0 and row["mfu"] > 0
+        # Two interleaved runs; the upper median of two is the larger.
+        assert len(row["tok_s_runs"]) == 2 and row["tok_s"] == max(row["tok_s_runs"])
+        assert row["note"].startswith("median of 2: ")
     assert padded["ratio"] == 1.0
     assert abs(packed["ratio"] - packed["tok_s"] / padded["tok_s"]) < 1e-9
     assert peer["tok_s"] is None and "no peer venv" in peer["note"]
@@ -43,8 +48,8 @@ def test_throughput_table_shape(tmp_path):
     assert printed.startswith("# machine: ")
     assert "GEMM peak measured here" in printed
     table = [ln.split()[:2] for ln in printed.splitlines() if ln.startswith(("ours", "grimoire"))]
-    assert [t[0] for t in table] == ["ours", "ours", "grimoire-rl"]
-    assert table[2][1] == "-"  # the skipped peer prints no rate
+    assert [t[0] for t in table] == ["ours", "ours", "ours", "grimoire-rl"]
+    assert table[3][1] == "-"  # the skipped peer prints no rate
 
 
 def test_model_flops_by_hand():

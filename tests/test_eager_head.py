@@ -229,19 +229,26 @@ def test_cpu_workspace_is_shared_and_reused_across_calls():
     batch = padded_batch()
     with torch.no_grad():
         first = fh_compute(model, batch)
-        ptr = hf._WORKSPACE.buf.data_ptr()
+        ptr = hf._WORKSPACE.buffers["logits"].data_ptr()
         fh_compute(other, batch)
         again = fh_compute(model, batch)
     run(model, batch, fused=True, chunk_size=CHUNK)  # the recompute route uses it too
-    assert hf._WORKSPACE.buf.data_ptr() == ptr
-    assert hf._WORKSPACE.buf.shape == (CHUNK, VOCAB)
+    assert hf._WORKSPACE.buffers["logits"].data_ptr() == ptr
+    assert hf._WORKSPACE.buffers["logits"].numel() == CHUNK * VOCAB
     torch.testing.assert_close(first.logps, again.logps, rtol=0, atol=0)
     # bf16 logits get their fp32 block in a second reused buffer, for statistics and gradients.
     full, g_full = run(model, batch, fused=False, bf16=True)
     bf16_runs = [run(model, batch, fused=True, chunk_size=CHUNK, bf16=True) for _ in range(2)]
-    scratch = hf._WORKSPACE.fp32.data_ptr()
-    eager = run(model, batch, fused=True, chunk_size=CHUNK, bf16=True, uniform_grad=True)
-    assert hf._WORKSPACE.fp32.data_ptr() == scratch
+    buffers = hf._WORKSPACE.buffers
+    # ...and so do the bf16 cast of the head weight and the eager route's bf16 weight gradient.
+    ptrs = {k: buffers[k].data_ptr() for k in ("fp32", "weight")}
+    eager, eager_again = (
+        run(model, batch, fused=True, chunk_size=CHUNK, bf16=True, uniform_grad=True)
+        for _ in range(2)
+    )
+    ptrs_after = {k: buffers[k].data_ptr() for k in ("fp32", "weight")}
+    assert ptrs_after == ptrs and buffers["dweight"].dtype == torch.bfloat16
+    assert_grads_close(eager[1], eager_again[1], rtol=0, atol=0)
     torch.testing.assert_close(bf16_runs[0][0].logps, bf16_runs[1][0].logps, rtol=0, atol=0)
     assert_grads_close(bf16_runs[0][1], bf16_runs[1][1], rtol=0, atol=0)
     for out, grads in (bf16_runs[1], eager):
@@ -250,7 +257,7 @@ def test_cpu_workspace_is_shared_and_reused_across_calls():
             rel = (grads[name] - g).abs().max() / g.abs().max().clamp(min=1e-12)
             assert rel <= BF16_GRAD_REL, (name, float(rel))
     hf.release_workspace()
-    assert hf._WORKSPACE.buf is None and hf._WORKSPACE.fp32 is None
+    assert not hasattr(hf._WORKSPACE, "buffers")
 
 
 def test_sft_loss_takes_the_eager_route_and_matches_the_full_path():
@@ -282,7 +289,7 @@ def test_training_releases_the_cpu_workspace(tmp_path):
     class Probe:  # the buffer exists during training...
         def __getattr__(self, name):
             if name == "on_step_end":
-                return lambda *a, **k: seen.append(getattr(hf._WORKSPACE, "buf", None))
+                return lambda *a, **k: seen.append(getattr(hf._WORKSPACE, "buffers", None))
             raise AttributeError(name)
 
     trainer = GrimoireTrainer(
@@ -291,4 +298,4 @@ def test_training_releases_the_cpu_workspace(tmp_path):
     )  # fmt: skip
     trainer.train()
     assert seen and all(buf is not None for buf in seen)
-    assert hf._WORKSPACE.buf is None  # ...and is freed when it ends
+    assert not hasattr(hf._WORKSPACE, "buffers")  # ...and is freed when it ends

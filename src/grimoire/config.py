@@ -48,7 +48,9 @@ class TrainingConfig:
     max_grad_norm: float | None = 1.0
     max_length: int = 2048
     mixed_precision: Literal["auto", "no", "fp16", "bf16"] = "auto"  # auto: see precision.py
-    gradient_checkpointing: bool = True
+    # auto: off on a CPU when one micro-batch's activations fit in a quarter of the available
+    # memory, else on (host_memory.py; decided and logged at start); true / false force it.
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     optimizer: str = "adamw"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -175,6 +177,11 @@ class TrainingConfig:
             p.append(f"max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
         if self.dataloader_num_workers < 0:
             p.append(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
+        if isinstance(self.gradient_checkpointing, str) and self.gradient_checkpointing != "auto":
+            p.append(
+                f"gradient_checkpointing must be true, false or 'auto', got "
+                f"{self.gradient_checkpointing!r}"
+            )
         for name, value, allowed in (
             ("mixed_precision", self.mixed_precision, MIXED_PRECISION),
             ("optimizer", self.optimizer, OPTIMIZERS),

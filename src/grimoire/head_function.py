@@ -38,17 +38,9 @@ def _row_blocks(rows: int, vocab: int) -> list[slice]:
 
 
 def _fp32_scratch(like: Tensor) -> Tensor:
-    """An uninitialised fp32 tensor shaped like ``like``: on CPU a view of one per-thread buffer
-    reused by every call (a fresh 100 MB block page-faults on first touch, as the logits buffer
-    below explains), elsewhere a fresh tensor."""
-    if like.device.type != "cpu":
-        return torch.empty(like.shape, dtype=torch.float32, device=like.device)
-    numel = like.numel()
-    buf = getattr(_WORKSPACE, "fp32", None)
-    if buf is None or buf.numel() < numel:
-        _WORKSPACE.fp32 = None
-        buf = _WORKSPACE.fp32 = torch.empty(numel, dtype=torch.float32)
-    return buf[:numel].view(like.shape)
+    """An uninitialised fp32 tensor shaped like ``like`` (the per-thread ``"fp32"`` workspace on
+    CPU, a fresh tensor elsewhere)."""
+    return _scratch("fp32", like.shape, torch.float32, like.device)
 
 
 def _as_fp32(block: Tensor) -> Tensor:
@@ -179,42 +171,58 @@ def _plain_linear(spec: _HeadSpec) -> bool:
     return type(head) is torch.nn.Linear and not spec.transforms and not hooked
 
 
-#: CPU only: one ``[rows, V]`` logits buffer per thread, reused by every plain-Linear head call
-#: (policy and reference alike). A fresh buffer of that size comes from mmap and page-faults on
-#: first touch, every call: ~40 ms per 100 MB here, a quarter of the logits matmul. It is
-#: released by :func:`release_workspace`; CUDA's caching allocator already reuses memory.
+#: CPU only: per-thread buffers, one per use, reused by every head call (policy and reference
+#: alike): the ``[rows, V]`` logits of a plain-Linear head (``"logits"``), the fp32 copy of a
+#: bf16 row block (``"fp32"``), the head weight cast to the compute dtype and its gradient in that
+#: dtype (``"weight"``, ``"dweight"``). A fresh buffer of that size comes from mmap (or from heap
+#: memory glibc has just returned) and page-faults on first touch, every call: ~40 ms per 100 MB
+#: here, a quarter of the logits matmul; under bf16 autocast the fresh casts alone page-faulted
+#: ~30k times a step. Released by :func:`release_workspace`; CUDA's caching allocator already
+#: reuses memory, so there these are plain fresh tensors.
 _WORKSPACE = threading.local()
 
 
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """An uninitialised ``shape`` tensor: on CPU a view of this thread's ``name`` buffer (grown,
+    never shrunk, until :func:`release_workspace`), elsewhere a fresh tensor. The caller owns
+    the contents until its next call for the same ``name``."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
+    numel = 1
+    for size in shape:
+        numel *= size
+    buf = buffers.get(name)
+    if buf is None or buf.dtype != dtype or buf.numel() < numel:
+        buffers[name] = None  # free the old one before allocating the new
+        buf = buffers[name] = torch.empty(numel, dtype=dtype)
+    return buf[:numel].view(shape)
+
+
 def release_workspace() -> None:
-    """Free this thread's CPU logits and fp32 scratch buffers (the next head call allocates)."""
-    _WORKSPACE.buf = None
-    _WORKSPACE.fp32 = None
+    """Free this thread's CPU head buffers (the next head call allocates them again)."""
+    _WORKSPACE.__dict__.pop("buffers", None)
 
 
 def _plain_weight(spec: _HeadSpec, autocast: tuple[bool, torch.dtype]) -> Tensor | None:
     """For a bare Linear head (:func:`_plain_linear`), its weight in the dtype ``F.linear``
-    computes in (autocast's, if on, else the weight's), cast once per call rather than once per
-    chunk; ``None`` for any other head (it runs as a module)."""
+    computes in (autocast's, if on, else the weight's), cast once per call (into the
+    ``"weight"`` workspace) rather than once per chunk; ``None`` for any other head (it runs as
+    a module)."""
     if not _plain_linear(spec):
         return None
+    weight = spec.head.weight.detach()
     enabled, dtype = autocast
-    return spec.head.weight.detach().to(dtype if enabled else spec.head.weight.dtype)
+    if not enabled or dtype == weight.dtype:
+        return weight
+    return _scratch("weight", weight.shape, dtype, weight.device).copy_(weight)
 
 
 def _linear_logits(head: torch.nn.Linear, hidden: Tensor, weight: Tensor) -> Tensor:
     """``logits [N, V]`` of a plain Linear head whose weight, cast to the compute dtype, is
-    ``weight [V, H]``; written into the CPU workspace or a fresh buffer."""
+    ``weight [V, H]``; written into the ``"logits"`` workspace (CPU) or a fresh buffer."""
     dtype = weight.dtype
-    shape = (hidden.shape[0], weight.shape[0])
-    if hidden.device.type == "cpu":
-        ws = getattr(_WORKSPACE, "buf", None)
-        if ws is None or ws.dtype != dtype or ws.shape[1] != shape[1] or ws.shape[0] < shape[0]:
-            _WORKSPACE.buf = None  # free the old one before allocating the new
-            ws = _WORKSPACE.buf = hidden.new_empty(shape, dtype=dtype)
-        out = ws[: shape[0]]
-    else:
-        out = hidden.new_empty(shape, dtype=dtype)
+    out = _scratch("logits", (hidden.shape[0], weight.shape[0]), dtype, hidden.device)
     torch.mm(hidden.detach().to(dtype), weight.t(), out=out)
     if head.bias is not None:
         out.add_(head.bias.detach().to(dtype))
@@ -346,7 +354,12 @@ def _linear_grads(
     for i in wanted:
         p = params[i]
         if p is head.weight:
-            out.append(torch.mm(unit.t(), hidden.to(unit.dtype)).to(p.dtype))
+            h = hidden.to(unit.dtype)
+            if unit.dtype == p.dtype:
+                out.append(torch.mm(unit.t(), h))
+            else:  # bf16 compute, fp32 weight: the bf16 product in scratch, one fresh fp32 copy
+                dw = _scratch("dweight", tuple(p.shape), unit.dtype, unit.device)
+                out.append(torch.mm(unit.t(), h, out=dw).to(p.dtype))
         elif p is head.bias:
             out.append(unit.sum(0).to(p.dtype))
         else:  # pragma: no cover - a plain Linear has no other parameters

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -11,7 +12,10 @@ from accelerate import Accelerator
 
 from .config import TrainingConfig
 from .errors import ConfigError
+from .host_memory import checkpointing_decision
 from .reference import is_quantized
+
+logger = logging.getLogger(__name__)
 
 
 def enable_checkpointing(model: torch.nn.Module) -> None:
@@ -179,12 +183,26 @@ def prepare_kbit_model(model: torch.nn.Module, upcast: str, checkpointing: bool)
     return model
 
 
+def resolve_checkpointing(
+    model: torch.nn.Module, config: TrainingConfig, accelerator: Accelerator | None
+) -> tuple[bool, str]:
+    """``gradient_checkpointing`` for this run (``auto`` resolved by
+    :func:`~grimoire.host_memory.checkpointing_decision`), and why; logged."""
+    device_type = accelerator.device.type if accelerator is not None else "cpu"
+    # Processes sharing this host's memory (torchrun / accelerate set LOCAL_WORLD_SIZE).
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or getattr(accelerator, "num_processes", 1)
+    on, why = checkpointing_decision(model, config, device_type, local)
+    logger.info("activation checkpointing: %s (%s)", "on" if on else "off", why)
+    return on, why
+
+
 def prepare_model(
     model: torch.nn.Module,
     peft_config: Any,
     config: TrainingConfig,
     accelerator: Accelerator,
     packed: bool = False,
+    checkpointing: bool | None = None,
 ) -> tuple[torch.nn.Module, list[Any]]:
     """Liger, LoRA (k-bit preparation for quantized bases), checkpointing, dropout, NEFTune, OSFT.
 
@@ -199,7 +217,8 @@ def prepare_model(
         from .kernels import apply_liger
 
         apply_liger(model)
-    checkpointing = config.gradient_checkpointing
+    if checkpointing is None:
+        checkpointing = resolve_checkpointing(model, config, accelerator)[0]
     if peft_config is not None:
         from peft import get_peft_model
 

@@ -106,6 +106,7 @@ def run_summary(trainer: Any, started: float, tokens_before: int = 0) -> dict[st
         "peak_memory_mb": round(peak_memory_mb(), 1),
         "precision": _precision(cfg.mixed_precision),
         "packed": bool(getattr(trainer, "packed", False)),
+        "activation_checkpointing": bool(getattr(trainer, "checkpointing", (False,))[0]),
         "loss_first": losses[0] if losses else None,
         "loss_last": losses[-1] if losses else None,
         "eval": {k: v for k, v in last_eval.items() if k.startswith("eval/")},

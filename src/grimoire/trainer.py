@@ -58,6 +58,7 @@ from .modeling import (
     pad_token_id_of,
     prepare_model,
     reset_accelerate_state,
+    resolve_checkpointing,
     resolve_mixed_precision,
     save_hf,
 )
@@ -117,7 +118,11 @@ class GrimoireTrainer:
         )
         self.packed = packed
         logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
-        model, self.step_hooks = prepare_model(model, peft_config, config, acc, packed)
+        #: Whether activations are checkpointed (gradient_checkpointing: auto / forced), and why.
+        self.checkpointing = resolve_checkpointing(model, config, acc)
+        model, self.step_hooks = prepare_model(
+            model, peft_config, config, acc, packed, checkpointing=self.checkpointing[0]
+        )
         #: What torch_compile did (compiled blocks, or why eager); None when not asked.
         self.compile_state = maybe_compile(model, config)
         budget = config.max_tokens_per_device
