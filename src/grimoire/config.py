@@ -33,7 +33,8 @@ KBIT_UPCAST = ("all", "norms", "none")
 
 @dataclass
 class TrainingConfig:
-    """Training-loop settings. Defaults follow the grimoire-rl README's configuration table."""
+    """Training-loop settings. Defaults follow the grimoire-rl README's configuration table, except
+    where docs/migrating-from-grimoire-rl.md says otherwise (precision, packing, checkpointing)."""
 
     output_dir: str = "./output"
     num_epochs: int = 3
