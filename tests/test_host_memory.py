@@ -98,7 +98,7 @@ def _config(**kw):
 def test_checkpointing_decision():
     model = _llama()
     per_token = hm.activation_bytes_per_token(model)
-    # No budget: 2 sequences x batch_size 2 x max_length 100 positions.
+    # No budget and no method to ask: 2 sequences x batch_size 2 x max_length 100 positions.
     need = per_token * 400
     exact = int(need / hm.AUTO_CHECKPOINTING_MEMORY_SHARE)
     assert hm.checkpointing_decision(model, _config(), "cpu", available=exact)[0] is False
@@ -117,6 +117,29 @@ def test_checkpointing_decision():
     assert hm.checkpointing_decision(torch.nn.Linear(2, 2), _config(), "cpu")[0] is True
     with pytest.raises(ConfigError, match="gradient_checkpointing must be true, false or 'auto'"):
         _config(gradient_checkpointing="yes")
+
+
+def test_micro_batch_bound_asks_the_method():
+    """Without a budget, a row costs what the method says a row costs at max_length (the
+    TokenBudget rule): one sequence for SFT, two for a pair, G completions for an online
+    prompt; with a budget, the budget."""
+    from grimoire.losses import DPOLoss
+
+    cfg = _config()  # batch_size 2, max_length 100
+    sft = [{"input_ids": [1, 2], "labels": [1, 2]}]
+    pairs = [{"chosen_input_ids": [1], "rejected_input_ids": [1, 2]}]
+    assert hm.micro_batch_tokens(cfg, SFTLoss(), sft) == 2 * 100
+    assert hm.micro_batch_tokens(cfg, DPOLoss(), pairs) == 2 * 2 * 100
+
+    class Online:  # the online methods' rule: num_generations x (prompt + max_new_tokens)
+        def budget_tokens(self, lengths, packed):
+            return 4 * (lengths["prompt_"] + 8)
+
+    prompts = [{"prompt_input_ids": [1, 2, 3]}]
+    assert hm.micro_batch_tokens(cfg, Online(), prompts) == 2 * 4 * (100 + 8)
+    assert hm.micro_batch_tokens(cfg) == 2 * 2 * 100  # nothing to ask: two sequences a row
+    assert hm.micro_batch_tokens(cfg, SFTLoss(), iter(sft)) == 2 * 2 * 100  # a stream
+    assert hm.micro_batch_tokens(_config(max_tokens_per_device=64), DPOLoss(), pairs) == 64
 
 
 def _layer_calls(tmp_path, monkeypatch, available, **overrides):

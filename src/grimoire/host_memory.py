@@ -81,19 +81,45 @@ def activation_bytes_per_token(model: Any) -> int | None:
     return 4 * layers * (units["hidden"] * hidden + units["kv"] * kv + units["mlp"] * mlp)
 
 
-def micro_batch_tokens(config: Any) -> int:
+def micro_batch_tokens(config: Any, method: Any = None, dataset: Any = None) -> int:
     """An upper bound on the positions one forward pass holds: the token budget when set (every
-    method's micro-batches stay within it), else ``batch_size x max_length`` for two sequences
-    per example (chosen + rejected, or a KTO row with its KL row)."""
-    return int(config.max_tokens_per_device or 2 * config.batch_size * config.max_length)
+    method's micro-batches stay within it); else ``batch_size`` rows, each costed by the
+    method's own ``budget_tokens`` (as :class:`~grimoire.data.budget.TokenBudget` does) with
+    every sequence of the dataset's rows at ``max_length``: a pair's two sequences, KTO's KL
+    row, an online prompt's ``num_generations`` completions. Without a method or dataset
+    columns to ask, two sequences of ``max_length`` per row."""
+    if config.max_tokens_per_device:
+        return int(config.max_tokens_per_device)
+    from .data.budget import columns_of, default_budget_tokens, sequence_prefixes
+
+    fallback = int(2 * config.batch_size * config.max_length)
+    if method is None or dataset is None:
+        return fallback
+    try:
+        prefixes = sequence_prefixes(columns_of(dataset))
+        lengths = {p: config.max_length for p in prefixes}
+        cost = getattr(method, "budget_tokens", None)
+        per_row = cost(lengths, False) if cost else default_budget_tokens(lengths, False)
+    except (TypeError, IndexError, KeyError, AttributeError):
+        # A stream (no columns to read) or rows the method's cost does not describe (they are
+        # checked, with a proper message, where the budget or the collator reads them).
+        return fallback
+    return int(config.batch_size * per_row) if prefixes else fallback
 
 
 def checkpointing_decision(
-    model: Any, config: Any, device_type: str, processes: int = 1, available: int | None = None
+    model: Any,
+    config: Any,
+    device_type: str,
+    processes: int = 1,
+    available: int | None = None,
+    method: Any = None,
+    dataset: Any = None,
 ) -> tuple[bool, str]:
     """Whether to checkpoint activations, and why (logged at start). ``processes``: how many
     training processes share this host's memory; ``available``: bytes (default:
-    :func:`available_memory`)."""
+    :func:`available_memory`); ``method`` / ``dataset``: the loss and the training rows, which
+    size a micro-batch when there is no token budget (:func:`micro_batch_tokens`)."""
     value = config.gradient_checkpointing
     if value != "auto":
         return bool(value), f"gradient_checkpointing={value}"
@@ -105,7 +131,7 @@ def checkpointing_decision(
     available = available_memory() if available is None else available
     if available is None:
         return True, "auto: on (this system does not report its available memory)"
-    tokens = micro_batch_tokens(config)
+    tokens = micro_batch_tokens(config, method, dataset)
     need = per_token * tokens * max(1, processes)
     share = AUTO_CHECKPOINTING_MEMORY_SHARE
     numbers = (

@@ -184,14 +184,21 @@ def prepare_kbit_model(model: torch.nn.Module, upcast: str, checkpointing: bool)
 
 
 def resolve_checkpointing(
-    model: torch.nn.Module, config: TrainingConfig, accelerator: Accelerator | None
+    model: torch.nn.Module,
+    config: TrainingConfig,
+    accelerator: Accelerator | None,
+    method: Any = None,
+    dataset: Any = None,
 ) -> tuple[bool, str]:
     """``gradient_checkpointing`` for this run (``auto`` resolved by
-    :func:`~grimoire.host_memory.checkpointing_decision`), and why; logged."""
+    :func:`~grimoire.host_memory.checkpointing_decision` for ``method`` on ``dataset``'s rows),
+    and why; logged."""
     device_type = accelerator.device.type if accelerator is not None else "cpu"
     # Processes sharing this host's memory (torchrun / accelerate set LOCAL_WORLD_SIZE).
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or getattr(accelerator, "num_processes", 1)
-    on, why = checkpointing_decision(model, config, device_type, local)
+    on, why = checkpointing_decision(
+        model, config, device_type, local, method=method, dataset=dataset
+    )
     logger.info("activation checkpointing: %s (%s)", "on" if on else "off", why)
     return on, why
 
@@ -206,7 +213,9 @@ def prepare_model(
 ) -> tuple[torch.nn.Module, list[Any]]:
     """Liger, LoRA (k-bit preparation for quantized bases), checkpointing, dropout, NEFTune, OSFT.
 
-    Returns the model to train and the optimizer-step hooks it needs (OSFT's projection).
+    ``checkpointing``: the run's resolved ``gradient_checkpointing`` (``None``: resolved here by
+    :func:`resolve_checkpointing`). Returns the model to train and the optimizer-step hooks it
+    needs (OSFT's projection).
     """
     quantized = is_quantized(model)
     if quantized and peft_config is None:

@@ -119,7 +119,7 @@ class GrimoireTrainer:
         self.packed = packed
         logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
         #: Whether activations are checkpointed (gradient_checkpointing: auto / forced), and why.
-        self.checkpointing = resolve_checkpointing(model, config, acc)
+        self.checkpointing = resolve_checkpointing(model, config, acc, loss_fn, train_dataset)
         model, self.step_hooks = prepare_model(
             model, peft_config, config, acc, packed, checkpointing=self.checkpointing[0]
         )
