@@ -132,10 +132,11 @@ def checkpointing_decision(
     if available is None:
         return True, "auto: on (this system does not report its available memory)"
     tokens = micro_batch_tokens(config, method, dataset)
-    need = per_token * tokens * max(1, processes)
+    per_process = per_token * tokens
+    need = per_process * max(1, processes)
     share = AUTO_CHECKPOINTING_MEMORY_SHARE
     numbers = (
-        f"activations of a {tokens}-token micro-batch ~{need / 2**20:,.0f} MiB"
+        f"activations of a {tokens}-token micro-batch ~{per_process / 2**20:,.0f} MiB"
         + (f" x {processes} processes" if processes > 1 else "")
         + f", {share:.0%} of the {available / 2**20:,.0f} MiB available is "
         f"{share * available / 2**20:,.0f} MiB"
