@@ -10,6 +10,7 @@ forward for a token-mean loss). See ``docs/fused-logprobs.md``.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -189,9 +190,7 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     buffers = _WORKSPACE.__dict__.setdefault("buffers", {})
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     buf = buffers.get(name)
     if buf is None or buf.dtype != dtype or buf.numel() < numel:
         buffers[name] = None  # free the old one before allocating the new

@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .data.budget import columns_of, method_budget_tokens, sequence_prefixes
+
 #: auto turns checkpointing off when the activation estimate is at most this share of the memory
 #: available (the rest is headroom for weights, gradients, optimizer state and the logits chunks).
 AUTO_CHECKPOINTING_MEMORY_SHARE = 0.25
@@ -90,16 +92,13 @@ def micro_batch_tokens(config: Any, method: Any = None, dataset: Any = None) -> 
     columns to ask, two sequences of ``max_length`` per row."""
     if config.max_tokens_per_device:
         return int(config.max_tokens_per_device)
-    from .data.budget import columns_of, default_budget_tokens, sequence_prefixes
-
     fallback = int(2 * config.batch_size * config.max_length)
     if method is None or dataset is None:
         return fallback
     try:
         prefixes = sequence_prefixes(columns_of(dataset))
-        lengths = {p: config.max_length for p in prefixes}
-        cost = getattr(method, "budget_tokens", None)
-        per_row = cost(lengths, False) if cost else default_budget_tokens(lengths, False)
+        # Costed padded: never below the packed cost of the same row (sequences x longest >= sum).
+        per_row = method_budget_tokens(method, dict.fromkeys(prefixes, config.max_length), False)
     except (TypeError, IndexError, KeyError, AttributeError):
         # A stream (no columns to read) or rows the method's cost does not describe (they are
         # checked, with a proper message, where the budget or the collator reads them).

@@ -100,6 +100,13 @@ def default_budget_tokens(lengths: Mapping[str, int], packed: bool) -> int:
     return len(lengths) * max(lengths.values())
 
 
+def method_budget_tokens(method: Any, lengths: Mapping[str, int], packed: bool) -> int:
+    """Tokens a row puts into its largest forward pass for ``method``: its own
+    ``budget_tokens(lengths, packed)`` where it has one, else :func:`default_budget_tokens`."""
+    fn = getattr(method, "budget_tokens", None)
+    return int(fn(lengths, packed)) if fn else default_budget_tokens(lengths, packed)
+
+
 def water_level(lengths: list[int], budget: int) -> int:
     """The largest cap ``c`` with ``sum(min(n, c) for n in lengths) <= budget``.
 
@@ -165,8 +172,7 @@ class TokenBudget:
     _seen: list[tuple[Any, list[dict[str, int]]]] = field(default_factory=list, repr=False)
 
     def cost(self, lengths: Mapping[str, int]) -> int:
-        fn = getattr(self.method, "budget_tokens", None)
-        return int(fn(lengths, self.packed)) if fn else default_budget_tokens(lengths, self.packed)
+        return method_budget_tokens(self.method, lengths, self.packed)
 
     def _lengths(self, dataset: Any) -> list[dict[str, int]]:
         for seen, lengths in self._seen:
@@ -242,6 +248,7 @@ __all__ = [
     "column_values",
     "columns_of",
     "default_budget_tokens",
+    "method_budget_tokens",
     "sequence_lengths",
     "sequence_prefixes",
     "truncate_sequences",
