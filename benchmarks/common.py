@@ -123,7 +123,7 @@ def machine_line(cores_note: str = "", *, cpu_capability: bool = False, tail: st
 
 def tiny_llama(vocab: int, hidden: int, layers: int, max_positions: int) -> Any:
     """A Llama built in code (seed 0, untied embeddings, fp32)."""
-    from grimoire.tiny import build_model
+    from grimoire.model.tiny import build_model
 
     return build_model(
         "llama",

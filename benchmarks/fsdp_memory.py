@@ -109,7 +109,7 @@ def run_cell(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
 
     from grimoire import GrimoireTrainer
     from grimoire.losses import SFTLoss
-    from grimoire.tiny import build_tokenizer
+    from grimoire.model.tiny import build_tokenizer
 
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -158,11 +158,11 @@ def run_fallback(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
 
     from grimoire import GrimoireTrainer
     from grimoire.losses import SFTLoss
-    from grimoire.tiny import build_tokenizer
+    from grimoire.model.tiny import build_tokenizer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     catcher = _PathLog()
-    log = logging.getLogger("grimoire.logprobs")
+    log = logging.getLogger("grimoire.forward.logprobs")
     log.addHandler(catcher)
     log.setLevel(logging.INFO)
     packed = ROWS_PER_PACK * preset["row_len"]

@@ -40,7 +40,7 @@ def worker(args: argparse.Namespace) -> dict:
     """
     import torch
 
-    from grimoire.logprobs import compute_token_logps
+    from grimoire.forward.logprobs import compute_token_logps
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

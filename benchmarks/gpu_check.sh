@@ -104,7 +104,7 @@ import logging, math, os, random, tempfile
 import torch
 from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
 from grimoire.losses import SFTLoss
-from grimoire.tiny import build_model, build_tokenizer
+from grimoire.model.tiny import build_model, build_tokenizer
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 model = build_model("llama", vocab_size=32000, hidden_size=1024, num_layers=8,

@@ -35,8 +35,8 @@ def _model():
 def head_parity() -> bool:
     """Log-probs and gradients of the fused head (eager and recompute routes) against the
     full-logits path on CUDA, fp32 and bf16 autocast, several chunks per call."""
-    from grimoire import fused_head as fh
-    from grimoire.logprobs import compute_token_logps
+    from grimoire.forward import fused_head as fh
+    from grimoire.forward.logprobs import compute_token_logps
 
     torch.manual_seed(0)
     model = _model()
@@ -89,7 +89,7 @@ def _sft_rows(n: int = 64, length: int = 128, vocab: int = 32000):
 def _train(use_liger: bool, steps: int = 12) -> list[float]:
     from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
     from grimoire.losses import SFTLoss
-    from grimoire.tiny import build_tokenizer
+    from grimoire.model.tiny import build_tokenizer
 
     losses: list[float] = []
 
@@ -133,7 +133,7 @@ def liger() -> bool:
 
 
 def precision() -> bool:
-    from grimoire.precision import resolve_auto
+    from grimoire.model.precision import resolve_auto
 
     logging.basicConfig(level=logging.INFO)
     resolved = resolve_auto("auto")
@@ -144,12 +144,12 @@ def precision() -> bool:
 def sdpa_shapes() -> bool:
     """Causal sdpa fwd+bwd over 32 samples of distinct lengths (a packed row's per-sample calls),
     twice (new shapes, then the same shapes again), with torch's default kernel choice and with
-    cuDNN excluded (grimoire.packed_attention on CUDA). Tests the suspicion that cuDNN's
+    cuDNN excluded (grimoire.model.packed_attention on CUDA). Tests the suspicion that cuDNN's
     per-length plans made the packed path slow on an H200 (docs/performance.md)."""
     import contextlib
     import time
 
-    from grimoire.packed_attention import _per_sample_backends
+    from grimoire.model.packed_attention import _per_sample_backends
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(16, 2048, (32,), generator=g).tolist()

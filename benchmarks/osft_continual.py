@@ -140,7 +140,7 @@ def task_rows(tasks: str, seed: int) -> tuple[list[dict], dict[str, list[dict]],
     ``shared-letters``: every task uses all of a-x and only the instruction word tells them
     apart, so task A (reverse and copy) and task B (first letter) compete for the same inputs.
     """
-    from grimoire.tiny import copy_rows, first_letter_rows, reverse_rows
+    from grimoire.model.tiny import copy_rows, first_letter_rows, reverse_rows
 
     rev, cop, b_letters, _ = DESIGNS[tasks]
     a_train = reverse_rows(2000, 100 * seed, letters=rev)
@@ -157,7 +157,7 @@ def task_rows(tasks: str, seed: int) -> tuple[list[dict], dict[str, list[dict]],
 def run_seed(args, seed: int, tmp: str) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grimoire.tiny import save_tiny
+    from grimoire.model.tiny import save_tiny
 
     a_train, a_tests, b_train, b_test = task_rows(args.tasks, seed)
     base = str(

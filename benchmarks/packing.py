@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
     torch.manual_seed(0)
-    from grimoire.tiny import save_tiny
+    from grimoire.model.tiny import save_tiny
 
     lengths = skewed_lengths(args.global_batch * (args.steps + 2), seed=0)
     rng = np.random.default_rng(1)
@@ -124,7 +124,7 @@ def main() -> None:
 
 def planner_throughput(n: int = 1_000_000, ranks: int = 8, budget: int = 32768) -> None:
     """Time the LPT + best-fit planner on ``n`` skewed lengths (numba, after JIT warm-up)."""
-    from grimoire.data.planner import HAVE_NUMBA, plan_global_batch, warmup_numba
+    from grimoire.batching.bin_packing import HAVE_NUMBA, plan_global_batch, warmup_numba
 
     lengths = skewed_lengths(n, seed=2)
     warmup_numba()

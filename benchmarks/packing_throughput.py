@@ -2,7 +2,7 @@
 
 Run: ``PYTHONPATH=src python benchmarks/packing_throughput.py`` (about 10-30 s on one CPU core).
 
-Compares :func:`grimoire.data.planner.plan_global_batch` against the naive scheme it replaces:
+Compares :func:`grimoire.batching.bin_packing.plan_global_batch` against the naive scheme it replaces:
 round-robin sharding of samples to ranks (DistributedSampler style) plus prefix-greedy packing per
 rank (walk in order, start a new micro-batch when the next sample does not fit). Also reports
 how much of the compute padded batching (fixed samples per micro-batch, padded to the longest)
@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from grimoire.data.packing import padding_fraction
-from grimoire.data.planner import HAVE_NUMBA, plan_global_batch, warmup_numba
+from grimoire.batching.bin_packing import HAVE_NUMBA, plan_global_batch, warmup_numba
+from grimoire.collate.packing import padding_fraction
 
 
 def pareto_lengths(n: int, seed: int, lo: int = 16, hi: int = 2048) -> np.ndarray:

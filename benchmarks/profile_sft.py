@@ -53,9 +53,9 @@ def _instrument(clock: dict[str, float], live: list[bool]) -> None:
     import torch
     import transformers.models.llama.modeling_llama as llama
 
-    import grimoire.data.loader as loader
-    import grimoire.fused_head as head
-    import grimoire.trainer as trainer
+    import grimoire.batching.loader as loader
+    import grimoire.forward.fused_head as head
+    import grimoire.training.trainer as trainer
 
     for owner, name, label in (
         (trainer.GrimoireTrainer, "_optimizer_step", "step"),

@@ -46,9 +46,9 @@ def run(size: str, out: str) -> dict[str, Any]:
     import torch
 
     from grimoire import GrimoireTrainer
-    from grimoire.data.grpo import tokenize_grpo
     from grimoire.losses.grpo import GRPOMethod
-    from grimoire.tiny import build_tokenizer, reverse_rows
+    from grimoire.model.tiny import build_tokenizer, reverse_rows
+    from grimoire.rows.prompts import tokenize_grpo
 
     s = SIZES[size]
     torch.manual_seed(0)

@@ -129,7 +129,7 @@ def measured_peak(
 
 
 def save_model(path: Path, spec: dict[str, int]) -> Path:
-    from grimoire.tiny import save_tiny
+    from grimoire.model.tiny import save_tiny
 
     return save_tiny(path, arch="llama", seed=0, tie_word_embeddings=False, **spec)
 
@@ -297,7 +297,7 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Rows of ``{precision, impl, tok_s, ratio, mfu, note}``, printed as they come."""
     import torch
 
-    from grimoire.tiny import build_model
+    from grimoire.model.tiny import build_model
 
     spec = args.spec
     probe = build_model(

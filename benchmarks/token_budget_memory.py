@@ -193,10 +193,10 @@ def run_cell(family: str, path: str, preset: dict[str, Any], args: argparse.Name
     import torch
 
     from grimoire import GrimoireTrainer
-    from grimoire.data.planner import warmup_numba
+    from grimoire.batching.bin_packing import warmup_numba
     from grimoire.losses import DPOLoss, KTOLoss, SFTLoss
     from grimoire.losses.grpo import GRPOMethod
-    from grimoire.tiny import build_tokenizer
+    from grimoire.model.tiny import build_tokenizer
 
     torch.set_num_threads(args.threads)
     budget = None if path == "padded" else int(path)

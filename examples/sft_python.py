@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grimoire import ExactMatchCallback, GrimoireTrainer, TrainingConfig
 from grimoire.data import load_source, tokenize_dataset, tokenize_sft
 from grimoire.losses import SFTLoss
-from grimoire.report import read_records
+from grimoire.training.report import read_records
 
 OUT = "./output/sft-example"
 
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
     if argv:
         model_path = argv[0]
     else:
-        from grimoire.tiny import save_tiny
+        from grimoire.model.tiny import save_tiny
 
         model_path = str(save_tiny(f"{OUT}/tiny-model"))
     train_file = argv[1] if len(argv) > 1 else "grimoire://assets/reverse_train.jsonl"

@@ -15,7 +15,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """A tiny Llama + char tokenizer on disk, loaded through the real from_pretrained path."""
-    from grimoire.tiny import save_tiny
+    from grimoire.model.tiny import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
 
@@ -38,7 +38,7 @@ def tiny_model(tiny_dir):
 def sft_rows(tokenizer):
     """Tokenized toy SFT rows of varied lengths (so token normalisation matters)."""
     from grimoire.data import tokenize_sft
-    from grimoire.tiny import reverse_rows
+    from grimoire.model.tiny import reverse_rows
 
     return [tokenize_sft(r, tokenizer, max_length=64) for r in reverse_rows(64, seed=3, max_len=9)]
 

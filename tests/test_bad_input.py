@@ -8,9 +8,9 @@ import pytest
 from tests.helpers.train_utils import quiet_config
 
 from grimoire import GrimoireTrainer
+from grimoire.cli.main import main
 from grimoire.errors import ConfigError, DataError
 from grimoire.losses import SFTLoss
-from grimoire.train import main
 
 
 def _trainer(model, tokenizer, rows, tmp_path, **cfg):

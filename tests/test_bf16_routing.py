@@ -21,14 +21,14 @@ import subprocess
 import sys
 from collections import Counter
 
-from grimoire import precision
+from grimoire.model import precision
 
 SCRIPT = r"""
 import ctypes, json, os, sys
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from grimoire.losses import SFTLoss
-from grimoire.tiny import build_model
+from grimoire.model.tiny import build_model
 
 torch.set_num_threads(1)
 libc = ctypes.CDLL(None)

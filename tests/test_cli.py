@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from grimoire.cli_flags import MINI_TRAINER_FLAGS, markdown_table
-from grimoire.cli_schema import (
+from grimoire.cli.flags import MINI_TRAINER_FLAGS, markdown_table
+from grimoire.cli.main import check_config, config_from_args, main, parse_args, sparkline, summarize
+from grimoire.cli.schema import (
     DEFAULT_CONFIG,
     apply_mini_trainer_flags,
     apply_overrides,
@@ -17,10 +18,9 @@ from grimoire.cli_schema import (
     parse_yaml,
     validate_config,
 )
-from grimoire.data.sources import PACKAGE_ROOT
 from grimoire.errors import ConfigError
-from grimoire.tiny import reverse_rows, write_jsonl
-from grimoire.train import check_config, config_from_args, main, parse_args, sparkline, summarize
+from grimoire.model.tiny import reverse_rows, write_jsonl
+from grimoire.rows.sources import PACKAGE_ROOT
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "quickstart.yaml"
@@ -210,7 +210,7 @@ def test_shipped_configs_validate_and_match():
     missing = [
         n for n in ("reverse_train.jsonl", "reverse_eval.jsonl") if not (assets / n).is_file()
     ]
-    assert not missing, f"bundled assets {missing} missing: run `python -m grimoire.tiny`"
+    assert not missing, f"bundled assets {missing} missing: run `python -m grimoire.model.tiny`"
     for path in (EXAMPLE, DEFAULT_CONFIG):
         assert main(["validate", "--config", str(path)]) == 0, path
     assert main(["--dry-run"]) == 0  # no --config: the embedded default
@@ -330,13 +330,13 @@ def test_global_batch_splits_over_ranks_and_accumulation(data):
 
 
 def test_docs_flag_table_is_the_code_table():
-    # One list of mini_trainer flags (grimoire.cli_flags): the parser is built from it, and the
+    # One list of mini_trainer flags (grimoire.cli.flags): the parser is built from it, and the
     # table in docs/cli.md must be its rendering, row for row.
     doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     block = doc[doc.index("| flag | becomes |") :].split("\n\n", 1)[0].strip()
     assert block == markdown_table(), (
-        "docs/cli.md's mini_trainer flag table differs from grimoire.cli_flags.MINI_TRAINER_FLAGS; "
-        "replace it with the output of grimoire.cli_flags.markdown_table()"
+        "docs/cli.md's mini_trainer flag table differs from grimoire.cli.flags.MINI_TRAINER_FLAGS; "
+        "replace it with the output of grimoire.cli.flags.markdown_table()"
     )
 
 
@@ -361,8 +361,8 @@ class RecordingLoss:
 
 @pytest.mark.parametrize("cache", [False, True])
 def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monkeypatch, cache):
-    import grimoire.trainer
-    from grimoire import train as train_cli
+    import grimoire.training.trainer
+    from grimoire.cli import main as train_cli
 
     raw = minimal(data[0], output_dir=str(tmp_path / "out"))
     raw["loss"] = {"type": "tests.test_cli:RecordingLoss", "ref_model": "copy"}
@@ -374,7 +374,7 @@ def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monk
         "load_model",
         lambda cfg, path, kind="causal_lm", quant=None: loaded.append(path) or path,
     )
-    monkeypatch.setattr(grimoire.trainer, "GrimoireTrainer", lambda **kwargs: kwargs)
+    monkeypatch.setattr(grimoire.training.trainer, "GrimoireTrainer", lambda **kwargs: kwargs)
     if cache:
         # Caching from "a copy of the starting policy" is caching from the starting policy.
         raw["loss"]["cache_reference"] = True

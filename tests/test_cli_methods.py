@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from grimoire.tiny import kto_rows, preference_rows
-from grimoire.train import build_run, main
+from grimoire.cli.main import build_run, main
+from grimoire.model.tiny import kto_rows, preference_rows
 
 
 def _write(tmp_path, rows):
@@ -88,7 +88,7 @@ def test_ref_model_inside_args_is_rejected(tmp_path, capsys):
     ("method", "ref"), [("grpo", None), ("rloo", "copy"), ("online_dpo", "copy"), ("raft", None)]
 )
 def test_online_methods_train_from_yaml(tmp_path, method, ref):
-    from grimoire.tiny import reverse_rows
+    from grimoire.model.tiny import reverse_rows
 
     loss = {
         "type": method,

@@ -17,11 +17,11 @@ from tests.helpers.train_utils import RecordLosses, quiet_config
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer, compiling
-from grimoire.data.preference import tokenize_preference
-from grimoire.fused_head import fused_parts
+from grimoire.forward.fused_head import fused_parts
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.sft import SFTLoss
-from grimoire.tiny import build_model, preference_rows
+from grimoire.model.tiny import build_model, preference_rows
+from grimoire.rows.preference import tokenize_preference
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +69,7 @@ def test_a_compile_failure_falls_back_to_eager_with_the_reason(
 
     monkeypatch.setattr(compiling, "BACKEND", broken_backend)
     _, eager_losses = _train(tiny_dir, tokenizer, sft_rows, tmp_path / "e", SFTLoss())
-    with caplog.at_level(logging.WARNING, logger="grimoire.compiling"):
+    with caplog.at_level(logging.WARNING, logger="grimoire.model.compiling"):
         trainer, losses = _train(
             tiny_dir, tokenizer, sft_rows, tmp_path / "c", SFTLoss(), torch_compile=True
         )
@@ -82,7 +82,7 @@ def test_a_compile_failure_falls_back_to_eager_with_the_reason(
 
 def test_unusable_settings_fall_back_before_compiling(monkeypatch, caplog):
     model = build_model(seed=0)
-    with caplog.at_level(logging.WARNING, logger="grimoire.compiling"):
+    with caplog.at_level(logging.WARNING, logger="grimoire.model.compiling"):
         state = compiling.compile_blocks(model, mode="no-such-mode")
     assert not state.compiled and "no-such-mode" in state.fallback_reason
     monkeypatch.setenv("CXX", "no-such-compiler")

@@ -21,10 +21,10 @@ How a doc file's Python blocks run (the contract for whoever writes docs)
 - The namespace is **seeded** with inputs a reader would bring, so a block may use them without
   defining them (say in the prose what they are):
 
-  ``model_path``     folder with a tiny random Llama + character tokenizer (``grimoire.tiny``)
+  ``model_path``     folder with a tiny random Llama + character tokenizer (``grimoire.model.tiny``)
   ``tokenizer``      ``AutoTokenizer.from_pretrained(model_path)``
   ``dataset``        a ``datasets.Dataset`` of 64 raw rows: ``prompt``, ``response``, ``answer``
-                     (the string-reversal task of ``grimoire.tiny.reverse_rows``)
+                     (the string-reversal task of ``grimoire.model.tiny.reverse_rows``)
   ``eval_rows``      16 held-out raw rows (a list of dicts), e.g. for ``ExactMatchCallback``
   ``train_dataset``  ``dataset`` tokenized with ``tokenize_sft`` (``max_length=64``)
   ``eval_dataset``   ``eval_rows`` tokenized the same way
@@ -164,7 +164,7 @@ def _rel(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def doc_model(tmp_path_factory):
-    from grimoire.tiny import save_tiny
+    from grimoire.model.tiny import save_tiny
 
     return str(save_tiny(tmp_path_factory.mktemp("doc-model"), arch="llama", seed=0))
 
@@ -175,9 +175,9 @@ def doc_namespace(doc_model, tmp_path, monkeypatch):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    from grimoire.config import TrainingConfig
+    from grimoire.config.training import TrainingConfig
     from grimoire.data import tokenize_sft
-    from grimoire.tiny import reverse_rows, write_jsonl
+    from grimoire.model.tiny import reverse_rows, write_jsonl
 
     train_rows, eval_rows = reverse_rows(N_TRAIN, seed=0), reverse_rows(N_EVAL, seed=1)
     write_jsonl(train_rows, tmp_path / "train.jsonl")
@@ -272,7 +272,7 @@ def _grimoire_yamls() -> list[Path]:
 
 @pytest.mark.parametrize("path", _grimoire_yamls(), ids=_rel)
 def test_shipped_grimoire_configs_validate(path, monkeypatch):
-    from grimoire.cli_schema import load_config, validate_config
+    from grimoire.cli.schema import load_config, validate_config
 
     monkeypatch.chdir(ROOT)
     problems = validate_config(load_config(path))
@@ -352,7 +352,7 @@ def _norm_type(text: str) -> str:
 
 
 def test_configuration_table_matches_training_config():
-    from grimoire.config import TrainingConfig
+    from grimoire.config.training import TrainingConfig
 
     rows = _table_rows(CONFIG_TABLE.read_text(encoding="utf-8"))
     hints = {f.name: f.type for f in dataclasses.fields(TrainingConfig)}
@@ -382,7 +382,7 @@ def test_configuration_table_matches_training_config():
 
 def test_config_type_hints_resolve():
     """The table shows annotations as written; they must still be real types."""
-    from grimoire.config import TrainingConfig
+    from grimoire.config.training import TrainingConfig
 
     assert typing.get_type_hints(TrainingConfig)
 
@@ -392,7 +392,7 @@ def test_config_type_hints_resolve():
 
 def test_sft_python_example_runs(doc_model, tmp_path, monkeypatch):
     """``examples/sft_python.py MODEL`` trains the tiny model briefly and saves it."""
-    from grimoire.config import TrainingConfig
+    from grimoire.config.training import TrainingConfig
 
     original = TrainingConfig.__post_init__
 

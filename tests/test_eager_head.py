@@ -23,7 +23,7 @@ from tests.test_logprobs import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grimoire import fused_head as fh
+from grimoire.forward import fused_head as fh
 from grimoire.losses import SFTLoss
 
 VOCAB = 64  # tiny_config's vocabulary
@@ -140,7 +140,7 @@ def test_logged_entropy_keeps_the_eager_route():
 
 
 def fh_compute(model, batch, **kw):
-    from grimoire.logprobs import compute_token_logps
+    from grimoire.forward.logprobs import compute_token_logps
 
     return compute_token_logps(
         model,
@@ -222,7 +222,7 @@ def test_second_backward_recomputes_exactly():
 def test_cpu_workspace_is_shared_and_reused_across_calls():
     """One CPU logits buffer serves every plain-Linear head call (forward, recompute, another
     model) instead of a fresh mmap'd one per call; results do not depend on its old contents."""
-    from grimoire import head_function as hf
+    from grimoire.forward import head_function as hf
 
     hf.release_workspace()
     model, other = make_model("llama", tie=False), make_model("llama", tie=False, seed=1)
@@ -280,8 +280,8 @@ def test_training_releases_the_cpu_workspace(tmp_path):
     from tests.helpers.train_utils import quiet_config
 
     from grimoire import GrimoireTrainer
-    from grimoire import head_function as hf
-    from grimoire.tiny import build_tokenizer
+    from grimoire.forward import head_function as hf
+    from grimoire.model.tiny import build_tokenizer
 
     rows = [{"input_ids": [1, 5, 6, 7, 8], "labels": [-100, 5, 6, 7, 8]}] * 4
     seen = []

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from grimoire.cli_schema import load_config, validate_config
-from grimoire.tiny import preference_rows, write_jsonl
-from grimoire.train import main
+from grimoire.cli.main import main
+from grimoire.cli.schema import load_config, validate_config
+from grimoire.model.tiny import preference_rows, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = Path(__file__).parent / "reference_examples" / "grimoire_rl_readme.txt"
@@ -202,7 +202,7 @@ def test_full_schema_trains_and_saves(tmp_path, monkeypatch):
 
 
 def test_earlier_spellings_warn_and_mean_the_same(tmp_path):
-    from grimoire.cli_model import canonical_model
+    from grimoire.cli.model import canonical_model
 
     old = {
         "model": {
@@ -241,7 +241,7 @@ def test_earlier_spellings_warn_and_mean_the_same(tmp_path):
 def test_model_kwargs_reach_from_pretrained_and_bad_ones_are_named(tiny_dir):
     import torch
 
-    from grimoire.cli_model import from_pretrained_kwargs, load_model, model_problems
+    from grimoire.cli.model import from_pretrained_kwargs, load_model, model_problems
 
     cfg = {"pretrained": str(tiny_dir), "model_kwargs": {"torch_dtype": "bf16"}}
     assert from_pretrained_kwargs(cfg) == {"dtype": torch.bfloat16, "trust_remote_code": False}
@@ -270,8 +270,8 @@ def test_unknown_keys_list_the_valid_ones():
 
 
 def test_peft_type_and_save_to_defaults(tmp_path, monkeypatch):
-    from grimoire.config import TrainingConfig
-    from grimoire.train import build_peft, save_path
+    from grimoire.cli.main import build_peft, save_path
+    from grimoire.config.training import TrainingConfig
 
     assert build_peft({"type": "lora", "r": 4}).r == 4
     raw = {"model": {"pretrained": "tiny:llama"}, "dataset": {"jsonl": "x"}}
@@ -388,7 +388,7 @@ def test_grimoire_rl_loss_argument_names(tiny_dir, tokenizer):
 
 
 def test_set_with_an_unquoted_list_is_an_error_not_a_string():
-    from grimoire.cli_schema import parse_override
+    from grimoire.cli.schema import parse_override
     from grimoire.errors import ConfigError
 
     assert parse_override('peft.target_modules=["q_proj","v_proj"]')[1] == ["q_proj", "v_proj"]

@@ -11,10 +11,10 @@ from tests.helpers.train_utils import quiet_config, train
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grimoire import TrainingConfig
-from grimoire import host_memory as hm
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
-from grimoire.tiny import build_tokenizer
+from grimoire.model import host_memory as hm
+from grimoire.model.tiny import build_tokenizer
 
 GIB = 1 << 30
 

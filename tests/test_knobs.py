@@ -10,8 +10,8 @@ import torch
 from tests.helpers.train_utils import RecordLosses, quiet_config, train
 
 from grimoire import TrainingConfig
-from grimoire.optim import build_optimizer, build_scheduler, muon_param_groups
-from grimoire.tiny import build_model
+from grimoire.model.tiny import build_model
+from grimoire.optim.optimizers import build_optimizer, build_scheduler, muon_param_groups
 
 # ---------------------------------------------------------------------------------------- Muon
 
@@ -223,7 +223,7 @@ ALPHA = 5.0
 
 
 def _neftune_model(alpha: float | None = ALPHA, peft: bool = False):
-    from grimoire.modeling import prepare_model
+    from grimoire.model.prepare import prepare_model
 
     model = build_model()
     peft_config = None
@@ -351,7 +351,7 @@ def _fp32_names(model) -> set[str]:
 def test_upcast_all_matches_peft_and_norms_casts_only_norms():
     from peft import prepare_model_for_kbit_training
 
-    from grimoire.modeling import upcast_for_kbit
+    from grimoire.model.prepare import upcast_for_kbit
 
     names = {n for n, _ in _bf16_model().named_parameters()}
     ours = _bf16_model()
@@ -386,7 +386,7 @@ def test_prepare_model_passes_kbit_switches(monkeypatch, upcast, gc, kbit_gc, wa
     import peft
     from peft import LoraConfig
 
-    import grimoire.modeling as modeling
+    import grimoire.model.prepare as modeling
 
     calls: list[dict] = []
     real = peft.prepare_model_for_kbit_training
@@ -432,8 +432,8 @@ def test_prepare_model_passes_kbit_switches(monkeypatch, upcast, gc, kbit_gc, wa
 
 def test_fused_require_refuses_a_sharded_head_and_auto_falls_back():
     from grimoire.errors import ConfigError
-    from grimoire.fused_head import fused_parts
-    from grimoire.logprobs import compute_token_logps
+    from grimoire.forward.fused_head import fused_parts
+    from grimoire.forward.logprobs import compute_token_logps
 
     model = build_model()
     assert fused_parts(model, require=True) is not None  # unsharded: fine either way

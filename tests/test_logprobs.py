@@ -15,11 +15,11 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM
 
-from grimoire import fused_head as fh
-from grimoire import logprobs as lp
 from grimoire.errors import ConfigError
-from grimoire.logprobs import IGNORE_INDEX, compute_token_logps, shift_labels
-from grimoire.tiny import tiny_config
+from grimoire.forward import fused_head as fh
+from grimoire.forward import logprobs as lp
+from grimoire.forward.logprobs import IGNORE_INDEX, compute_token_logps, shift_labels
+from grimoire.model.tiny import tiny_config
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 #: bf16 autocast: both paths run the head in bf16 on the same hidden states, the fused one on a
@@ -361,7 +361,7 @@ def test_fallback_without_output_embeddings(monkeypatch, caplog):
     monkeypatch.setattr(model, "get_output_embeddings", lambda: None)
     shapes = _logit_shapes(model)
     batch = padded_batch()
-    with caplog.at_level(logging.INFO, logger="grimoire.logprobs"):
+    with caplog.at_level(logging.INFO, logger="grimoire.forward.logprobs"):
         fused, g_fused = run(model, batch, fused=True)
         run(model, batch, fused=True)
     assert shapes == [(4, 12, 64)] * 2  # the full forward, both times
@@ -375,7 +375,7 @@ def test_fallback_when_head_is_sharded(caplog):
     model = make_model("llama", tie=False)
     model.lm_head.weight.ds_numel = model.lm_head.weight.numel()  # what ZeRO-3 tags params with
     shapes = _logit_shapes(model)
-    with caplog.at_level(logging.INFO, logger="grimoire.logprobs"):
+    with caplog.at_level(logging.INFO, logger="grimoire.forward.logprobs"):
         run(model, padded_batch(), fused=True)
     assert shapes == [(4, 12, 64)]
     assert any("sharded" in r.getMessage() for r in caplog.records)
@@ -467,7 +467,7 @@ def test_fused_path_saves_no_batch_by_seq_by_vocab_tensor():
 def test_apply_liger_explains_what_is_missing():
     import importlib.util
 
-    from grimoire.kernels import apply_liger
+    from grimoire.model.liger import apply_liger
 
     if importlib.util.find_spec("liger_kernel") is not None and torch.cuda.is_available():
         pytest.skip("liger-kernel and CUDA are both present: nothing is missing")

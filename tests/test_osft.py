@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from grimoire.errors import ConfigError
-from grimoire.osft import (
+from grimoire.model.osft import (
     OSFTLinear,
     apply_osft,
     num_frozen_components,

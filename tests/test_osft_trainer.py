@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from grimoire import GrimoireTrainer
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
-from grimoire.osft import OSFTLinear
+from grimoire.model.osft import OSFTLinear
 
 OSFT = dict(osft=True, osft_unfreeze_rank_ratio=0.5, learning_rate=5e-3)
 
@@ -104,7 +104,7 @@ def test_osft_with_dpo_and_grpo_grad_accum_and_bf16(tiny_dir, tokenizer, tmp_pat
     """OSFT is a step hook: it composes with any method, accumulation and mixed precision."""
     from grimoire.data import tokenize_grpo, tokenize_preference
     from grimoire.losses import DPOLoss, GRPOMethod
-    from grimoire.tiny import preference_rows, reverse_rows
+    from grimoire.model.tiny import preference_rows, reverse_rows
 
     pairs = [tokenize_preference(r, tokenizer, max_length=64) for r in preference_rows(8, seed=1)]
     prompts = [tokenize_grpo(r, tokenizer, max_length=32) for r in reverse_rows(8, seed=2)]

@@ -15,16 +15,16 @@ import pytest
 import torch
 from tests.helpers.train_utils import quiet_config
 
-from grimoire.logprobs import compute_token_logps
-from grimoire.modeling import enable_checkpointing, prepare_model
-from grimoire.packed_attention import (
+from grimoire.forward.logprobs import compute_token_logps
+from grimoire.model.packed_attention import (
     NAME,
     PACKED_CAUSAL,
     enable_packed_attention,
     packed_sdpa_attention_forward,
     unsupported_reason,
 )
-from grimoire.tiny import build_model
+from grimoire.model.prepare import enable_checkpointing, prepare_model
+from grimoire.model.tiny import build_model
 
 # A boundary mid-row, a length-1 sample, and samples of several lengths.
 LENGTHS = [5, 1, 9, 3]
@@ -162,7 +162,7 @@ def test_generation_with_kv_cache_is_sdpa_bitwise():
 
 def test_unsupported_models_keep_their_attention(caplog):
     gemma = build_model("gemma2", vocab_size=64)
-    with caplog.at_level(logging.INFO, logger="grimoire.packed_attention"):
+    with caplog.at_level(logging.INFO, logger="grimoire.model.packed_attention"):
         assert not enable_packed_attention(gemma)
         assert not enable_packed_attention(build_model("gemma2", vocab_size=64, seed=1))
     assert gemma.config._attn_implementation == "eager"
@@ -216,7 +216,7 @@ def test_the_trainer_selects_it_for_packed_runs(tmp_path, tokenizer, overrides, 
 def test_auto_stays_padded_on_a_cuda_device_and_an_explicit_switch_still_packs(tmp_path):
     """The one GPU measurement had packing 6.6x slower than padded: auto does not pack on CUDA
     (device_type is what the trainer passes from its accelerator), padding_free=True does."""
-    from grimoire.data.loader import AUTO_PACKING_CUDA_NOTE, packing_decision
+    from grimoire.batching.loader import AUTO_PACKING_CUDA_NOTE, packing_decision
     from grimoire.losses import SFTLoss
 
     model = build_model("llama", vocab_size=64)
@@ -229,7 +229,7 @@ def test_auto_stays_padded_on_a_cuda_device_and_an_explicit_switch_still_packs(t
 
 
 def test_padding_ratio_by_hand():
-    from grimoire.data.budget import padding_ratio
+    from grimoire.batching.budget import padding_ratio
 
     # One batch of all 8 rows (however they are shuffled): 8 x 40 positions for 2 x 49 tokens.
     assert padding_ratio(LONG_TAILED, batch_size=8) == pytest.approx(320 / 98)
@@ -275,7 +275,7 @@ def test_per_sample_calls_exclude_cudnn_attention_on_cuda_only():
     memory-efficient / math. The CPU path is untouched (no context at all)."""
     import contextlib
 
-    from grimoire.packed_attention import _per_sample_backends
+    from grimoire.model.packed_attention import _per_sample_backends
 
     assert isinstance(_per_sample_backends(torch.device("cpu")), contextlib.nullcontext)
     before = torch.backends.cuda.cudnn_sdp_enabled()

@@ -11,14 +11,14 @@ from tests.helpers.train_utils import quiet_config, train
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
-from grimoire.context import TrainingContext
+from grimoire.config.context import TrainingContext
 from grimoire.data import cache_reference_log_probs, tokenize_kto
-from grimoire.data.grpo import GRPOCollator, tokenize_grpo
-from grimoire.data.kto import KTOCollator, PackedKTOCollator
 from grimoire.losses import KTOLoss
 from grimoire.losses.grpo import GRPOMethod
+from grimoire.model.tiny import build_model, kto_rows, reverse_rows
 from grimoire.rollout.batches import pack_rollout_batch
-from grimoire.tiny import build_model, kto_rows, reverse_rows
+from grimoire.rows.kto import KTOCollator, PackedKTOCollator
+from grimoire.rows.prompts import GRPOCollator, tokenize_grpo
 
 PAD = 0
 

@@ -7,13 +7,13 @@ import torch
 from tests.helpers.train_utils import quiet_config, train
 from transformers import AutoModelForCausalLM
 
+from grimoire.collate.packing import pack_samples, segment_sum
 from grimoire.data import SFTCollator
-from grimoire.data.packing import pack_samples, segment_sum
-from grimoire.data.pretokenized import pretrain_blocks, tokenize_pretokenized
 from grimoire.errors import DataError
-from grimoire.logprobs import compute_token_logps
+from grimoire.forward.logprobs import compute_token_logps
 from grimoire.losses import SFTLoss
-from grimoire.tiny import build_model
+from grimoire.model.tiny import build_model
+from grimoire.rows.pretokenized import pretrain_blocks, tokenize_pretokenized
 
 SGD = dict(optimizer="sgd", learning_rate=0.5, weight_decay=0.0, max_grad_norm=None, max_steps=1)
 
@@ -136,7 +136,7 @@ def test_packed_pairs_match_padded_pairs(loss_name, tokenizer):
     from grimoire.data import PreferenceCollator, tokenize_preference
     from grimoire.losses import CPOLoss, DPOLoss, ORPOLoss, SimPOLoss
     from grimoire.losses.preference import PackedPairCollator
-    from grimoire.tiny import preference_rows
+    from grimoire.model.tiny import preference_rows
 
     torch.manual_seed(0)
     policy = build_model("llama", vocab_size=64, seed=1)
@@ -165,7 +165,7 @@ def test_packed_pairs_match_padded_pairs(loss_name, tokenizer):
 def test_dpo_trains_padding_free_with_token_budget(tiny_dir, tokenizer, tmp_path):
     from grimoire.data import tokenize_preference
     from grimoire.losses import DPOLoss
-    from grimoire.tiny import preference_rows
+    from grimoire.model.tiny import preference_rows
 
     rows = [tokenize_preference(r, tokenizer, max_length=64) for r in preference_rows(16, seed=3)]
     ref = AutoModelForCausalLM.from_pretrained(tiny_dir)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from grimoire.plot import build_figure, read_runs, smooth
-from grimoire.train import main as cli
+from grimoire.cli.main import main as cli
+from grimoire.tools.plot import build_figure, read_runs, smooth
 
 PNG_DPI = 110  # plot.py saves at this dpi; the figure is 5.2 x (3.1 rows + 0.6) inches per column
 
@@ -23,7 +23,7 @@ def real_run(tmp_path_factory, tiny_dir, tokenizer):
 
     from grimoire.data import tokenize_preference
     from grimoire.losses import SimPOLoss
-    from grimoire.tiny import preference_rows
+    from grimoire.model.tiny import preference_rows
 
     out = tmp_path_factory.mktemp("runs") / "simpo"
     rows = [tokenize_preference(r, tokenizer, max_length=64) for r in preference_rows(8, seed=1)]

@@ -12,11 +12,11 @@ from tests.helpers.train_utils import quiet_config, train
 from grimoire import TrainingConfig, precision
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
-from grimoire.modeling import resolve_mixed_precision
+from grimoire.model.prepare import resolve_mixed_precision
 
 
 def _flags_from_cpuinfo() -> set[str]:
-    """Read independently of grimoire.precision: the x86 ``flags`` line."""
+    """Read independently of grimoire.model.precision: the x86 ``flags`` line."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -36,11 +36,13 @@ def _expected_cpu_precision() -> str:
 @pytest.fixture
 def on_cpu(monkeypatch):
     """Resolve as on a machine with no accelerator, also where the tests run on a GPU host."""
-    import grimoire.trainer
+    import grimoire.training.trainer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(precision, "_other_accelerator", lambda: False)
-    monkeypatch.setattr(grimoire.trainer, "has_accelerator", lambda: False)  # train on the CPU
+    monkeypatch.setattr(
+        grimoire.training.trainer, "has_accelerator", lambda: False
+    )  # train on the CPU
 
 
 def _detected(monkeypatch, native: bool) -> None:
@@ -109,7 +111,7 @@ def test_explicit_bf16_with_native_support_is_silent(on_cpu, monkeypatch):
 
 def test_decision_is_logged_with_the_cpu_capability(on_cpu, monkeypatch, caplog):
     _detected(monkeypatch, native=False)
-    with caplog.at_level("INFO", logger="grimoire.precision"):
+    with caplog.at_level("INFO", logger="grimoire.model.precision"):
         precision.resolve_auto("auto")
     assert "mixed_precision='auto' -> 'no'" in caplog.text
     assert "cpu capability AVX2" in caplog.text

@@ -15,17 +15,17 @@ from tests.helpers.train_utils import RecordLosses, quiet_config
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
-from grimoire.data.cache import cache_reference_log_probs, with_kl_pairs
-from grimoire.data.grpo import tokenize_grpo
-from grimoire.data.kto import tokenize_kto
-from grimoire.data.preference import tokenize_preference
 from grimoire.errors import ConfigError
+from grimoire.forward.precomputed import cache_reference_log_probs, with_kl_pairs
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.ipo import IPOLoss
 from grimoire.losses.kto import KTOLoss
 from grimoire.losses.sft import SFTLoss
-from grimoire.tiny import kto_rows, preference_rows, reverse_rows
+from grimoire.model.tiny import kto_rows, preference_rows, reverse_rows
+from grimoire.rows.kto import tokenize_kto
+from grimoire.rows.preference import tokenize_preference
+from grimoire.rows.prompts import tokenize_grpo
 
 MAX_LEN = 48
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from grimoire.train import main
+from grimoire.cli.main import main
 
 
 def test_quickstart_demo_learns(tmp_path, capsys):

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from grimoire import registry
+from grimoire.config import registry
+from grimoire.config.registry import CALLBACKS, LOSSES, TOKENIZERS, resolve
 from grimoire.errors import ConfigError
-from grimoire.registry import CALLBACKS, LOSSES, TOKENIZERS, resolve
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 def test_short_name_resolves_to_registered_object():
-    from grimoire.data.sft import tokenize_sft
     from grimoire.losses.sft import SFTLoss
+    from grimoire.rows.sft import tokenize_sft
 
     assert resolve("sft", LOSSES, "loss.type") is SFTLoss
     assert resolve("sft", TOKENIZERS, "dataset.tokenize.type") is tokenize_sft
@@ -78,9 +78,7 @@ def test_every_registered_entry_imports(table, name):
 
 
 def test_importing_the_registry_imports_nothing_heavy():
-    code = (
-        "import sys, grimoire.registry; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
-    )
+    code = "import sys, grimoire.config.registry; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": SRC}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr

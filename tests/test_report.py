@@ -12,13 +12,13 @@ import yaml
 from tests.helpers.train_utils import quiet_config, train
 
 from grimoire import TrainerCallback, TrainingConfig
-from grimoire.callbacks import ProgressCallback
-from grimoire.data.grpo import tokenize_grpo
-from grimoire.data.preference import tokenize_preference
 from grimoire.losses import DPOLoss, SFTLoss
 from grimoire.losses.grpo import GRPOMethod
+from grimoire.model.tiny import preference_rows, reverse_rows
 from grimoire.rollout.rewards import char_match_reward
-from grimoire.tiny import preference_rows, reverse_rows
+from grimoire.rows.preference import tokenize_preference
+from grimoire.rows.prompts import tokenize_grpo
+from grimoire.training.callbacks import ProgressCallback
 
 
 class FakeTerminal(io.StringIO):

@@ -15,13 +15,13 @@ from tests.test_distributed import LAUNCH, _env
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
-from grimoire.data.grpo import tokenize_grpo
 from grimoire.errors import ConfigError
 from grimoire.losses import DPOLoss
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.rloo import RLOOMethod
-from grimoire.tiny import reverse_rows
+from grimoire.model.tiny import reverse_rows
+from grimoire.rows.prompts import tokenize_grpo
 
 SCRIPT = Path(__file__).parent / "scripts" / "count_collectives.py"
 
@@ -85,7 +85,7 @@ def test_dummies_are_not_sampled_nor_counted(tiny_dir, tokenizer, tmp_path):
 )
 def test_a_missing_reference_is_named_not_copied(make, tiny_model, tokenizer, tmp_path):
     from grimoire.data import tokenize_preference
-    from grimoire.tiny import preference_rows
+    from grimoire.model.tiny import preference_rows
 
     method = make()
     if isinstance(method, DPOLoss):

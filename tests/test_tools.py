@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grimoire.train import main as cli
+from grimoire.cli.main import main as cli
 
 INPUT = torch.tensor([[1, 20, 21, 22, 23, 24, 25, 26]])
 

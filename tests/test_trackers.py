@@ -14,7 +14,7 @@ from tests.helpers.train_utils import quiet_config, train
 
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
-from grimoire.metrics import init_trackers
+from grimoire.training.metrics import init_trackers
 
 STEPS = 3
 

@@ -10,9 +10,9 @@ from tests.helpers.train_utils import RecordLosses, params_of, quiet_config, tra
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer, TrainerCallback
-from grimoire.checkpoint import list_checkpoints
 from grimoire.losses import SFTLoss
-from grimoire.optim import no_decay_names
+from grimoire.optim.optimizers import no_decay_names
+from grimoire.training.checkpoint import list_checkpoints
 
 
 def _naive_sgd_step(model, rows, lr):
@@ -180,7 +180,7 @@ def test_checkpoints_rotate_atomically_and_load(tiny_model, tokenizer, sft_rows,
 
 
 def test_weight_decay_excludes_biases_and_all_norms():
-    from grimoire.tiny import build_model
+    from grimoire.model.tiny import build_model
 
     model = build_model("qwen2", vocab_size=64)  # qwen2 has q/k/v biases and RMSNorms
     skip = no_decay_names(model)
@@ -193,8 +193,8 @@ def test_weight_decay_excludes_biases_and_all_norms():
 
 @pytest.mark.parametrize("kind", ["linear", "cosine", "constant", "constant_with_warmup"])
 def test_schedulers(kind):
-    from grimoire.config import TrainingConfig
-    from grimoire.optim import build_scheduler
+    from grimoire.config.training import TrainingConfig
+    from grimoire.optim.optimizers import build_scheduler
 
     cfg = TrainingConfig(lr_scheduler=kind, warmup_steps=4, learning_rate=1.0)
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -295,7 +295,7 @@ def test_disable_dropout_zeroes_every_dropout(tiny_dir, tokenizer, sft_rows, tmp
 
 
 def test_refuses_to_train_alone_under_a_multi_process_launch(monkeypatch):
-    from grimoire.modeling import check_world_size
+    from grimoire.model.prepare import check_world_size
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"PartialState\(cpu=True\)"):

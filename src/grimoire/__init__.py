@@ -7,18 +7,18 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .callbacks import ExactMatchCallback, TrainerCallback
-    from .config import TrainingConfig
-    from .launcher import LaunchError, launch
-    from .trainer import GrimoireTrainer
+    from grimoire.config.training import TrainingConfig
+    from grimoire.parallel.launcher import LaunchError, launch
+    from grimoire.training.callbacks import ExactMatchCallback, TrainerCallback
+    from grimoire.training.trainer import GrimoireTrainer
 
 _LAZY = {
-    "GrimoireTrainer": "grimoire.trainer",
+    "GrimoireTrainer": "grimoire.training.trainer",
     "TrainingConfig": "grimoire.config",
-    "TrainerCallback": "grimoire.callbacks",
-    "ExactMatchCallback": "grimoire.callbacks",
-    "launch": "grimoire.launcher",
-    "LaunchError": "grimoire.launcher",
+    "TrainerCallback": "grimoire.training.callbacks",
+    "ExactMatchCallback": "grimoire.training.callbacks",
+    "launch": "grimoire.parallel.launcher",
+    "LaunchError": "grimoire.parallel.launcher",
 }
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 import sys
 
-from .train import main
+from grimoire.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grimoire.batching.bin_packing import plan_global_batch
+from grimoire.collate.packing import pack_samples, padding_fraction, segment_sum
 from grimoire.data import packing, planner
-from grimoire.data.packing import pack_samples, padding_fraction, segment_sum
-from grimoire.data.planner import plan_global_batch
 from grimoire.errors import DataError
-from grimoire.logprobs import IGNORE_INDEX, shift_labels
+from grimoire.forward.logprobs import IGNORE_INDEX, shift_labels
 
 # ----------------------------------------------------------------------------------------------
 # references and helpers

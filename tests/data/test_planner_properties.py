@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grimoire.data.planner import plan_global_batch
-from grimoire.data.sampling import StepPlanner
+from grimoire.batching.bin_packing import plan_global_batch
+from grimoire.batching.steps import StepPlanner
 
 SETTINGS = settings(max_examples=150, deadline=None)
 

@@ -11,13 +11,13 @@ import logging
 import pytest
 import torch
 
-from grimoire.data.cache import cache_reference_log_probs
-from grimoire.data.kto import KTOCollator, tokenize_kto
-from grimoire.data.preference import PreferenceCollator, tokenize_preference
-from grimoire.data.sources import tokenize_dataset
 from grimoire.errors import DataError
+from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.kto import KTOLoss
+from grimoire.rows.kto import KTOCollator, tokenize_kto
+from grimoire.rows.preference import PreferenceCollator, tokenize_preference
+from grimoire.rows.sources import tokenize_dataset
 
 IGN = -100
 

@@ -7,8 +7,10 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
-from grimoire.data.sft import tokenize_sft
-from grimoire.data.sources import (
+from grimoire.errors import ConfigError, DataError
+from grimoire.model.tiny import build_tokenizer
+from grimoire.rows.sft import tokenize_sft
+from grimoire.rows.sources import (
     PACKAGE_ROOT,
     load_source,
     resolve_path,
@@ -16,8 +18,6 @@ from grimoire.data.sources import (
     source_problems,
     tokenize_dataset,
 )
-from grimoire.errors import ConfigError, DataError
-from grimoire.tiny import build_tokenizer
 
 
 def _write_jsonl(path, rows):

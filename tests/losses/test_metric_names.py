@@ -15,11 +15,7 @@ from accelerate import Accelerator
 from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from grimoire.context import TrainingContext
-from grimoire.data.grpo import GRPOCollator, tokenize_grpo
-from grimoire.data.kto import KTOCollator, tokenize_kto
-from grimoire.data.preference import PreferenceCollator, tokenize_preference
-from grimoire.data.sft import SFTCollator, tokenize_sft
+from grimoire.config.context import TrainingContext
 from grimoire.losses import (
     CPOLoss,
     DPOLoss,
@@ -34,7 +30,11 @@ from grimoire.losses import (
     SFTLoss,
     SimPOLoss,
 )
-from grimoire.tiny import build_model, kto_rows, preference_rows, reverse_rows
+from grimoire.model.tiny import build_model, kto_rows, preference_rows, reverse_rows
+from grimoire.rows.kto import KTOCollator, tokenize_kto
+from grimoire.rows.preference import PreferenceCollator, tokenize_preference
+from grimoire.rows.prompts import GRPOCollator, tokenize_grpo
+from grimoire.rows.sft import SFTCollator, tokenize_sft
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "losses.md"
 REWARD_FN = "length"  # the name a per-reward-function metric gets (its function's __name__)

@@ -17,14 +17,14 @@ from tests.helpers.train_utils import quiet_config
 
 from grimoire import GrimoireTrainer
 from grimoire.data import tokenize_sft
-from grimoire.data.grpo import tokenize_grpo
 from grimoire.losses import SFTLoss
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
+from grimoire.model.tiny import reverse_rows, save_tiny
 from grimoire.rollout.rewards import char_match_reward, evaluate_rewards
-from grimoire.tiny import reverse_rows, save_tiny
+from grimoire.rows.prompts import tokenize_grpo
 
 pytestmark = pytest.mark.slow
 MAX_NEW_TOKENS = 8

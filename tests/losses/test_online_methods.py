@@ -12,14 +12,14 @@ import torch
 from tests.helpers.train_utils import RecordLosses, quiet_config
 
 from grimoire import GrimoireTrainer
-from grimoire.context import TrainingContext
-from grimoire.data.grpo import GRPOCollator, tokenize_grpo
+from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError, DataError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
-from grimoire.tiny import reverse_rows
+from grimoire.model.tiny import reverse_rows
+from grimoire.rows.prompts import GRPOCollator, tokenize_grpo
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -32,15 +32,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from grimoire import GrimoireTrainer, TrainingConfig
-from grimoire.data.kto import tokenize_kto
-from grimoire.data.preference import tokenize_preference
-from grimoire.data.sft import tokenize_sft
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.kto import KTOLoss
 from grimoire.losses.orpo import ORPOLoss
 from grimoire.losses.reward import RewardModelLoss
 from grimoire.losses.sft import SFTLoss
-from grimoire.tiny import kto_rows, preference_rows, reverse_rows, save_tiny
+from grimoire.model.tiny import kto_rows, preference_rows, reverse_rows, save_tiny
+from grimoire.rows.kto import tokenize_kto
+from grimoire.rows.preference import tokenize_preference
+from grimoire.rows.sft import tokenize_sft
 
 MAX_LEN = 64
 

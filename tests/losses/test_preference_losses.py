@@ -16,10 +16,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from grimoire.data.cache import cache_reference_log_probs
-from grimoire.data.kto import KTOCollator, tokenize_kto
-from grimoire.data.preference import PreferenceCollator, tokenize_preference
 from grimoire.errors import ConfigError
+from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.cpo import CPOLoss
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.functional import (
@@ -36,7 +34,9 @@ from grimoire.losses.kto import KTOLoss
 from grimoire.losses.orpo import ORPOLoss
 from grimoire.losses.reward import RewardModelLoss
 from grimoire.losses.simpo import SimPOLoss
-from grimoire.tiny import build_model, kto_rows, preference_rows
+from grimoire.model.tiny import build_model, kto_rows, preference_rows
+from grimoire.rows.kto import KTOCollator, tokenize_kto
+from grimoire.rows.preference import PreferenceCollator, tokenize_preference
 
 ATOL = 2e-5
 PAD = 0

@@ -98,7 +98,7 @@ def test_old_logps_match_generate_scores(tiny_model, tokenizer, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_completion_logps_match_unpadded_rows(tiny_model, tokenizer, temperature):
     """Left-padded batch vs one unpadded forward per row (T=1 runs through the shared
-    grimoire.logprobs module, other temperatures through the logits_to_keep path)."""
+    grimoire.forward.logprobs module, other temperatures through the logits_to_keep path)."""
     eos = tokenizer.eos_token_id
     rows = [("reverse abc=", "cba"), ("hi", "ab")]
     prompts = [tokenizer(p)["input_ids"] for p, _ in rows]

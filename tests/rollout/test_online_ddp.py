@@ -70,9 +70,9 @@ def _worker(model_dir: str, out_dir: str, batch: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grimoire import GrimoireTrainer, TrainingConfig
-    from grimoire.data.grpo import tokenize_grpo
     from grimoire.losses.grpo import GRPOMethod
-    from grimoire.tiny import reverse_rows
+    from grimoire.model.tiny import reverse_rows
+    from grimoire.rows.prompts import tokenize_grpo
 
     torch.set_num_threads(1)
 

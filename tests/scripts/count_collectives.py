@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grimoire import GrimoireTrainer, TrainerCallback
 from grimoire.data import tokenize_sft
 from grimoire.losses import SFTLoss
-from grimoire.tiny import reverse_rows
+from grimoire.model.tiny import reverse_rows
 
 NAMES = (
     "all_reduce",

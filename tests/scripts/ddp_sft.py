@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grimoire import GrimoireTrainer
 from grimoire.data import tokenize_sft
 from grimoire.losses import SFTLoss
-from grimoire.tiny import reverse_rows
+from grimoire.model.tiny import reverse_rows
 
 model_dir, out_dir, batch, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}

@@ -20,9 +20,9 @@ import torch
 
 from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
 from grimoire.data import tokenize_preference, tokenize_sft
-from grimoire.distributed import full_state_dict, is_sharded
 from grimoire.losses import DPOLoss, SFTLoss
-from grimoire.tiny import preference_rows, reverse_rows
+from grimoire.model.tiny import preference_rows, reverse_rows
+from grimoire.parallel.fsdp import full_state_dict, is_sharded
 
 #: Total optimizer steps of a run (``TOTAL_STEPS`` overrides), and an optional signal a callback
 #: sends to its own process: ``SIGNAL_AT="STEP:SIGNAME:RANK"`` (preemption tests).

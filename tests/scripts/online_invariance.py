@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from grimoire.distributed import full_state_dict, is_sharded
+from grimoire.parallel.fsdp import full_state_dict, is_sharded
 from grimoire.rollout.engine import RolloutEngine
 
 G, MAX_NEW = 4, 4
@@ -79,8 +79,8 @@ def run(tiny_dir: str, out_dir: str, batch: int, accum: int, names: list[str]) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
-    from grimoire.data.grpo import tokenize_grpo
-    from grimoire.tiny import reverse_rows
+    from grimoire.model.tiny import reverse_rows
+    from grimoire.rows.prompts import tokenize_grpo
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(4, seed=9)]

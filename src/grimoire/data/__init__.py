@@ -1,11 +1,16 @@
-"""Tokenizers, collators and dataset sources for every method."""
+"""The public data API: tokenizers, collators and dataset sources for every method.
 
-from .cache import cache_reference_log_probs
-from .grpo import GRPOCollator, tokenize_grpo
-from .kto import KTOCollator, tokenize_kto
-from .preference import PreferenceCollator, tokenize_preference
-from .sft import SFTCollator, tokenize_sft
-from .sources import load_source, tokenize_dataset
+A facade: each name lives in its stage folder (``grimoire.rows`` tokenizes rows,
+``grimoire.collate`` turns them into tensors, ``grimoire.forward.precomputed`` caches reference
+log-probs). Grimoire's own code imports from those folders; this package sits on the top layer.
+"""
+
+from grimoire.forward.precomputed import cache_reference_log_probs
+from grimoire.rows.kto import KTOCollator, tokenize_kto
+from grimoire.rows.preference import PreferenceCollator, tokenize_preference
+from grimoire.rows.prompts import GRPOCollator, tokenize_grpo
+from grimoire.rows.sft import SFTCollator, tokenize_sft
+from grimoire.rows.sources import load_source, tokenize_dataset
 
 __all__ = [
     "GRPOCollator",

@@ -1,19 +1,19 @@
-"""Training methods: one loss class per method, sharing :mod:`grimoire.logprobs`."""
+"""Training methods: one loss class per method, sharing :mod:`grimoire.forward.logprobs`."""
 
-from .base import GrimoireLoss
-from .cpo import CPOLoss
-from .dpo import DPOLoss
-from .grpo import GRPOMethod
-from .ipo import IPOLoss
-from .kto import KTOLoss
-from .online import OnlineMethod
-from .online_dpo import OnlineDPOMethod
-from .orpo import ORPOLoss
-from .raft import RAFTMethod
-from .reward import RewardModelLoss
-from .rloo import RLOOMethod
-from .sft import SFTLoss
-from .simpo import SimPOLoss
+from grimoire.losses.base import GrimoireLoss
+from grimoire.losses.cpo import CPOLoss
+from grimoire.losses.dpo import DPOLoss
+from grimoire.losses.grpo import GRPOMethod
+from grimoire.losses.ipo import IPOLoss
+from grimoire.losses.kto import KTOLoss
+from grimoire.losses.online import OnlineMethod
+from grimoire.losses.online_dpo import OnlineDPOMethod
+from grimoire.losses.orpo import ORPOLoss
+from grimoire.losses.raft import RAFTMethod
+from grimoire.losses.reward import RewardModelLoss
+from grimoire.losses.rloo import RLOOMethod
+from grimoire.losses.sft import SFTLoss
+from grimoire.losses.simpo import SimPOLoss
 
 __all__ = [
     "CPOLoss",

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.budget import columns_of, default_budget_tokens, truncate_sequences
+from grimoire.batching.budget import columns_of, default_budget_tokens, truncate_sequences
 
 
 class GrimoireLoss:
@@ -27,7 +27,7 @@ class GrimoireLoss:
       gradient accumulation, token-budget micro-batches and N ranks optimise the same objective as
       one big batch.
     - ``setup(ctx)``: called once before training with a
-      :class:`~grimoire.context.TrainingContext` (config, accelerator, tokenizer, the unwrapped
+      :class:`~grimoire.config.context.TrainingContext` (config, accelerator, tokenizer, the unwrapped
       policy, datasets): place a reference model, bind a rollout engine, read options. It is the
       method's only view of the trainer.
     - ``validate_dataset(dataset, split) -> list[str]``: problems with the tokenized data, named by
@@ -38,7 +38,7 @@ class GrimoireLoss:
       (``needs_generation``); the trainer runs it before the step's losses.
     - ``budget_tokens(lengths, packed) -> int`` and ``fit_to_budget(row, budget) -> row``: what a
       row costs in a forward pass under ``max_tokens_per_device`` and how to cut it to fit
-      (:mod:`grimoire.data.budget`); override when the method adds tokens the row does not hold
+      (:mod:`grimoire.batching.budget`); override when the method adds tokens the row does not hold
       (KTO's KL rows, online completions).
     """
 
@@ -94,7 +94,7 @@ class GrimoireLoss:
 
 class TokenLogpsLoss(GrimoireLoss):
     """A method whose forward passes are per-token log-probs from
-    :func:`grimoire.logprobs.compute_token_logps` (SFT, the pairwise losses, KTO).
+    :func:`grimoire.forward.logprobs.compute_token_logps` (SFT, the pairwise losses, KTO).
 
     Args:
         fused, fused_chunk_size: passed to it as ``fused`` and ``chunk_size`` (the memory-lean

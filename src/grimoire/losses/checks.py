@@ -12,7 +12,7 @@ import math
 
 from torch import Tensor
 
-from ..errors import did_you_mean
+from grimoire.errors import did_you_mean
 
 #: What every function of the loss math returns next to its losses: detached tensors by name.
 Metrics = dict[str, Tensor]

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import _check_weight
-from .dpo import DPOFamilyLoss
-from .functional import CPO_LOSS_TYPES, cpo_loss, cpo_total_loss
-from .preference import chosen_nll, reduce_logps, scalar_metrics
+from grimoire.losses.checks import _check_weight
+from grimoire.losses.dpo import DPOFamilyLoss
+from grimoire.losses.functional import CPO_LOSS_TYPES, cpo_loss, cpo_total_loss
+from grimoire.losses.preference import chosen_nll, reduce_logps, scalar_metrics
 
 
 class CPOLoss(DPOFamilyLoss):

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..reference import Reference
-from .checks import _check_beta, _check_loss_type
-from .functional import DPO_LOSS_TYPES, default_logp_reduction, dpo_loss
-from .preference import (
+from grimoire.forward.reference import Reference
+from grimoire.losses.checks import _check_beta, _check_loss_type
+from grimoire.losses.functional import DPO_LOSS_TYPES, default_logp_reduction, dpo_loss
+from grimoire.losses.preference import (
     PairwiseLoss,
     ReferenceLoss,
     check_reduction,
@@ -74,7 +74,7 @@ class DPOLoss(ReferenceLoss, DPOFamilyLoss):
             average). Default None: :func:`~grimoire.losses.functional.default_logp_reduction`,
             i.e. ``"sum"``, except ``"mean"`` for ``"ipo"`` (TRL), so ``DPOLoss(loss_type="ipo")``
             is exactly :class:`~grimoire.losses.ipo.IPOLoss`.
-        fused, fused_chunk_size: passed to :func:`grimoire.logprobs.compute_token_logps`.
+        fused, fused_chunk_size: passed to :func:`grimoire.forward.logprobs.compute_token_logps`.
 
     Loss: the mean over the micro-batch's pairs (``loss_weight`` = pairs). Metrics (scalar
     means): ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,

@@ -1,7 +1,7 @@
 """Pure math of the offline preference methods, on already-reduced sequence log-probs.
 
 Every loss here takes per-example log-probs (``[B]``; the caller has already summed or averaged
-the per-token log-probs, see :class:`grimoire.logprobs.TokenLogps`) and returns
+the per-token log-probs, see :class:`grimoire.forward.logprobs.TokenLogps`) and returns
 ``(losses, metrics)``:
 
 - ``losses``: ``[B]`` float32, one loss per example (per pair for pairwise methods). The caller
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .checks import (
+from grimoire.losses.checks import (
     Metrics,
     _check_label_smoothing,
     _check_loss_type,
@@ -40,7 +40,7 @@ from .checks import (
     _checked_f32,
     _f32,
 )
-from .kto_functional import kto_kl_estimate, kto_loss
+from grimoire.losses.kto_functional import kto_kl_estimate, kto_loss
 
 __all__ = [
     "DPO_LOSS_TYPES",

@@ -39,10 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rollout.rewards import RewardFn
-from ..rollout.stage import ScoredGroup
-from .online import OnlineMethod
-from .online_functional import (
+from grimoire.losses.online import OnlineMethod
+from grimoire.losses.online_functional import (
     LOSS_TYPES,
     SCALE_REWARDS,
     clipped_surrogate,
@@ -53,6 +51,8 @@ from .online_functional import (
     masked_mean,
     reduce_token_loss,
 )
+from grimoire.rollout.rewards import RewardFn
+from grimoire.rollout.stage import ScoredGroup
 
 
 class GRPOMethod(OnlineMethod):

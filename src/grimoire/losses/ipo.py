@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .dpo import DPOLoss
+from grimoire.losses.dpo import DPOLoss
 
 
 class IPOLoss(DPOLoss):

@@ -6,12 +6,12 @@ Math: :func:`grimoire.losses.functional.kto_loss` and
 
 Per micro-batch: one policy forward WITH gradient over the rows' own completions, one policy
 forward WITHOUT gradient over the mismatched KL pairs (``kl_*`` columns from the
-:class:`~grimoire.data.kto.KTOCollator`; the estimate is detached anyway, so storing its
+:class:`~grimoire.rows.kto.KTOCollator`; the estimate is detached anyway, so storing its
 activations would waste memory), and one reference forward over both (skipped when the batch
 carries cached ``ref_logps``/``ref_kl_logps``).
 
 Padding-free (``TrainingConfig.padding_free`` / ``max_tokens_per_device``): the
-:class:`~grimoire.data.kto.PackedKTOCollator` packs the completions then their KL pairs into one
+:class:`~grimoire.rows.kto.PackedKTOCollator` packs the completions then their KL pairs into one
 row; :func:`kto_parts` cuts it into the two groups and every forward's result is unpacked back to
 padded rows, so the loss math is shared by both layouts.
 """
@@ -27,14 +27,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..data.budget import column_values, columns_of, default_budget_tokens, truncate_sequences
-from ..data.kto import KTO_COLUMNS, KTOCollator, PackedKTOCollator
-from ..errors import ConfigError
-from ..logprobs import TokenLogps
-from ..reference import Reference
-from .checks import _check_beta, _check_weight
-from .kto_functional import kto_kl_estimate, kto_loss
-from .preference import (
+from grimoire.batching.budget import (
+    column_values,
+    columns_of,
+    default_budget_tokens,
+    truncate_sequences,
+)
+from grimoire.errors import ConfigError
+from grimoire.forward.logprobs import TokenLogps
+from grimoire.forward.reference import Reference
+from grimoire.losses.checks import _check_beta, _check_weight
+from grimoire.losses.kto_functional import kto_kl_estimate, kto_loss
+from grimoire.losses.preference import (
     ReferenceLoss,
     check_reduction,
     policy_compute,
@@ -43,6 +47,7 @@ from .preference import (
     stack_rows,
     unpack_rows,
 )
+from grimoire.rows.kto import KTO_COLUMNS, KTOCollator, PackedKTOCollator
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +103,7 @@ def num_rows(batch: dict[str, Any]) -> int:
 def kto_parts(batch: dict[str, Any]) -> tuple[KTORows, KTORows]:
     """The rows' own completions and their mismatched KL pairs, padded or packed.
 
-    A packed batch (:class:`~grimoire.data.kto.PackedKTOCollator`) holds the own samples first,
+    A packed batch (:class:`~grimoire.rows.kto.PackedKTOCollator`) holds the own samples first,
     so cutting its row after them gives two packed rows (positions restart at every sample, so
     a cut at a sample boundary is itself a valid packed row): the policy can then run WITH
     gradient over the first and without over the second, as in the padded layout.
@@ -144,7 +149,7 @@ class KTOLoss(ReferenceLoss):
     Args:
         beta: reward scale (> 0).
         ref_model: frozen reference; optional with a LoRA policy or cached ``ref_logps`` /
-            ``ref_kl_logps`` columns (see :class:`grimoire.reference.Reference`).
+            ``ref_kl_logps`` columns (see :class:`grimoire.forward.reference.Reference`).
         desirable_weight, undesirable_weight: class weights ``w_d``, ``w_u``; the paper
             recommends ``w_d * n_d / (w_u * n_u)`` in ``[1, 4/3]`` (checked on the train set).
         logp_reduction: ``"sum"`` (paper and TRL) or ``"mean"``.
@@ -229,7 +234,7 @@ class KTOLoss(ReferenceLoss):
                     "KTOLoss needs batch_size >= 2: the KL reference point pairs each prompt with "
                     "ANOTHER row's completion in the batch (with one row it would be the row's own "
                     "completion); raise batch_size, or fix the pairs at dataset level with "
-                    "grimoire.data.cache.cache_reference_log_probs"
+                    "grimoire.forward.precomputed.cache_reference_log_probs"
                 ]
             )
 
@@ -265,7 +270,7 @@ class KTOLoss(ReferenceLoss):
     def cache_rows(self, dataset: Any) -> Any:
         """The rows as a reference cache holds them: with their KL pairs fixed at dataset level
         (in-batch pairs depend on how rows are batched, so no per-row cache can hold them)."""
-        from ..data.cache import with_kl_pairs
+        from grimoire.forward.precomputed import with_kl_pairs
 
         return with_kl_pairs(dataset, self._kl_max_length)
 

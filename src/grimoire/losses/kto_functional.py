@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .checks import Metrics, _check_shapes, _check_weight, _checked_f32, _f32
+from grimoire.losses.checks import Metrics, _check_shapes, _check_weight, _checked_f32, _f32
 
 
 def kto_kl_estimate(

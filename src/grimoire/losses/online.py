@@ -2,7 +2,7 @@
 
 How an online method plugs into the one training loop (:class:`grimoire.GrimoireTrainer`):
 
-1. The dataset holds prompts (:func:`grimoire.data.grpo.tokenize_grpo`); each micro-batch the
+1. The dataset holds prompts (:func:`grimoire.rows.prompts.tokenize_grpo`); each micro-batch the
    planner gives this rank is ``batch_size`` prompts (collated by ``GRPOCollator``).
 2. The trainer runs the step's rollout stage first (:class:`grimoire.rollout.stage.RolloutStage`,
    ``self.rollouts``): it samples ``G = num_generations`` completions per prompt of every real
@@ -28,15 +28,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.budget import column_values, columns_of
-from ..data.grpo import GRPOCollator
-from ..errors import DataError
-from ..reference import Reference
-from ..rollout.batches import batch_completion_logps, training_batch
-from ..rollout.engine import HFGenerateEngine, RolloutEngine
-from ..rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
-from ..rollout.stage import RolloutStage, SamplingConfig, ScoredGroup
-from .base import GrimoireLoss
+from grimoire.batching.budget import column_values, columns_of
+from grimoire.errors import DataError
+from grimoire.forward.reference import Reference
+from grimoire.losses.base import GrimoireLoss
+from grimoire.rollout.batches import batch_completion_logps, training_batch
+from grimoire.rollout.engine import HFGenerateEngine, RolloutEngine
+from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
+from grimoire.rollout.stage import RolloutStage, SamplingConfig, ScoredGroup
+from grimoire.rows.prompts import GRPOCollator
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class OnlineMethod(GrimoireLoss):
         num_generations: completions sampled per prompt (``G``).
         temperature, top_p, top_k, max_new_tokens: sampling (``top_k=0``, ``top_p=1``: off).
         beta: KL / reference strength (meaning per method); ``0`` loads no reference model.
-        ref_model: the frozen reference (:class:`grimoire.reference.Reference`): a model,
+        ref_model: the frozen reference (:class:`grimoire.forward.reference.Reference`): a model,
             ``"copy"`` (a frozen copy of the starting policy: twice the memory), or None (then
             only a LoRA policy has one: its base with adapters disabled).
         generation_batch_size: max sequences per sampling / scoring call (memory only).

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rollout.rewards import RewardFn
-from ..rollout.stage import ScoredGroup
-from .checks import _check_loss_type
-from .functional import DPO_LOSS_TYPES, dpo_loss
-from .online import OnlineMethod
-from .online_functional import best_worst_pairs
+from grimoire.losses.checks import _check_loss_type
+from grimoire.losses.functional import DPO_LOSS_TYPES, dpo_loss
+from grimoire.losses.online import OnlineMethod
+from grimoire.losses.online_functional import best_worst_pairs
+from grimoire.rollout.rewards import RewardFn
+from grimoire.rollout.stage import ScoredGroup
 
 _DPO_METRICS = (
     "rewards/chosen",

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import _check_beta
-from .functional import orpo_loss
-from .preference import PairwiseLoss, chosen_nll, scalar_metrics
+from grimoire.losses.checks import _check_beta
+from grimoire.losses.functional import orpo_loss
+from grimoire.losses.preference import PairwiseLoss, chosen_nll, scalar_metrics
 
 
 class ORPOLoss(PairwiseLoss):

@@ -3,7 +3,7 @@
 - :func:`pair_token_logps`: ONE forward over chosen and rejected stacked along the batch
   dimension (``[2B, T]``), so a DDP/FSDP-wrapped model is called once per micro-batch and the
   two halves see the same weights, dropout state and kernels.
-- Reference log-probs come from :class:`grimoire.reference.Reference` (cached columns, a frozen
+- Reference log-probs come from :class:`grimoire.forward.reference.Reference` (cached columns, a frozen
   ``ref_model``, the LoRA base with adapters disabled, or an opt-in copy); :func:`pair_forward`
   with ``Reference.compute`` gives a pair's reference log-probs, padded or packed.
 - :class:`PairwiseLoss`: the common base of the pairwise losses (columns, collator, weight);
@@ -19,10 +19,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.preference import PREFERENCE_COLUMNS, PreferenceCollator, pad_right
-from ..logprobs import IGNORE_INDEX, TokenLogps, compute_token_logps
-from ..reference import REDUCTION_COLUMN, Reference, is_peft_model, model_dtype, unwrap
-from .base import TokenLogpsLoss
+from grimoire.forward.logprobs import IGNORE_INDEX, TokenLogps, compute_token_logps
+from grimoire.forward.reference import (
+    REDUCTION_COLUMN,
+    Reference,
+    is_peft_model,
+    model_dtype,
+    unwrap,
+)
+from grimoire.losses.base import TokenLogpsLoss
+from grimoire.rows.preference import PREFERENCE_COLUMNS, PreferenceCollator, pad_right
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +165,7 @@ class PackedPairCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        from ..data.packing import pack_row_sides
+        from grimoire.collate.packing import pack_row_sides
 
         sides = ("chosen_", "rejected_")
         return pack_row_sides(features, sides, self.pad_token_id, lambda key: key.startswith(sides))
@@ -168,7 +174,7 @@ class PackedPairCollator:
 class ReferenceLoss(TokenLogpsLoss):
     """Shared plumbing of the offline methods scored against a reference policy (DPO, IPO, KTO).
 
-    The subclass's constructor sets ``self.reference`` (a :class:`~grimoire.reference.Reference`)
+    The subclass's constructor sets ``self.reference`` (a :class:`~grimoire.forward.reference.Reference`)
     and ``self.logp_reduction``; ``setup`` places the reference and checks cached reference
     columns against that reduction.
     """

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rollout.rewards import RewardFn
-from ..rollout.stage import ScoredGroup
-from .online import OnlineMethod
-from .online_functional import best_of_n
+from grimoire.losses.online import OnlineMethod
+from grimoire.losses.online_functional import best_of_n
+from grimoire.rollout.rewards import RewardFn
+from grimoire.rollout.stage import ScoredGroup
 
 
 class RAFTMethod(OnlineMethod):

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.preference import PreferenceCollator
-from ..errors import ConfigError
-from .base import GrimoireLoss
-from .functional import bradley_terry_loss
-from .preference import pair_rows, scalar_metrics, unwrap
+from grimoire.errors import ConfigError
+from grimoire.losses.base import GrimoireLoss
+from grimoire.losses.functional import bradley_terry_loss
+from grimoire.losses.preference import pair_rows, scalar_metrics, unwrap
+from grimoire.rows.preference import PreferenceCollator
 
 RM_COLUMNS: tuple[str, ...] = (
     "chosen_input_ids",

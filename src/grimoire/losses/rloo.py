@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rollout.rewards import RewardFn
-from ..rollout.stage import ScoredGroup
-from .online import OnlineMethod
-from .online_functional import masked_mean, rloo_advantages
+from grimoire.losses.online import OnlineMethod
+from grimoire.losses.online_functional import masked_mean, rloo_advantages
+from grimoire.rollout.rewards import RewardFn
+from grimoire.rollout.stage import ScoredGroup
 
 
 class RLOOMethod(OnlineMethod):

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.packing import PackedCollator
-from ..data.sft import SFTCollator
-from ..logprobs import IGNORE_INDEX, compute_token_logps
-from .base import TokenLogpsLoss
+from grimoire.collate.packing import PackedCollator
+from grimoire.forward.logprobs import IGNORE_INDEX, compute_token_logps
+from grimoire.losses.base import TokenLogpsLoss
+from grimoire.rows.sft import SFTCollator
 
 
 class SFTLoss(TokenLogpsLoss):

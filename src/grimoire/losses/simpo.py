@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import _check_beta, _check_label_smoothing
-from .functional import simpo_loss
-from .preference import PairwiseLoss, scalar_metrics
+from grimoire.losses.checks import _check_beta, _check_label_smoothing
+from grimoire.losses.functional import simpo_loss
+from grimoire.losses.preference import PairwiseLoss, scalar_metrics
 
 
 class SimPOLoss(PairwiseLoss):

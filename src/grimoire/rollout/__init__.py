@@ -1,7 +1,7 @@
 """Generation for online methods: the rollout engine interface and reward functions."""
 
-from .engine import HFGenerateEngine, Rollout, RolloutEngine
-from .rewards import (
+from grimoire.rollout.engine import HFGenerateEngine, Rollout, RolloutEngine
+from grimoire.rollout.rewards import (
     RewardFunctionError,
     char_match_reward,
     exact_match_reward,

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.grpo import prompt_token_lists
-from ..logprobs import IGNORE_INDEX, compute_token_logps, logps_from_logits
-from .engine import Rollout, _entropy, completion_logps
+from grimoire.forward.logprobs import IGNORE_INDEX, compute_token_logps, logps_from_logits
+from grimoire.rollout.engine import Rollout, _entropy, completion_logps
+from grimoire.rows.prompts import prompt_token_lists
 
 
 def training_batch(rollout: Rollout, rows: Sequence[int], pack: bool) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
 
     Only ``input_ids`` / ``attention_mask`` change (to ``input_ids``, ``labels``,
     ``position_ids``, ``seq_lens``, ``sample_index`` as from
-    :func:`grimoire.data.packing.pack_samples`); the per-token tensors (``completion_mask``,
+    :func:`grimoire.collate.packing.pack_samples`); the per-token tensors (``completion_mask``,
     ``old_logps``, advantages, reference log-probs) keep their padded ``[N, C]`` completion
     layout, and ``completion_index [N, C]`` (each completion token's position in the packed row,
     -1 on padding) lets :func:`packed_completion_logps` return log-probs in that same layout.

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..logprobs import IGNORE_INDEX, compute_token_logps, logps_from_logits
-from .generation import generation_mode
+from grimoire.forward.logprobs import IGNORE_INDEX, compute_token_logps, logps_from_logits
+from grimoire.rollout.generation import generation_mode
 
 
 @dataclass
@@ -98,7 +98,7 @@ def completion_logps(
 
         logps[b, t] = log softmax(logits[b, P - 1 + t] / T)[input_ids[b, P + t]]
 
-    ``T == 1`` goes through :func:`grimoire.logprobs.compute_token_logps` (its fused, memory-lean
+    ``T == 1`` goes through :func:`grimoire.forward.logprobs.compute_token_logps` (its fused, memory-lean
     LM-head path where the model supports it); other temperatures run one forward with
     ``logits_to_keep = C + 1`` (the LM head only over the completion) and scale the logits.
 

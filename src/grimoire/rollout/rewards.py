@@ -15,7 +15,7 @@ G times). ``columns`` are the dataset's other fields (e.g. ``answer``), repeated
 
 From YAML a reward function is named by a built-in short name (:data:`REWARD_FUNCS`) or a
 ``package.module:function`` spec. **Resolving a spec imports that module, which runs its code**:
-only use configs you trust (see :mod:`grimoire.registry`).
+only use configs you trust (see :mod:`grimoire.config.registry`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import ConfigError
+from grimoire.errors import ConfigError
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -139,7 +139,7 @@ def resolve_reward_funcs(
     suffix. Raises :class:`ConfigError` listing every unimportable spec, non-callable and bad
     weight, so a config is fixed in one pass, before any model is loaded.
     """
-    from ..registry import resolve
+    from grimoire.config.registry import resolve
 
     if callable(reward_funcs) or isinstance(reward_funcs, str):
         reward_funcs = [reward_funcs]
@@ -233,11 +233,11 @@ def evaluate_rewards(
     completions per prompt at ``temperature`` (the policy's *expected* reward, what online RL
     maximises), drawn from a forked RNG seeded with ``seed`` so the caller's RNG is untouched and
     two models are compared on the same random stream. Prompts are encoded like
-    :func:`grimoire.data.grpo.tokenize_grpo`; the other fields of each row are the reward
+    :func:`grimoire.rows.prompts.tokenize_grpo`; the other fields of each row are the reward
     columns. Returns ``{"reward": total mean, "<name>": mean, ...}``.
     """
-    from ..data.grpo import tokenize_grpo
-    from .engine import HFGenerateEngine
+    from grimoire.rollout.engine import HFGenerateEngine
+    from grimoire.rows.prompts import tokenize_grpo
 
     funcs = resolve_reward_funcs(reward_funcs)
     n = 1 if greedy else num_samples

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..data.grpo import prompt_token_lists
-from .batches import placeholder_batch, training_batch
-from .engine import Rollout
-from .rewards import score_completions
+from grimoire.rollout.batches import placeholder_batch, training_batch
+from grimoire.rollout.engine import Rollout
+from grimoire.rollout.rewards import score_completions
+from grimoire.rows.prompts import prompt_token_lists
 
 #: Batch keys of a prompt micro-batch that are not reward-function columns.
 _NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
@@ -173,7 +173,7 @@ class RolloutStage:
         """Rollout metrics over this rank's real groups and their weight (completions), so the
         trainer's one reduction averages them over every rank's completions."""
         # Imported here: grimoire.losses imports this module (a top-level import would cycle).
-        from ..losses.online_functional import equal_reward_groups, reward_std
+        from grimoire.losses.online_functional import equal_reward_groups, reward_std
 
         if not groups:
             return {}, 0.0

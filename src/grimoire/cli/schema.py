@@ -1,0 +1,429 @@
+"""The YAML/CLI schema of ``grimoire train``: loading, overrides, validation.
+
+Nothing here loads a model or a dataset: :func:`validate_config` only reads the config (and
+imports the loss/tokenizer/callback classes it names, to check their arguments), so every
+problem in every section is reported in one :class:`ConfigError` before anything expensive runs.
+See ``docs/cli.md`` for the schema; the mini_trainer flags applied by :func:`load_config` are
+:mod:`grimoire.cli.flags`' (re-exported here).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grimoire.cli.flags import MINI_TRAINER_BASE, apply_mini_trainer_flags
+from grimoire.cli.model import TINY_PREFIX, canonical_model, model_problems
+from grimoire.config import registry
+from grimoire.config.training import TrainingConfig, check_type
+from grimoire.errors import ConfigError, did_you_mean
+from grimoire.rows.sources import source_problems
+
+#: The embedded default run (``python -m grimoire.cli.main`` with no ``--config``).
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "assets" / "quickstart.yaml"
+
+TOP_KEYS = (
+    "model",
+    "quantization",
+    "dataset",
+    "eval_dataset",
+    "loss",
+    "peft",
+    "training",
+    "callbacks",
+    "save_to",
+    "wandb",
+)
+WANDB_KEYS: dict[str, Any] = {"project": str | None, "entity": str | None}
+#: ``peft.type`` values (grimoire-rl's key); the rest of the section is ``LoraConfig``'s fields.
+PEFT_TYPES = ("lora",)
+#: Arguments the CLI supplies itself to every tokenize function.
+TOKENIZE_RESERVED = ("tokenizer",)
+#: ``loss.ref_model`` value that asks the loss for a frozen copy of the starting policy: passed
+#: through as the string ``ref_model="copy"`` instead of loading a model from that path.
+REF_MODEL_COPY = "copy"
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that reads ``2e-5`` as a float and rejects duplicate keys.
+
+    PyYAML implements YAML 1.1, whose float pattern requires a dot (``2.0e-5``), so ``2e-5``
+    would silently become the string ``"2e-5"``; learning rates are written that way all the time.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        # A repeated key silently keeps the last value in plain PyYAML, hiding typos in
+        # long configs; flag it instead.
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # unhashable key: let the base class report it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
+    """Parse a config document with :class:`ConfigLoader`; the top level must be a mapping."""
+    try:
+        data = yaml.load(text, Loader=ConfigLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{source}: invalid YAML: {exc}"]) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: the top level must be a mapping, got {type(data).__name__}"])
+    return data
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    flags: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The raw config: the YAML file (or the embedded default), then flags, then ``--set``.
+
+    With no ``path`` and mini_trainer ``flags`` the base is :data:`MINI_TRAINER_BASE` instead of
+    the embedded quickstart, so flags alone describe a complete run.
+    """
+    if path is None and flags:
+        raw = copy.deepcopy(MINI_TRAINER_BASE)
+    else:
+        path = Path(path) if path is not None else DEFAULT_CONFIG
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError([f"cannot read config {path}: {exc}"]) from exc
+        raw = parse_yaml(text, str(path))
+    if flags:
+        raw = apply_mini_trainer_flags(raw, flags)
+    return apply_overrides(raw, overrides)
+
+
+# --------------------------------------------------------------------------- --set
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``"a.b=VALUE"`` -> ``(["a", "b"], value)``; VALUE is JSON, else kept as the raw string."""
+    key, sep, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError([f"--set {item!r}: expected dotted.key=VALUE (VALUE is JSON)"])
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if text.strip()[:1] in "[{":
+            # Meant as a list/mapping (e.g. [q_proj,v_proj]); as a string it would fail much
+            # later, deep inside the library that reads it.
+            raise ConfigError(
+                [
+                    f"--set {item!r}: the value looks like a JSON list/mapping but is not valid "
+                    f"JSON ({exc.msg}); quote the strings, e.g. "
+                    f'--set \'{key.strip()}=["q_proj","v_proj"]\''
+                ]
+            ) from exc
+        value = text  # not JSON: a bare string such as --set training.run_name=my-run
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``raw`` with each ``--set`` applied in order (creating nested mappings)."""
+    raw = copy.deepcopy(raw)
+    problems = []
+    for item in overrides:
+        try:
+            parts, value = parse_override(item)
+        except ConfigError as exc:
+            problems += exc.problems
+            continue
+        node = raw
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                dotted = ".".join(parts[: depth + 1])
+                problems.append(
+                    f"--set {item!r}: {dotted} is a {type(child).__name__}, not a mapping"
+                )
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise ConfigError(problems, title="invalid --set")
+    return raw
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_config(raw: Any) -> list[str]:
+    """Every problem in the config, as dotted-key messages; ``[]`` when it is valid."""
+    if not isinstance(raw, Mapping):
+        return [f"the config must be a mapping, got {type(raw).__name__}"]
+    raw, p = canonical_model(raw)
+    p += _unknown(raw, TOP_KEYS, "")
+    p += model_problems(raw.get("model"), raw.get("quantization"))
+    # An empty YAML section (``training:``) parses as None: treat it as absent.
+    p += _training_problems(raw.get("training") or {})
+    loss_type, loss_problems = _loss_problems(raw.get("loss") or {"type": "sft"})
+    p += loss_problems
+    if "dataset" not in raw:
+        p.append("dataset: required (e.g. dataset: {jsonl: train.jsonl, tokenize: {type: sft}})")
+    for where in ("dataset", "eval_dataset"):
+        if where in raw:
+            p += source_problems(raw[where], where, extra_keys=("tokenize",))
+            inherited = where == "eval_dataset" and "tokenize" not in (raw[where] or {})
+            if isinstance(raw[where], Mapping) and not (inherited and "dataset" in raw):
+                # An eval_dataset without its own tokenize reuses dataset's (checked once).
+                p += _tokenize_problems(tokenize_section(raw, where), where, loss_type)
+    if raw.get("peft") is not None:
+        p += _peft_problems(raw["peft"])
+    p += _callback_problems(raw.get("callbacks"), has_eval="eval_dataset" in raw)
+    save_to = raw.get("save_to")
+    if save_to is True or check_type("save_to", save_to, str | bool | None):
+        p.append(
+            f"save_to: a folder, null (default: <output_dir>/final) or false (do not save); "
+            f"got {save_to!r}"
+        )
+    p += section_problems(raw.get("wandb"), "wandb", WANDB_KEYS)
+    return p
+
+
+def _unknown(
+    section: Mapping[str, Any], known: Sequence[str], where: str, accepted: Sequence[str] = ()
+) -> list[str]:
+    """``where.key: unknown key (did you mean ...); valid keys: ...`` for each unknown key.
+
+    ``accepted`` are spellings that are not listed as valid but may be what was meant (deprecated
+    keys, which are moved before validation).
+    """
+    prefix = f"{where}." if where else ""
+    valid = ", ".join(str(k) for k in known)
+    return [
+        f"{prefix}{k}: unknown key{did_you_mean(str(k), [*known, *accepted])}; valid keys: {valid}"
+        for k in section
+        if k not in known
+    ]
+
+
+def section_problems(
+    section: Any, where: str, keys: Mapping[str, Any], accepted: Sequence[str] = ()
+) -> list[str]:
+    """Unknown keys and type errors of a flat section (``None`` = absent)."""
+    if section is None:
+        return []
+    if not isinstance(section, Mapping):
+        return [f"{where}: expected a mapping, got {type(section).__name__} {section!r}"]
+    p = _unknown(section, list(keys), where, accepted)
+    for key, hint in keys.items():
+        if key in section and (msg := check_type(f"{where}.{key}", section[key], hint)):
+            p.append(msg)
+    return p
+
+
+def _training_problems(training: Any) -> list[str]:
+    if not isinstance(training, Mapping):
+        return [f"training: expected a mapping, got {type(training).__name__} {training!r}"]
+    names = [f.name for f in dataclasses.fields(TrainingConfig)]
+    p = _unknown(training, names, "training")
+    try:
+        TrainingConfig(**{k: v for k, v in training.items() if k in names})
+    except ConfigError as exc:
+        p += [m if m.startswith("training.") else f"training.{m}" for m in exc.problems]
+    return p
+
+
+def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
+    p = section_problems(
+        loss,
+        "loss",
+        {"type": str, "args": dict | None, "ref_model": str | None, "cache_reference": bool},
+    )
+    if p:
+        return None, p
+    if "type" not in loss:
+        return None, ["loss.type: required (e.g. sft, or package.module:MyLoss)"]
+    args = dict(loss.get("args") or {})
+    if "ref_model" in args:
+        p.append(
+            "loss.args.ref_model: give the reference as loss.ref_model (a path, a hub name, or "
+            f"{REF_MODEL_COPY!r} for a frozen copy of the starting policy)"
+        )
+    if loss.get("ref_model") and not loss.get("cache_reference"):
+        args["ref_model"] = None  # checked against the loss's signature like any argument
+    p += _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
+    return loss["type"], p
+
+
+def _tokenize_problems(tok: Any, where: str, loss_type: str | None) -> list[str]:
+    if tok is None:
+        if loss_type in registry.TOKENIZERS:
+            return []  # defaults to the tokenizer registered under the loss's name
+        return [
+            f"{where}.tokenize.type: required because loss.type {loss_type!r} has no "
+            f"same-named tokenizer; known: {', '.join(sorted(registry.TOKENIZERS))}"
+        ]
+    if not isinstance(tok, Mapping):
+        return [f"{where}.tokenize: expected a mapping like {{type: sft}}, got {tok!r}"]
+    kwargs = {k: v for k, v in tok.items() if k != "type"}
+    name = tok.get("type", loss_type)
+    if name is None:
+        return [f"{where}.tokenize.type: required"]
+    return _resolve_and_check(
+        name,
+        registry.TOKENIZERS,
+        f"{where}.tokenize.type",
+        kwargs,
+        f"{where}.tokenize",
+        skip_first=True,
+        reserved=TOKENIZE_RESERVED,
+    )
+
+
+def _peft_problems(peft: Any) -> list[str]:
+    if not isinstance(peft, Mapping):
+        return [f"peft: expected a mapping of LoraConfig arguments, got {peft!r}"]
+    try:
+        from peft import LoraConfig
+    except ImportError as exc:
+        return [f"peft: cannot import peft.LoraConfig: {exc}"]
+    p = []
+    if str(peft.get("type", PEFT_TYPES[0])).lower() not in PEFT_TYPES:
+        p.append(f"peft.type: {peft['type']!r} is not supported; supported: {list(PEFT_TYPES)}")
+    names = [f.name for f in dataclasses.fields(LoraConfig)]
+    return p + _unknown({k: v for k, v in peft.items() if k != "type"}, names, "peft")
+
+
+def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, list):
+        return [f"callbacks: expected a list of {{type, args}} mappings, got {callbacks!r}"]
+    p: list[str] = []
+    for i, cb in enumerate(callbacks):
+        where = f"callbacks[{i}]"
+        errs = section_problems(cb, where, {"type": str, "args": dict | None})
+        if errs or "type" not in cb:
+            p += errs or [f"{where}.type: required (e.g. exact_match)"]
+            continue
+        args = dict(cb.get("args") or {})
+        for key, value in args.items():
+            if is_dataset_ref(value):
+                p += source_problems(value["dataset"], f"{where}.args.{key}.dataset")
+        if cb["type"] == "exact_match" and "rows" not in args:
+            if not has_eval:
+                p.append(
+                    f"{where}.args.rows: required when there is no eval_dataset "
+                    "(give rows: {dataset: {jsonl: ...}})"
+                )
+            args["rows"] = []  # filled from eval_dataset's raw rows at build time
+        p += _resolve_and_check(
+            cb["type"], registry.CALLBACKS, f"{where}.type", args, f"{where}.args"
+        )
+    return p
+
+
+def tokenize_section(raw: Mapping[str, Any], where: str) -> Any:
+    """The ``tokenize`` mapping for ``where``; ``eval_dataset`` inherits ``dataset``'s."""
+    section = raw.get(where) or {}
+    tok = section.get("tokenize") if isinstance(section, Mapping) else None
+    if tok is None and where == "eval_dataset" and isinstance(raw.get("dataset"), Mapping):
+        tok = raw["dataset"].get("tokenize")
+    return tok
+
+
+def is_dataset_ref(value: Any) -> bool:
+    """True for a callback argument written as ``{dataset: <source section>}``."""
+    return isinstance(value, Mapping) and set(value) == {"dataset"}
+
+
+def _resolve_and_check(
+    name: str,
+    table: Mapping[str, str],
+    kind: str,
+    kwargs: Mapping[str, Any],
+    where: str,
+    skip_first: bool = False,
+    reserved: Sequence[str] = (),
+) -> list[str]:
+    """Resolve ``name`` and check ``kwargs`` against its signature (unknown/missing args)."""
+    try:
+        target = registry.resolve(name, table, kind)
+    except ConfigError as exc:
+        return exc.problems
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return []  # builtins without a signature: nothing to check
+    if skip_first and params:
+        params = params[1:]  # the row passed positionally
+    p = [f"{where}.{k}: set by grimoire, do not give it" for k in kwargs if k in reserved]
+    if not any(q.kind is q.VAR_KEYWORD for q in params):
+        names = [q.name for q in params if q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
+        p += _unknown({k: None for k in kwargs if k not in reserved}, names, where)
+    required = [
+        q.name
+        for q in params
+        if q.default is q.empty
+        and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)
+        and q.name not in kwargs
+        and q.name not in reserved
+        and q.name != "max_length"
+    ]
+    p += [f"{where}.{r}: required by {name}" for r in required]
+    return p
+
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "MINI_TRAINER_BASE",
+    "PEFT_TYPES",
+    "REF_MODEL_COPY",
+    "TINY_PREFIX",
+    "ConfigLoader",
+    "apply_mini_trainer_flags",
+    "apply_overrides",
+    "is_dataset_ref",
+    "load_config",
+    "parse_override",
+    "parse_yaml",
+    "section_problems",
+    "tokenize_section",
+    "validate_config",
+]

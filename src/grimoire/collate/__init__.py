@@ -1,0 +1,1 @@
+"""Collation: a micro-batch's rows become tensors, padded or packed."""

@@ -1,0 +1,99 @@
+"""``TrainingContext``: everything a method may read from the trainer, in one small object.
+
+Methods (losses, the rollout stage, the reference) get this instead of the trainer, so no method
+can replace a collator or write the trainer's state: what it reads is listed here, and the only
+things it can do are the collectives below, which every rank must call at the same point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grimoire.config.training import TrainingConfig
+
+
+@dataclass
+class StepInfo:
+    """Where the loop is (read-only for methods): the optimizer step about to run."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+
+
+@dataclass
+class TrainingContext:
+    """What a method sees of the run.
+
+    Attributes:
+        config: the run's :class:`TrainingConfig` (never rewritten).
+        accelerator: the ``accelerate.Accelerator`` (device, autocast, process index/count).
+        tokenizer: the tokenizer given to the trainer.
+        unwrapped_model: the policy without DDP/FSDP wrappers (for binding a sampler, reading
+            its dtype, disabling adapters); forwards with gradient go through the model the loss
+            is called with.
+        train_dataset, eval_dataset: the tokenized datasets.
+        step: :class:`StepInfo` of the step being prepared (updated by the trainer).
+    """
+
+    config: TrainingConfig
+    accelerator: Any
+    tokenizer: Any
+    unwrapped_model: torch.nn.Module
+    train_dataset: Any
+    eval_dataset: Any = None
+    step: StepInfo | None = None
+    #: Applied to a frozen model a method keeps beside the policy (a reference): shards it the
+    #: way the policy is sharded (FSDP2), or leaves it as it is.
+    prepare_frozen: Any = None
+    #: Whether the run's micro-batches are packed rows (the trainer's packing decision).
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.step is None:
+            self.step = StepInfo()
+        if self.prepare_frozen is None:
+            self.prepare_frozen = _identity
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the policy is sharded (FSDP2): then every forward is a collective."""
+        return self.config.distributed == "fsdp2"
+
+    def all_reduce_max(self, value: int) -> int:
+        """The largest ``value`` over ranks (e.g. a count of forward passes to pad up to)."""
+        return all_reduce_max(self.accelerator, value)
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum floats over ranks in one collective (identity on one process); every rank must
+        call it at the same point of the step."""
+        return all_reduce_sum(self.accelerator, values)
+
+
+def all_reduce_max(accelerator: Any, value: int) -> int:
+    """The largest ``value`` over ranks (identity on one process)."""
+    import torch.distributed as dist
+
+    if accelerator is None or accelerator.num_processes == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=accelerator.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _identity(module: torch.nn.Module) -> torch.nn.Module:
+    return module
+
+
+def all_reduce_sum(accelerator: Any, values: list[float]) -> list[float]:
+    """The one host-side all-reduce helper: float64 sums of ``values`` over all ranks."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return [float(v) for v in values]
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=accelerator.device)
+    return accelerator.reduce(t, reduction="sum").tolist()
+
+
+__all__ = ["StepInfo", "TrainingContext", "all_reduce_max", "all_reduce_sum"]

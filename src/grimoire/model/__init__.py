@@ -1,0 +1,1 @@
+"""Model preparation: precision, activation checkpointing, packed attention, compile, Liger, NEFTune, OSFT."""

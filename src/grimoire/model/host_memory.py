@@ -1,0 +1,153 @@
+"""Host memory: how much a CPU run may use, and what that decides.
+
+:func:`checkpointing_decision` resolves ``gradient_checkpointing="auto"`` once, at start (the
+trainer logs it and never revisits it). Activation checkpointing trades one extra decoder
+forward per step (~10% of a packed SFT step on a CPU, ``docs/performance.md``) for memory. On a
+CPU, RAM is rarely what runs out first for the models one trains there, compute is; so auto
+turns it off when a generous estimate of one micro-batch's activations fits in a quarter of the
+memory available to this process, and keeps it on otherwise and on every accelerator, where
+memory is the binding constraint and recompute is cheap. Exact either way: checkpointing
+recomputes the same values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from grimoire.batching.budget import columns_of, method_budget_tokens, sequence_prefixes
+
+#: auto turns checkpointing off when the activation estimate is at most this share of the memory
+#: available (the rest is headroom for weights, gradients, optimizer state and the logits chunks).
+AUTO_CHECKPOINTING_MEMORY_SHARE = 0.25
+
+#: Bytes autograd keeps per token per decoder layer without checkpointing, in units of the hidden
+#: size ``H``, the key/value width ``Hkv`` and the MLP width ``I``, at 4 bytes each. A Llama
+#: layer saves about ``9 H + 2 Hkv + 4 I`` values (norm inputs and outputs, q/k/v/out of
+#: attention, o_proj's input, gate, up, their product); the margin covers autocast's bf16 copies
+#: and transient peaks.
+ACTIVATION_UNITS = {"hidden": 12, "kv": 2, "mlp": 5}
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def available_memory(root: Path = Path("/")) -> int | None:
+    """Bytes this process may still allocate on the host: ``MemAvailable`` from
+    ``/proc/meminfo``, lowered to the cgroup's free room in a memory-limited container (v2
+    ``memory.max - memory.current``, v1 ``limit_in_bytes - usage_in_bytes``). ``None`` when
+    the system does not say (not Linux)."""
+    avail = None
+    try:
+        for line in (root / "proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if avail is None:
+        return None
+    cgroup = root / "sys/fs/cgroup"
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
+        limit, usage = _read_int(cgroup / limit_file), _read_int(cgroup / usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 "no limit" is ~2^63
+            avail = min(avail, max(0, limit - usage))
+    return avail
+
+
+def activation_bytes_per_token(model: Any) -> int | None:
+    """Estimated bytes of saved activations per token for the whole decoder without
+    checkpointing (:data:`ACTIVATION_UNITS`); ``None`` when the model's config does not give
+    ``num_hidden_layers`` and ``hidden_size``."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    layers = getattr(config, "num_hidden_layers", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not isinstance(layers, int) or not isinstance(hidden, int):
+        return None
+    mlp = getattr(config, "intermediate_size", None)
+    mlp = mlp if isinstance(mlp, int) else 4 * hidden
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else hidden)
+    kv = kv_heads * head_dim if isinstance(kv_heads, int) else hidden
+    units = ACTIVATION_UNITS
+    return 4 * layers * (units["hidden"] * hidden + units["kv"] * kv + units["mlp"] * mlp)
+
+
+def micro_batch_tokens(config: Any, method: Any = None, dataset: Any = None) -> int:
+    """An upper bound on the positions one forward pass holds: the token budget when set (every
+    method's micro-batches stay within it); else ``batch_size`` rows, each costed by the
+    method's own ``budget_tokens`` (as :class:`~grimoire.batching.budget.TokenBudget` does) with
+    every sequence of the dataset's rows at ``max_length``: a pair's two sequences, KTO's KL
+    row, an online prompt's ``num_generations`` completions. Without a method or dataset
+    columns to ask, two sequences of ``max_length`` per row."""
+    if config.max_tokens_per_device:
+        return int(config.max_tokens_per_device)
+    fallback = int(2 * config.batch_size * config.max_length)
+    if method is None or dataset is None:
+        return fallback
+    try:
+        prefixes = sequence_prefixes(columns_of(dataset))
+        # Costed padded: never below the packed cost of the same row (sequences x longest >= sum).
+        per_row = method_budget_tokens(method, dict.fromkeys(prefixes, config.max_length), False)
+    except (TypeError, IndexError, KeyError, AttributeError):
+        # A stream (no columns to read) or rows the method's cost does not describe (they are
+        # checked, with a proper message, where the budget or the collator reads them).
+        return fallback
+    return int(config.batch_size * per_row) if prefixes else fallback
+
+
+def checkpointing_decision(
+    model: Any,
+    config: Any,
+    device_type: str,
+    processes: int = 1,
+    available: int | None = None,
+    method: Any = None,
+    dataset: Any = None,
+) -> tuple[bool, str]:
+    """Whether to checkpoint activations, and why (logged at start). ``processes``: how many
+    training processes share this host's memory; ``available``: bytes (default:
+    :func:`available_memory`); ``method`` / ``dataset``: the loss and the training rows, which
+    size a micro-batch when there is no token budget (:func:`micro_batch_tokens`)."""
+    value = config.gradient_checkpointing
+    if value != "auto":
+        return bool(value), f"gradient_checkpointing={value}"
+    if device_type != "cpu":
+        return True, f"auto: on ({device_type}: memory, not compute, is what runs out)"
+    per_token = activation_bytes_per_token(model)
+    if per_token is None:
+        return True, "auto: on (the model config does not give its layer sizes)"
+    available = available_memory() if available is None else available
+    if available is None:
+        return True, "auto: on (this system does not report its available memory)"
+    tokens = micro_batch_tokens(config, method, dataset)
+    per_process = per_token * tokens
+    need = per_process * max(1, processes)
+    share = AUTO_CHECKPOINTING_MEMORY_SHARE
+    numbers = (
+        f"activations of a {tokens}-token micro-batch ~{per_process / 2**20:,.0f} MiB"
+        + (f" x {processes} processes" if processes > 1 else "")
+        + f", {share:.0%} of the {available / 2**20:,.0f} MiB available is "
+        f"{share * available / 2**20:,.0f} MiB"
+    )
+    if need <= share * available:
+        return False, f"auto: off on CPU ({numbers}; saves the recompute forward)"
+    return True, f"auto: on ({numbers}; set gradient_checkpointing=false to force it off)"
+
+
+__all__ = [
+    "activation_bytes_per_token",
+    "available_memory",
+    "checkpointing_decision",
+    "micro_batch_tokens",
+]

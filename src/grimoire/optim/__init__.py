@@ -1,0 +1,1 @@
+"""The optimizer stage: optimizers, parameter groups, schedulers, gradient clipping and rescaling."""

@@ -1,0 +1,207 @@
+"""Sharding on torch's own engine: FSDP2 (``fully_shard``) and distributed checkpoints (DCP).
+
+``TrainingConfig.distributed="fsdp2"`` shards every decoder layer, then the root module, with
+``torch.distributed.fsdp.fully_shard``: each process holds ``1/N`` of every parameter, gradient
+and optimizer state (DTensors), gathers a layer's weights just for its forward / backward and
+frees them after (``fsdp_reshard_after_forward``). The same code runs on CPU (gloo, what CI tests)
+and GPU (NCCL). accelerate still provides the process group, device and logging, but never wraps
+the model: on CPU an accelerate FSDP plugin silently falls back to plain DDP.
+
+Checkpoints use ``torch.distributed.checkpoint`` (DCP) for every run, sharded or not: each process
+writes its shards, and a checkpoint loads into any number of processes (DCP reshards). The
+``from_pretrained`` export gathers the full weights on the main process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grimoire.model.precision import decide
+
+logger = logging.getLogger(__name__)
+
+#: Sub-folder of a checkpoint holding the DCP shards of the model and optimizer.
+DCP_DIR = "dcp"
+
+
+def ensure_process_group() -> None:
+    """FSDP2 needs a process group, also for one process: start a 1-rank gloo group then."""
+    if dist.is_available() and not dist.is_initialized():
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - builds without torch.distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def block_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated transformer blocks: modules whose class is in the HF model's
+    ``_no_split_modules`` (``LlamaDecoderLayer``, ...), found through peft wrappers too."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"distributed='fsdp2': no transformer blocks found in {type(model).__name__} (its "
+            "_no_split_modules is empty); shard a transformers model, or use distributed='ddp'"
+        )
+    return blocks
+
+
+def shard_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
+    """``fully_shard`` each transformer block, then the root (in place; returns ``model``).
+
+    bf16 mixed precision becomes FSDP2's own policy (parameters gathered in bf16, gradients
+    reduced in fp32), replacing autocast; ``fsdp_cpu_offload`` keeps the shards and optimizer
+    state in CPU memory.
+    """
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    if config.fsdp_cpu_offload and not torch.cuda.is_available():
+        from grimoire.errors import ConfigError
+
+        raise ConfigError(
+            [
+                "fsdp_cpu_offload=True moves shards from an accelerator to CPU memory; with no "
+                "GPU everything is already in CPU memory: set it to false"
+            ]
+        )
+    ensure_process_group()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if decide(config.mixed_precision)[0] == "bf16"  # "auto" resolved for this hardware
+        else MixedPrecisionPolicy()
+    )
+    kwargs = {
+        "mp_policy": mp,
+        "offload_policy": CPUOffloadPolicy() if config.fsdp_cpu_offload else OffloadPolicy(),
+        "reshard_after_forward": config.fsdp_reshard_after_forward,
+    }
+    for block in block_modules(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(accelerator: Any, model: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """Accumulate locally unless ``sync``: FSDP2 skips its reduce-scatter, DDP its all-reduce."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)
+        yield
+    elif sync:
+        yield
+    else:
+        with accelerator.no_sync(model):
+            yield
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full CPU tensor (gathered on all ranks; sharded only)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def save_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
+    """Model + optimizer state, each process writing its own shards into ``folder/dcp``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, _inner(optimizer))
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(folder / DCP_DIR))
+
+
+def load_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
+    """Load ``folder/dcp`` into ``model`` / ``optimizer`` as they are laid out now (any number
+    of processes, sharded or not: DCP reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, _inner(optimizer))
+    state = {"model": msd, "optimizer": osd}
+    dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
+    set_state_dict(
+        model,
+        _inner(optimizer),
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+
+
+@contextlib.contextmanager
+def preemption_signals(names: list[str], on_signal: Any) -> Iterator[None]:
+    """Call ``on_signal(name)`` when one of the signals ``names`` arrives (instead of dying),
+    for the duration of the block; the previous handlers come back after. Handlers can only be
+    installed from the main thread: elsewhere the block runs without them."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for name in names:
+        sig = getattr(signal, name)
+        previous[sig] = signal.signal(sig, lambda signum, frame, n=name: on_signal(n))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def release_process_group(accelerator: Any) -> None:
+    """Destroy the process group once nothing holds it (a rank that exits while its peers still
+    use the group can abort in gloo's background threads)."""
+    import gc
+
+    if dist.is_available() and dist.is_initialized():
+        # destroy_process_group only drops c10d's own references: accelerate's list of prepared
+        # objects must go too.
+        accelerator.free_memory()
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer inside accelerate's wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+__all__ = [
+    "DCP_DIR",
+    "block_modules",
+    "ensure_process_group",
+    "full_state_dict",
+    "gradient_sync",
+    "is_sharded",
+    "load_dcp",
+    "preemption_signals",
+    "release_process_group",
+    "save_dcp",
+    "shard_model",
+]

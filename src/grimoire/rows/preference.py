@@ -1,0 +1,388 @@
+"""Pairwise preference data: ``tokenize_preference`` and ``PreferenceCollator``.
+
+A row is a prompt with a preferred (``chosen``) and a dispreferred (``rejected``) response, as
+plain strings or as chat messages. Both responses share the prompt tokens exactly, so every
+difference between the two sequences' log-probs comes from the responses. The helpers
+``encode_prompt_response``, ``truncate_prompt_responses`` and ``tokenize_prompt_responses`` are
+shared with the KTO tokenizer.
+
+Truncation (when ``prompt + longest response > max_length``): the prompt is shortened first,
+keeping its END (the question right before the answer matters most; a leading BOS token is kept),
+but never below ``max_prompt_length`` tokens (default ``max_length // 2``); then the responses
+keep their START. A cut response loses its EOS, so the model is never taught to stop where the
+text did not. A row left with no trainable response token raises ``DataError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grimoire.errors import DataError
+from grimoire.forward.logprobs import IGNORE_INDEX
+from grimoire.rows.common import chat_with_assistant_mask, collate_prefixed, render_chat
+
+Messages = list[dict[str, Any]]
+
+#: Columns produced by :func:`tokenize_preference` (the ``PreferenceCollator`` pads them).
+PREFERENCE_COLUMNS: tuple[str, ...] = (
+    "chosen_input_ids",
+    "chosen_attention_mask",
+    "chosen_labels",
+    "rejected_input_ids",
+    "rejected_attention_mask",
+    "rejected_labels",
+)
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _missing_or_empty(example: Mapping[str, Any], name: str, fn: str, kwarg: str) -> str | None:
+    """A problem naming field ``name`` when it is absent, empty or blank, else None.
+
+    ``kwarg`` is the tokenizer argument that maps the column (e.g. ``"chosen_field"``), so the
+    message says how to point the tokenizer at a differently named column.
+    """
+    if name not in example:
+        return (
+            f"{fn}: missing field {name!r}; the row has {sorted(example)} "
+            f"(pass {fn}(..., {kwarg}=...) to use another column)"
+        )
+    value = example[name]
+    if value is None or (isinstance(value, str | list) and not value):
+        return f"{fn}: field {name!r} is empty"
+    if isinstance(value, str) and not value.strip():
+        return f"{fn}: field {name!r} is only whitespace"
+    return None
+
+
+def _as_messages(value: Any, role: str, field: str, fn: str) -> Messages:
+    """A chat-message list from a list of ``{"role", "content"}`` dicts or a bare string."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not all(
+        isinstance(m, Mapping) and "role" in m and "content" in m for m in value
+    ):
+        raise DataError(
+            [
+                f"{fn}: field {field!r} must be a string or a list of "
+                f"{{'role', 'content'}} messages, got {type(value).__name__}"
+            ]
+        )
+    return [dict(m) for m in value]
+
+
+def encode_prompt_response(
+    tokenizer,
+    prompt: Any,
+    response: Any,
+    *,
+    prompt_field: str,
+    response_field: str,
+    fn: str,
+    conversational: bool,
+) -> tuple[list[int], list[int], list[int]]:
+    """Tokenize one ``(prompt, response)``: ``(prompt_ids, response_ids, response_labels)``.
+
+    Strings: ``prompt`` with the tokenizer's special tokens (BOS), the response without, plus
+    EOS (trained, so the model learns to stop). Conversational: the prompt is rendered with the
+    generation prompt, the full conversation with the chat template, and the response is
+    whatever the full rendering adds; only assistant turns are trained (``response_labels`` is
+    -100 elsewhere), and EOS is appended when the template does not end with it.
+    """
+    eos = tokenizer.eos_token_id
+    if not conversational:
+        prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        response_ids = list(response_ids) + ([eos] if eos is not None else [])
+        return list(prompt_ids), response_ids, list(response_ids)
+    prompt_msgs = _as_messages(prompt, "user", prompt_field, fn) if prompt else []
+    response_msgs = _as_messages(response, "assistant", response_field, fn)
+    if not any(m.get("role") == "assistant" for m in response_msgs):
+        raise DataError([f"{fn}: field {response_field!r} has no assistant message to train on"])
+    # The generation prompt (e.g. "<|assistant|>") belongs to the prompt only when the response
+    # opens with an assistant turn; otherwise the full rendering would not extend the prompt.
+    opens_with_assistant = response_msgs[0].get("role") == "assistant"
+    prompt_ids = render_chat(tokenizer, prompt_msgs, add_generation_prompt=opens_with_assistant)
+    full, labels = chat_with_assistant_mask(tokenizer, prompt_msgs + response_msgs)
+    if full[: len(prompt_ids)] != prompt_ids:
+        raise DataError(
+            [
+                f"{fn}: the chat template renders {prompt_field!r} differently inside the full "
+                "conversation (not prefix-stable), so the response cannot be located"
+            ]
+        )
+    response_ids, response_labels = full[len(prompt_ids) :], labels[len(prompt_ids) :]
+    if eos is not None and (not response_ids or response_ids[-1] != eos):
+        response_ids, response_labels = response_ids + [eos], response_labels + [eos]
+    return prompt_ids, response_ids, response_labels
+
+
+def truncate_prompt_responses(
+    prompt_ids: list[int],
+    responses: Sequence[tuple[list[int], list[int]]],
+    max_length: int,
+    max_prompt_length: int | None,
+    bos_token_id: int | None,
+) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    """Fit ``prompt + each response`` into ``max_length`` (see the module docstring).
+
+    ``responses`` are ``(ids, labels)`` pairs sharing ``prompt_ids``; the same prompt cut is
+    applied to all of them, so paired responses keep an identical context.
+    """
+    floor = max_length // 2 if max_prompt_length is None else max_prompt_length
+    longest = max(len(ids) for ids, _ in responses)
+    if len(prompt_ids) + longest <= max_length:
+        return prompt_ids, [(list(i), list(lab)) for i, lab in responses]
+    keep = min(len(prompt_ids), max(max_length - longest, floor))
+    if keep < len(prompt_ids):
+        # Keep the end of the prompt (closest to the answer), and the BOS the model expects first.
+        if bos_token_id is not None and prompt_ids and prompt_ids[0] == bos_token_id and keep > 1:
+            prompt_ids = [bos_token_id, *prompt_ids[len(prompt_ids) - keep + 1 :]]
+        else:
+            prompt_ids = prompt_ids[len(prompt_ids) - keep :] if keep else []
+    budget = max_length - len(prompt_ids)
+    return prompt_ids, [(list(i[:budget]), list(lab[:budget])) for i, lab in responses]
+
+
+def tokenize_prompt_responses(
+    tokenizer,
+    prompt: Any,
+    responses: Sequence[tuple[str, Any]],
+    *,
+    prompt_field: str,
+    fn: str,
+    max_length: int,
+    max_prompt_length: int | None,
+    conversational: bool,
+) -> list[dict[str, list[int]]]:
+    """``prompt`` followed by each ``(field, response)``, truncated together: one
+    ``{"input_ids", "attention_mask", "labels"}`` per response (prompt tokens labelled -100).
+
+    The tokenization shared by :func:`tokenize_preference` (two responses) and
+    :func:`grimoire.rows.kto.tokenize_kto` (one): :func:`encode_prompt_response` for each (the
+    first response's prompt tokens are the shared prompt), :func:`truncate_prompt_responses`,
+    then a ``DataError`` naming every response left with no trainable token.
+    """
+    encoded = [
+        encode_prompt_response(
+            tokenizer,
+            prompt,
+            response,
+            prompt_field=prompt_field,
+            response_field=field,
+            fn=fn,
+            conversational=conversational,
+        )
+        for field, response in responses
+    ]
+    prompt_ids, cut = truncate_prompt_responses(
+        encoded[0][0],
+        [(ids, labels) for _, ids, labels in encoded],
+        max_length,
+        max_prompt_length,
+        tokenizer.bos_token_id,
+    )
+    untrained = [
+        field
+        for (field, _), (_, labels) in zip(responses, cut)
+        if all(x == IGNORE_INDEX for x in labels)
+    ]
+    if untrained:
+        raise DataError(
+            [
+                f"{fn}: field {f!r} has no trainable token left after truncation to "
+                f"max_length={max_length} (raise max_length or lower max_prompt_length)"
+                for f in untrained
+            ]
+        )
+    mask = [IGNORE_INDEX] * len(prompt_ids)
+    return [
+        {
+            "input_ids": prompt_ids + ids,
+            "attention_mask": [1] * (len(prompt_ids) + len(ids)),
+            "labels": mask + labels,
+        }
+        for ids, labels in cut
+    ]
+
+
+def _check_lengths(max_length: int, max_prompt_length: int | None, fn: str) -> None:
+    if max_length < 2:
+        raise ValueError(f"{fn}: max_length must be >= 2, got {max_length}")
+    if max_prompt_length is not None and not 0 <= max_prompt_length < max_length:
+        raise ValueError(
+            f"{fn}: max_prompt_length must be in [0, max_length={max_length}), "
+            f"got {max_prompt_length}"
+        )
+
+
+def _is_conversational(*values: Any) -> bool:
+    return any(isinstance(v, list) for v in values)
+
+
+def split_implicit_prompt(
+    chosen: Messages, rejected: Messages
+) -> tuple[Messages, Messages, Messages]:
+    """``(prompt, chosen_rest, rejected_rest)``: the shared leading messages are the prompt."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+# --------------------------------------------------------------------------- tokenize
+
+
+def tokenize_preference(
+    example: Mapping[str, Any],
+    tokenizer,
+    max_length: int = 2048,
+    prompt_field: str = "prompt",
+    chosen_field: str = "chosen",
+    rejected_field: str = "rejected",
+    max_prompt_length: int | None = None,
+    margin_field: str | None = None,
+) -> dict[str, Any]:
+    """Tokenize one preference pair into chosen/rejected sequences sharing the prompt tokens.
+
+    Accepted rows:
+
+    - strings: ``prompt``, ``chosen``, ``rejected`` (EOS is appended to each response and
+      trained);
+    - conversational: ``prompt`` a message list (or a string, read as one user message) and
+      ``chosen``/``rejected`` message lists (or strings, read as one assistant message),
+      rendered with the tokenizer's chat template; only assistant turns of the responses are
+      trained;
+    - implicit prompt: no ``prompt`` field and ``chosen``/``rejected`` full conversations; their
+      shared leading messages are the prompt.
+
+    Over-long rows are truncated as the module docstring describes. ``margin_field`` copies a
+    numeric per-pair margin (for ``RewardModelLoss(margin_field=...)``) into the output under
+    the same name.
+
+    Returns ``chosen_input_ids``, ``chosen_attention_mask``, ``chosen_labels`` and the three
+    ``rejected_*`` columns (prompt tokens labelled -100).
+
+    Raises:
+        DataError: a missing or empty field (named), a malformed message list, identical chosen
+            and rejected responses (no preference signal), or no trainable token left.
+    """
+    fn = "tokenize_preference"
+    _check_lengths(max_length, max_prompt_length, fn)
+    problems = [
+        p
+        for f, kwarg in ((chosen_field, "chosen_field"), (rejected_field, "rejected_field"))
+        if (p := _missing_or_empty(example, f, fn, kwarg))
+    ]
+    chosen, rejected = example.get(chosen_field), example.get(rejected_field)
+    implicit = (
+        prompt_field not in example and isinstance(chosen, list) and isinstance(rejected, list)
+    )
+    if not implicit and (p := _missing_or_empty(example, prompt_field, fn, "prompt_field")):
+        problems.append(p)
+    if problems:
+        raise DataError(problems)
+    if chosen == rejected:
+        raise DataError(
+            [
+                f"{fn}: fields {chosen_field!r} and {rejected_field!r} are identical, so the pair "
+                "carries no preference signal (drop the row)"
+            ]
+        )
+    prompt: Any = example.get(prompt_field)
+    if implicit:
+        prompt, chosen, rejected = split_implicit_prompt(
+            _as_messages(chosen, "assistant", chosen_field, fn),
+            _as_messages(rejected, "assistant", rejected_field, fn),
+        )
+        if not prompt:
+            raise DataError(
+                [
+                    f"{fn}: no {prompt_field!r} field and {chosen_field!r}/{rejected_field!r} share "
+                    "no leading messages to use as the prompt"
+                ]
+            )
+    chosen_row, rejected_row = tokenize_prompt_responses(
+        tokenizer,
+        prompt,
+        [(chosen_field, chosen), (rejected_field, rejected)],
+        prompt_field=prompt_field,
+        fn=fn,
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        conversational=_is_conversational(prompt, chosen, rejected),
+    )
+    if chosen_row["input_ids"] == rejected_row["input_ids"]:
+        raise DataError(
+            [
+                f"{fn}: {chosen_field!r} and {rejected_field!r} are identical after truncation to "
+                f"max_length={max_length}, so the pair carries no preference signal "
+                "(raise max_length)"
+            ]
+        )
+    out: dict[str, Any] = {
+        f"{side}_{key}": value
+        for side, row in (("chosen", chosen_row), ("rejected", rejected_row))
+        for key, value in row.items()
+    }
+    if margin_field is not None:
+        value = example.get(margin_field)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise DataError(
+                [
+                    f"{fn}: field {margin_field!r} must be a number (the pair's margin), got {value!r}"
+                ]
+            )
+        out[margin_field] = float(value)
+    return out
+
+
+# --------------------------------------------------------------------------- collate
+
+
+def pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    """Right-pad a ``[B, T]`` tensor with ``value`` to ``[B, width]`` (no-op when wide enough)."""
+    if t.shape[1] >= width:
+        return t
+    pad = t.new_full((t.shape[0], width - t.shape[1]), value)
+    return torch.cat([t, pad], dim=1)
+
+
+@dataclass
+class PreferenceCollator:
+    """Pads ``chosen_*`` and ``rejected_*`` to ONE common width, ready to stack into ``[2B, T]``.
+
+    A common width lets the loss run chosen and rejected through the model in a single forward
+    without re-padding. Extra numeric columns (cached reference log-probs, margins) become
+    tensors; strings pass through as lists.
+    """
+
+    pad_token_id: int
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        batch = collate_prefixed(features, self.pad_token_id, ("chosen_", "rejected_"))
+        width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+        for side in ("chosen_", "rejected_"):
+            batch[f"{side}input_ids"] = pad_right(
+                batch[f"{side}input_ids"], width, self.pad_token_id
+            )
+            batch[f"{side}attention_mask"] = pad_right(batch[f"{side}attention_mask"], width, 0)
+            batch[f"{side}labels"] = pad_right(batch[f"{side}labels"], width, IGNORE_INDEX)
+        return batch
+
+
+__all__ = [
+    "PREFERENCE_COLUMNS",
+    "PreferenceCollator",
+    "encode_prompt_response",
+    "pad_right",
+    "split_implicit_prompt",
+    "tokenize_preference",
+    "tokenize_prompt_responses",
+    "truncate_prompt_responses",
+]

@@ -1,0 +1,330 @@
+"""Dataset sources for configs and scripts: ``load_source`` and ``tokenize_dataset``.
+
+A *source section* (the YAML ``dataset:`` / ``eval_dataset:`` mapping, minus ``tokenize``) names
+exactly one of:
+
+- ``name``: a Hugging Face hub dataset, with ``split`` (default ``"train"``) and optionally
+  ``subset`` (alias ``config``). Needs network access unless the dataset is already in the local
+  HF cache; offline, save a copy with ``Dataset.save_to_disk`` and use ``load_from_disk``.
+- ``jsonl``: a local JSON-lines file (one object per line; a ``.json`` file may also hold one JSON
+  array of objects).
+- ``load_from_disk``: a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``;
+  for a ``DatasetDict`` the ``split`` (default ``"train"``) is picked.
+- ``path`` (grimoire-rl's key): a folder is read with ``load_from_disk``; a file ending in
+  ``.jsonl`` / ``.json`` as ``jsonl``.
+
+Optional: ``max_samples`` (keep the first N rows) after ``shuffle: true`` (seeded by ``seed``,
+default 42).
+
+Paths: relative paths resolve against the current working directory; ``grimoire://REL`` points
+inside the installed ``grimoire`` package (e.g. ``grimoire://assets/reverse_train.jsonl``), so
+bundled configs work from any folder.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from grimoire.errors import ConfigError, DataError, did_you_mean
+
+#: Prefix for files shipped inside the grimoire package.
+PACKAGE_PREFIX = "grimoire://"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+#: Keys a source section may hold, with their expected Python types.
+SOURCE_KEYS: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "split": str,
+    "subset": str,
+    "config": str,
+    "jsonl": str,
+    "path": str,
+    "load_from_disk": str,
+    "max_samples": int,
+    "shuffle": bool,
+    "seed": int,
+}
+_KINDS = ("name", "jsonl", "path", "load_from_disk")
+#: How many problems a DataError lists before summarising the rest.
+MAX_LISTED = 20
+
+
+def resolve_path(path: str) -> Path:
+    """``grimoire://REL`` -> the file inside the grimoire package; anything else as given.
+
+    Relative paths stay relative, i.e. they resolve against the current working directory.
+    """
+    if path.startswith(PACKAGE_PREFIX):
+        return PACKAGE_ROOT / path[len(PACKAGE_PREFIX) :]
+    return Path(path).expanduser()
+
+
+def source_problems(
+    section: Any, where: str, extra_keys: Iterable[str] = (), check_files: bool = True
+) -> list[str]:
+    """Every problem with a source section, as ``"<where>.<key>: ..."`` strings (no loading).
+
+    ``extra_keys`` are keys the caller handles itself (the CLI's ``tokenize``); they are neither
+    rejected nor checked here. With ``check_files`` local paths must exist.
+    """
+    if not isinstance(section, Mapping):
+        return [f"{where}: expected a mapping (e.g. {{jsonl: data.jsonl}}), got {section!r}"]
+    extra = set(extra_keys)
+    known = [*SOURCE_KEYS, *extra]
+    problems: list[str] = []
+    for key, value in section.items():
+        if key in extra:
+            continue
+        if key not in SOURCE_KEYS:
+            problems.append(
+                f"{where}.{key}: unknown key{did_you_mean(str(key), known)}; valid keys: "
+                + ", ".join(known)
+            )
+            continue
+        expected = SOURCE_KEYS[key]
+        # bool is an int subclass; never accept True as a row count.
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            problems.append(
+                f"{where}.{key}: must be {expected.__name__}, got {type(value).__name__} {value!r}"
+            )
+    kinds = [k for k in _KINDS if k in section]
+    if len(kinds) != 1:
+        got = f"got {kinds}" if kinds else "got none"
+        problems.append(f"{where}: give exactly one of {list(_KINDS)}; {got}")
+    if problems:
+        return problems
+    kind = kinds[0]
+    if "subset" in section and "config" in section:
+        problems.append(f"{where}: give subset or its alias config, not both")
+    for key in ("subset", "config"):
+        if key in section and kind != "name":
+            problems.append(f"{where}.{key}: only applies to hub datasets (name:)")
+    kind = _effective_kind(section, kind)
+    if "split" in section and kind not in ("name", "load_from_disk"):
+        problems.append(
+            f"{where}.split: only applies to name:, load_from_disk: and folder path: sources"
+        )
+    if "seed" in section and not section.get("shuffle"):
+        problems.append(f"{where}.seed: only used with shuffle: true")
+    if section.get("max_samples") is not None and section["max_samples"] <= 0:
+        problems.append(f"{where}.max_samples: must be > 0, got {section['max_samples']}")
+    if check_files and kind != "name":
+        key = next(k for k in _KINDS if k in section)
+        path = resolve_path(section[key])
+        if kind == "load_from_disk" and not path.is_dir():
+            what = "a dataset folder (Dataset.save_to_disk) or a .jsonl/.json file"
+            problems.append(
+                f"{where}.{key}: folder not found: {path}"
+                + (f" ({key}: takes {what})" if key == "path" else "")
+            )
+        elif kind != "load_from_disk" and not path.is_file():
+            problems.append(f"{where}.{key}: file not found: {path}")
+    return problems
+
+
+def _effective_kind(section: Mapping[str, Any], kind: str) -> str:
+    """``path`` is read as ``jsonl`` for a .jsonl/.json file, else as ``load_from_disk``."""
+    if kind != "path":
+        return kind
+    return "jsonl" if str(section["path"]).endswith((".jsonl", ".json")) else "load_from_disk"
+
+
+def load_source(section: Mapping[str, Any], where: str = "dataset"):
+    """Load a source section (see the module docstring) as a ``datasets.Dataset``.
+
+    Raises :class:`ConfigError` for an invalid section or a missing file, and
+    :class:`DataError` for unreadable contents (e.g. ``data.jsonl:7: invalid JSON ...``).
+    """
+    problems = source_problems(section, where)
+    if problems:
+        raise ConfigError(problems, title=f"invalid {where} section")
+    kind = _effective_kind(section, next(k for k in _KINDS if k in section))
+    if kind == "name":
+        ds = _load_hub(section, where)
+    elif kind == "load_from_disk":
+        ds = _load_disk(section, where)
+    else:
+        path = resolve_path(section.get("jsonl") or section["path"])
+        ds = rows_to_dataset(read_json_rows(path), source=str(path))
+    if len(ds) == 0:
+        raise DataError([f"{where}: the source has no rows"])
+    if section.get("shuffle"):
+        ds = ds.shuffle(seed=section.get("seed", 42))
+    if section.get("max_samples") is not None:
+        ds = ds.select(range(min(section["max_samples"], len(ds))))
+    return ds
+
+
+def read_json_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (or a ``.json`` array); errors name ``file:line``.
+
+    Every bad line is reported (up to ``MAX_LISTED``), not just the first. Blank lines are
+    skipped.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"file not found: {path}"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError([f"{path}: cannot read: {exc}"]) from exc
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return _json_array(text, path)
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            problems.append(f"{path}:{lineno}: invalid JSON: {exc.msg} (column {exc.colno})")
+            continue
+        if not isinstance(row, dict):
+            problems.append(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            continue
+        rows.append(row)
+    if problems:
+        raise DataError(_capped(problems), title=f"invalid JSONL file {path}")
+    return rows
+
+
+def rows_to_dataset(rows: list[Mapping[str, Any]], source: str = "rows"):
+    """A ``Dataset`` whose columns are the union of all rows' keys (absent values -> null).
+
+    ``Dataset.from_list`` keeps only the first row's keys, which would silently drop a column
+    that some later rows have; building columns explicitly keeps every field visible.
+    """
+    from datasets import Dataset
+
+    columns: dict[str, list[Any]] = {}
+    for row in rows:
+        for key in row:
+            columns.setdefault(key, [])
+    table = {key: [row.get(key) for row in rows] for key in columns}
+    try:
+        return Dataset.from_dict(table)
+    except Exception as exc:  # pyarrow raises several types for mixed column types
+        raise DataError(
+            [f"{source}: rows cannot form one table (a field has mixed types?): {exc}"]
+        ) from exc
+
+
+def tokenize_dataset(
+    dataset: Any, fn: Callable[..., Mapping[str, Any]], *, source_name: str, **fn_kwargs: Any
+):
+    """Apply a row-level tokenize function (e.g. ``tokenize_sft``) to every row of ``dataset``.
+
+    ``fn(row, **fn_kwargs)`` must return a mapping of columns; the result holds only those
+    columns (the originals are dropped). A ``DataError`` from any row is collected as
+    ``"<source_name> row N: ..."`` (N is the 0-based index, i.e. ``dataset[N]``) and all of them
+    are raised together as one ``DataError`` once every row has been tried. Null fields are
+    passed to ``fn`` as absent, so a column missing from some JSONL rows reads as "missing".
+    Other exceptions propagate with a note naming the row.
+    """
+    out: list[Mapping[str, Any]] = []
+    problems: list[str] = []
+    for i, row in enumerate(dataset):
+        example = {k: v for k, v in row.items() if v is not None}
+        try:
+            out.append(fn(example, **fn_kwargs))
+        except DataError as exc:
+            problems.extend(f"{source_name} row {i}: {p}" for p in exc.problems)
+        except Exception as exc:
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"while tokenizing {source_name} row {i}")
+            raise
+    if problems:
+        raise DataError(_capped(problems), title=f"invalid data in {source_name}")
+    if not out:
+        raise DataError([f"{source_name}: no rows to tokenize"])
+    return rows_to_dataset(out, source=source_name)
+
+
+def _capped(problems: list[str]) -> list[str]:
+    if len(problems) <= MAX_LISTED:
+        return problems
+    return [*problems[:MAX_LISTED], f"... and {len(problems) - MAX_LISTED} more"]
+
+
+def _json_array(text: str, path: Path) -> list[dict[str, Any]]:
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError([f"{path}:{exc.lineno}: invalid JSON: {exc.msg}"]) from exc
+    bad = [i for i, r in enumerate(rows) if not isinstance(r, dict)]
+    if bad:
+        raise DataError([f"{path}: array items {bad[:10]} are not JSON objects"])
+    return rows
+
+
+def _load_hub(section: Mapping[str, Any], where: str):
+    import os
+
+    from datasets import load_dataset
+
+    name, split = section["name"], section.get("split", "train")
+    subset = section.get("subset", section.get("config"))
+    try:
+        return load_dataset(name, subset, split=split)
+    except Exception as exc:
+        offline = any(
+            os.environ.get(v, "").lower() in ("1", "true", "yes")
+            for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+        )
+        hint = (
+            "hub datasets need network access or a local copy; offline mode is on "
+            "(HF_HUB_OFFLINE/HF_DATASETS_OFFLINE), so save the dataset once with "
+            "Dataset.save_to_disk and use load_from_disk:, or export it to jsonl:"
+            if offline
+            else "check the name/subset/split; hub datasets need network access "
+            "(or use load_from_disk:/jsonl: with a local copy)"
+        )
+        raise DataError(
+            [
+                f"{where}.name: cannot load {name!r} (split {split!r}): {type(exc).__name__}: {exc}"
+                f" -- {hint}"
+            ]
+        ) from exc
+
+
+def _load_disk(section: Mapping[str, Any], where: str):
+    from datasets import DatasetDict, load_from_disk
+
+    key = "load_from_disk" if "load_from_disk" in section else "path"
+    path = resolve_path(section[key])
+    try:
+        ds = load_from_disk(str(path))
+    except Exception as exc:
+        raise DataError(
+            [
+                f"{where}.{key}: {path} is not a saved dataset "
+                f"(written by save_to_disk): {type(exc).__name__}: {exc}"
+            ]
+        ) from exc
+    if isinstance(ds, DatasetDict):
+        split = section.get("split", "train")
+        if split not in ds:
+            raise DataError(
+                [
+                    f"{where}.split: {split!r} not in {path}; it has {sorted(ds)}"
+                    f"{did_you_mean(split, ds)}"
+                ]
+            )
+        ds = ds[split]
+    return ds
+
+
+__all__ = [
+    "PACKAGE_PREFIX",
+    "SOURCE_KEYS",
+    "load_source",
+    "read_json_rows",
+    "resolve_path",
+    "rows_to_dataset",
+    "source_problems",
+    "tokenize_dataset",
+]

@@ -1,0 +1,1 @@
+"""After a run: ``grimoire plot``, ``grimoire generate``, ``grimoire merge-lora``."""

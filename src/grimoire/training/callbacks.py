@@ -1,0 +1,172 @@
+"""Callbacks: hook into the training loop without touching it.
+
+Hooks (all optional, all receive the trainer first):
+``on_train_begin``, ``on_train_end``, ``on_epoch_begin(epoch)``, ``on_epoch_end(epoch)``,
+``on_step_end(step, loss, metrics)``, ``on_log(metrics)``, ``on_evaluate(metrics)``,
+``on_save(checkpoint_dir)``. Call ``trainer.request_stop()`` from any hook to stop gracefully
+after the current step (synchronised across ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+
+class TrainerCallback:
+    """Base class: override the hooks you need."""
+
+    def on_train_begin(self, trainer) -> None: ...
+
+    def on_train_end(self, trainer) -> None: ...
+
+    def on_epoch_begin(self, trainer, epoch: int) -> None: ...
+
+    def on_epoch_end(self, trainer, epoch: int) -> None: ...
+
+    def on_step_end(self, trainer, step: int, loss: float, metrics: dict[str, float]) -> None: ...
+
+    def on_log(self, trainer, metrics: dict[str, float]) -> None: ...
+
+    def on_evaluate(self, trainer, metrics: dict[str, float]) -> None: ...
+
+    def on_save(self, trainer, checkpoint_dir: str) -> None: ...
+
+
+class CallbackList:
+    """Dispatches a hook to every callback in order."""
+
+    def __init__(self, callbacks: Sequence[TrainerCallback] = ()):
+        self.callbacks = list(callbacks)
+
+    def __call__(self, hook: str, trainer, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(trainer, *args)
+
+
+class ProgressCallback(TrainerCallback):
+    """One tqdm bar on the main process: step/total, loss, trained tokens/s, ETA, and the mean
+    rollout reward of methods that generate.
+
+    Off on the other processes, and when ``stream`` (default: ``sys.stderr`` at train begin) is
+    not a terminal: a bar's carriage returns in a log file are noise, and the metrics are in
+    ``metrics.jsonl`` anyway. Loss and reward follow every step; tokens/s each logged window.
+    """
+
+    #: The step metric shown as ``reward``: the rollout stage's mean over the step's completions.
+    REWARD_KEY = "rewards/mean"
+
+    def __init__(self, stream: Any = None) -> None:
+        self.stream = stream
+        self.bar = None
+        self.postfix: dict[str, str] = {}
+
+    @staticmethod
+    def is_terminal(stream: Any) -> bool:
+        try:
+            return bool(stream.isatty())
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            return False
+
+    def on_train_begin(self, trainer) -> None:
+        import sys
+
+        from tqdm.auto import tqdm
+
+        stream = self.stream if self.stream is not None else sys.stderr
+        others = [cb for cb in trainer.callbacks.callbacks if isinstance(cb, ProgressCallback)]
+        if (
+            not trainer.accelerator.is_main_process
+            or not self.is_terminal(stream)
+            or others[0] is not self  # a second ProgressCallback (passed in as well): one bar
+        ):
+            return
+        self.postfix = {}
+        self.bar = tqdm(
+            total=trainer.max_steps,
+            initial=trainer.global_step,
+            desc="train",
+            unit="step",
+            file=stream,
+            dynamic_ncols=True,
+        )
+
+    def on_step_end(self, trainer, step: int, loss: float, metrics: dict[str, float]) -> None:
+        if self.bar is None:
+            return
+        self.postfix["loss"] = f"{loss:.4f}"
+        if self.REWARD_KEY in metrics:
+            self.postfix["reward"] = f"{metrics[self.REWARD_KEY]:.3f}"
+        self.bar.set_postfix(self.postfix, refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def on_log(self, trainer, metrics: dict[str, float]) -> None:
+        if self.bar is not None and "tokens_per_sec" in metrics:
+            self.postfix["tok/s"] = f"{metrics['tokens_per_sec']:.0f}"
+            self.bar.set_postfix(self.postfix, refresh=False)
+
+    def on_evaluate(self, trainer, metrics: dict[str, float]) -> None:
+        if self.bar is not None:
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
+            self.bar.write(f"step {trainer.global_step}: {shown}", file=self.bar.fp)
+
+    def on_train_end(self, trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class ExactMatchCallback(TrainerCallback):
+    """Held-out accuracy by greedy generation: logs ``eval/exact_match`` on every evaluation.
+
+    ``rows`` are raw examples with ``prompt_field`` (a string, or a chat message list rendered
+    with the generation prompt) and ``answer_field``; a prediction counts when its decoded text,
+    stripped, equals the answer. Each rank scores a strided shard; counts are summed over ranks.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        prompt_field: str = "prompt",
+        answer_field: str = "answer",
+        max_new_tokens: int = 16,
+        batch_size: int = 32,
+    ):
+        self.rows = list(rows)
+        self.prompt_field = prompt_field
+        self.answer_field = answer_field
+        self.max_new_tokens = max_new_tokens
+        self.batch_size = batch_size
+        missing = [
+            i for i, r in enumerate(self.rows) if prompt_field not in r or answer_field not in r
+        ]
+        if missing:
+            raise ValueError(
+                f"ExactMatchCallback: rows {missing[:10]} lack {prompt_field!r} or {answer_field!r}"
+            )
+
+    def on_evaluate(self, trainer, metrics: dict[str, float]) -> None:
+        metrics["eval/exact_match"] = self.score(trainer)
+
+    @torch.no_grad()
+    def score(self, trainer) -> float:
+        from grimoire.rollout.generation import greedy_generate_texts
+
+        acc = trainer.accelerator
+        shard = self.rows[acc.process_index :: acc.num_processes]
+        prompts = [r[self.prompt_field] for r in shard]
+        texts = greedy_generate_texts(
+            acc.unwrap_model(trainer.model),
+            trainer.tokenizer,
+            prompts,
+            self.max_new_tokens,
+            self.batch_size,
+        )
+        hits = sum(t.strip() == str(r[self.answer_field]).strip() for t, r in zip(texts, shard))
+        counts = torch.tensor([hits, len(shard)], dtype=torch.float64, device=acc.device)
+        counts = acc.reduce(counts, reduction="sum")
+        return float(counts[0] / counts[1].clamp(min=1))
