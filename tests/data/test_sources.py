@@ -156,7 +156,7 @@ def test_hub_dataset_offline_error_is_clear(monkeypatch):
 
 def test_grimoire_prefix_points_into_the_package():
     assert resolve_path("grimoire://assets/x.jsonl") == PACKAGE_ROOT / "assets" / "x.jsonl"
-    assert (PACKAGE_ROOT / "registry.py").is_file()
+    assert (PACKAGE_ROOT / "__init__.py").is_file()
     assert str(resolve_path("rel/x.jsonl")) == "rel/x.jsonl"  # relative to the cwd
 
 

@@ -28,7 +28,7 @@ from grimoire.errors import ConfigError, did_you_mean
 from grimoire.rows.sources import source_problems
 
 #: The embedded default run (``python -m grimoire.cli.main`` with no ``--config``).
-DEFAULT_CONFIG = Path(__file__).resolve().parent / "assets" / "quickstart.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "assets" / "quickstart.yaml"
 
 TOP_KEYS = (
     "model",
