@@ -16,7 +16,8 @@ import torch
 from tests.helpers.train_utils import RecordLosses, quiet_config
 from transformers import AutoModelForCausalLM
 
-from grimoire import GrimoireTrainer, compiling
+from grimoire import GrimoireTrainer
+from grimoire.model import compiling
 from grimoire.forward.fused_head import fused_parts
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.sft import SFTLoss

@@ -9,7 +9,8 @@ import pytest
 import torch
 from tests.helpers.train_utils import quiet_config, train
 
-from grimoire import TrainingConfig, precision
+from grimoire import TrainingConfig
+from grimoire.model import precision
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
 from grimoire.model.prepare import resolve_mixed_precision
