@@ -54,7 +54,7 @@ def _instrument(clock: dict[str, float], live: list[bool]) -> None:
     import transformers.models.llama.modeling_llama as llama
 
     import grimoire.batching.loader as loader
-    import grimoire.forward.fused_head as head
+    import grimoire.forward.head.function as head
     import grimoire.training.trainer as trainer
 
     for owner, name, label in (

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grimoire import ExactMatchCallback, GrimoireTrainer, TrainingConfig
 from grimoire.data import load_source, tokenize_dataset, tokenize_sft
 from grimoire.losses import SFTLoss
-from grimoire.training.report import read_records
+from grimoire.training.records import read_records
 
 OUT = "./output/sft-example"
 

@@ -361,8 +361,7 @@ class RecordingLoss:
 
 @pytest.mark.parametrize("cache", [False, True])
 def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monkeypatch, cache):
-    import grimoire.training.trainer
-    from grimoire.cli import main as train_cli
+    from grimoire.cli import run as train_cli
 
     raw = minimal(data[0], output_dir=str(tmp_path / "out"))
     raw["loss"] = {"type": "tests.test_cli:RecordingLoss", "ref_model": "copy"}
@@ -374,7 +373,7 @@ def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monk
         "load_model",
         lambda cfg, path, kind="causal_lm", quant=None: loaded.append(path) or path,
     )
-    monkeypatch.setattr(grimoire.training.trainer, "GrimoireTrainer", lambda **kwargs: kwargs)
+    monkeypatch.setattr(train_cli, "GrimoireTrainer", lambda **kwargs: kwargs)
     if cache:
         # Caching from "a copy of the starting policy" is caching from the starting policy.
         raw["loss"]["cache_reference"] = True

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from grimoire.cli.main import build_run, main
+from grimoire.cli.main import main
+from grimoire.cli.run import build_run
 from grimoire.model.tiny import kto_rows, preference_rows
 
 

@@ -17,10 +17,10 @@ from tests.helpers.train_utils import RecordLosses, quiet_config
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
-from grimoire.model import compiling
 from grimoire.forward.fused_head import fused_parts
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.sft import SFTLoss
+from grimoire.model import compiling
 from grimoire.model.tiny import build_model, preference_rows
 from grimoire.rows.preference import tokenize_preference
 

@@ -23,7 +23,9 @@ from tests.test_logprobs import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from grimoire.forward import fused_head as fh
+from grimoire.forward.head import function as hfn
+from grimoire.forward.head import workspace as ws
+from grimoire.forward.logprobs import release_buffers
 from grimoire.losses import SFTLoss
 
 VOCAB = 64  # tiny_config's vocabulary
@@ -208,8 +210,8 @@ def test_second_backward_recomputes_exactly():
     hidden = torch.randn(11, 16, requires_grad=True)
     targets = torch.randint(0, 40, (11,))
     params = list(head.parameters())
-    spec = fh._HeadSpec(head, [], False, "cpu", len(params), chunk_size=4, uniform_grad=True)
-    out = fh._HeadLogps.apply(hidden, targets, spec, *params)
+    spec = hfn._HeadSpec(head, [], False, "cpu", len(params), chunk_size=4, uniform_grad=True)
+    out = hfn._HeadLogps.apply(hidden, targets, spec, *params)
     first = torch.autograd.grad(out.sum(), [hidden, *params], retain_graph=True)
     second = torch.autograd.grad(out.sum(), [hidden, *params])  # eager results already used
     ref_out = torch.log_softmax(head(hidden), -1).gather(-1, targets[:, None]).squeeze(-1)
@@ -222,24 +224,22 @@ def test_second_backward_recomputes_exactly():
 def test_cpu_workspace_is_shared_and_reused_across_calls():
     """One CPU logits buffer serves every plain-Linear head call (forward, recompute, another
     model) instead of a fresh mmap'd one per call; results do not depend on its old contents."""
-    from grimoire.forward import head_function as hf
-
-    hf.release_workspace()
+    release_buffers()
     model, other = make_model("llama", tie=False), make_model("llama", tie=False, seed=1)
     batch = padded_batch()
     with torch.no_grad():
         first = fh_compute(model, batch)
-        ptr = hf._WORKSPACE.buffers["logits"].data_ptr()
+        ptr = ws._WORKSPACE.buffers["logits"].data_ptr()
         fh_compute(other, batch)
         again = fh_compute(model, batch)
     run(model, batch, fused=True, chunk_size=CHUNK)  # the recompute route uses it too
-    assert hf._WORKSPACE.buffers["logits"].data_ptr() == ptr
-    assert hf._WORKSPACE.buffers["logits"].numel() == CHUNK * VOCAB
+    assert ws._WORKSPACE.buffers["logits"].data_ptr() == ptr
+    assert ws._WORKSPACE.buffers["logits"].numel() == CHUNK * VOCAB
     torch.testing.assert_close(first.logps, again.logps, rtol=0, atol=0)
     # bf16 logits get their fp32 block in a second reused buffer, for statistics and gradients.
     full, g_full = run(model, batch, fused=False, bf16=True)
     bf16_runs = [run(model, batch, fused=True, chunk_size=CHUNK, bf16=True) for _ in range(2)]
-    buffers = hf._WORKSPACE.buffers
+    buffers = ws._WORKSPACE.buffers
     # ...and so do the bf16 cast of the head weight and the eager route's bf16 weight gradient.
     ptrs = {k: buffers[k].data_ptr() for k in ("fp32", "weight")}
     eager, eager_again = (
@@ -256,8 +256,8 @@ def test_cpu_workspace_is_shared_and_reused_across_calls():
         for name, g in g_full.items():
             rel = (grads[name] - g).abs().max() / g.abs().max().clamp(min=1e-12)
             assert rel <= BF16_GRAD_REL, (name, float(rel))
-    hf.release_workspace()
-    assert not hasattr(hf._WORKSPACE, "buffers")
+    release_buffers()
+    assert not hasattr(ws._WORKSPACE, "buffers")
 
 
 def test_sft_loss_takes_the_eager_route_and_matches_the_full_path():
@@ -280,7 +280,6 @@ def test_training_releases_the_cpu_workspace(tmp_path):
     from tests.helpers.train_utils import quiet_config
 
     from grimoire import GrimoireTrainer
-    from grimoire.forward import head_function as hf
     from grimoire.model.tiny import build_tokenizer
 
     rows = [{"input_ids": [1, 5, 6, 7, 8], "labels": [-100, 5, 6, 7, 8]}] * 4
@@ -289,7 +288,7 @@ def test_training_releases_the_cpu_workspace(tmp_path):
     class Probe:  # the buffer exists during training...
         def __getattr__(self, name):
             if name == "on_step_end":
-                return lambda *a, **k: seen.append(getattr(hf._WORKSPACE, "buffers", None))
+                return lambda *a, **k: seen.append(getattr(ws._WORKSPACE, "buffers", None))
             raise AttributeError(name)
 
     trainer = GrimoireTrainer(
@@ -298,4 +297,4 @@ def test_training_releases_the_cpu_workspace(tmp_path):
     )  # fmt: skip
     trainer.train()
     assert seen and all(buf is not None for buf in seen)
-    assert not hasattr(hf._WORKSPACE, "buffers")  # ...and is freed when it ends
+    assert not hasattr(ws._WORKSPACE, "buffers")  # ...and is freed when it ends

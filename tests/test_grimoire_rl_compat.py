@@ -270,7 +270,7 @@ def test_unknown_keys_list_the_valid_ones():
 
 
 def test_peft_type_and_save_to_defaults(tmp_path, monkeypatch):
-    from grimoire.cli.main import build_peft, save_path
+    from grimoire.cli.run import build_peft, save_path
     from grimoire.config.training import TrainingConfig
 
     assert build_peft({"type": "lora", "r": 4}).r == 4

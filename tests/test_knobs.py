@@ -223,7 +223,7 @@ ALPHA = 5.0
 
 
 def _neftune_model(alpha: float | None = ALPHA, peft: bool = False):
-    from grimoire.model.prepare import prepare_model
+    from grimoire.training.setup import prepare_model
 
     model = build_model()
     peft_config = None
@@ -386,7 +386,7 @@ def test_prepare_model_passes_kbit_switches(monkeypatch, upcast, gc, kbit_gc, wa
     import peft
     from peft import LoraConfig
 
-    import grimoire.model.prepare as modeling
+    import grimoire.training.setup as modeling
 
     calls: list[dict] = []
     real = peft.prepare_model_for_kbit_training

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from grimoire.errors import ConfigError
 from grimoire.forward import fused_head as fh
 from grimoire.forward import logprobs as lp
+from grimoire.forward.head import function as hfn
 from grimoire.forward.logprobs import IGNORE_INDEX, compute_token_logps, shift_labels
 from grimoire.model.tiny import tiny_config
 
@@ -301,9 +302,9 @@ def test_dropout_in_head_is_replayed_in_backward():
     hidden = torch.randn(9, 16, requires_grad=True)
     targets = torch.randint(0, 40, (9,))
     params = list(head.parameters())
-    spec = fh._HeadSpec(head, [], False, "cpu", len(params), chunk_size=4)
+    spec = hfn._HeadSpec(head, [], False, "cpu", len(params), chunk_size=4)
     torch.manual_seed(7)
-    out = fh._HeadLogps.apply(hidden, targets, spec, *params)
+    out = hfn._HeadLogps.apply(hidden, targets, spec, *params)
     g_hidden, g_w = torch.autograd.grad(out.sum(), [hidden, params[0]])
     torch.manual_seed(7)  # the same mask, through plain autograd
     ref = lp.logps_from_logits(head(hidden), targets)

@@ -23,8 +23,9 @@ from grimoire.model.packed_attention import (
     packed_sdpa_attention_forward,
     unsupported_reason,
 )
-from grimoire.model.prepare import enable_checkpointing, prepare_model
+from grimoire.model.prepare import enable_checkpointing
 from grimoire.model.tiny import build_model
+from grimoire.training.setup import prepare_model
 
 # A boundary mid-row, a length-1 sample, and samples of several lengths.
 LENGTHS = [5, 1, 9, 3]

@@ -11,14 +11,15 @@ from tests.helpers.train_utils import quiet_config, train
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
+from grimoire.collate.kto import KTOCollator, PackedKTOCollator
+from grimoire.collate.prompts import GRPOCollator
 from grimoire.config.context import TrainingContext
 from grimoire.data import cache_reference_log_probs, tokenize_kto
 from grimoire.losses import KTOLoss
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import build_model, kto_rows, reverse_rows
 from grimoire.rollout.batches import pack_rollout_batch
-from grimoire.rows.kto import KTOCollator, PackedKTOCollator
-from grimoire.rows.prompts import GRPOCollator, tokenize_grpo
+from grimoire.rows.prompts import tokenize_grpo
 
 PAD = 0
 

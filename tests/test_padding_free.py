@@ -133,9 +133,9 @@ def test_pretrain_blocks_isolate_documents_in_padded_batches(sft_rows):
 @pytest.mark.parametrize("loss_name", ["dpo", "orpo", "simpo", "cpo"])
 def test_packed_pairs_match_padded_pairs(loss_name, tokenizer):
     """Chosen and rejected as separate packed samples: same loss and gradients as padded."""
+    from grimoire.collate.preference import PackedPairCollator
     from grimoire.data import PreferenceCollator, tokenize_preference
     from grimoire.losses import CPOLoss, DPOLoss, ORPOLoss, SimPOLoss
-    from grimoire.losses.preference import PackedPairCollator
     from grimoire.model.tiny import preference_rows
 
     torch.manual_seed(0)

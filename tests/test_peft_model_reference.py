@@ -20,12 +20,13 @@ from tests.helpers.train_utils import RecordLosses, quiet_config
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
+from grimoire.collate.preference import PreferenceCollator
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.ipo import IPOLoss
 from grimoire.losses.kto import KTOLoss
 from grimoire.model.tiny import kto_rows, preference_rows
 from grimoire.rows.kto import tokenize_kto
-from grimoire.rows.preference import PreferenceCollator, tokenize_preference
+from grimoire.rows.preference import tokenize_preference
 
 MAX_LEN = 48
 SEED = 7

@@ -10,10 +10,10 @@ import torch
 from tests.helpers.train_utils import quiet_config, train
 
 from grimoire import TrainingConfig
-from grimoire.model import precision
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
-from grimoire.model.prepare import resolve_mixed_precision
+from grimoire.model import precision
+from grimoire.model.precision import resolve_mixed_precision
 
 
 def _flags_from_cpuinfo() -> set[str]:
@@ -37,12 +37,12 @@ def _expected_cpu_precision() -> str:
 @pytest.fixture
 def on_cpu(monkeypatch):
     """Resolve as on a machine with no accelerator, also where the tests run on a GPU host."""
-    import grimoire.training.trainer
+    import grimoire.training.setup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(precision, "_other_accelerator", lambda: False)
     monkeypatch.setattr(
-        grimoire.training.trainer, "has_accelerator", lambda: False
+        grimoire.training.setup, "has_accelerator", lambda: False
     )  # train on the CPU
 
 

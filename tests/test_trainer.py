@@ -295,7 +295,7 @@ def test_disable_dropout_zeroes_every_dropout(tiny_dir, tokenizer, sft_rows, tmp
 
 
 def test_refuses_to_train_alone_under_a_multi_process_launch(monkeypatch):
-    from grimoire.model.prepare import check_world_size
+    from grimoire.parallel.accelerate import check_world_size
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"PartialState\(cpu=True\)"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "GrimoireTrainer": "grimoire.training.trainer",
-    "TrainingConfig": "grimoire.config",
+    "TrainingConfig": "grimoire.config.training",
     "TrainerCallback": "grimoire.training.callbacks",
     "ExactMatchCallback": "grimoire.training.callbacks",
     "launch": "grimoire.parallel.launcher",
@@ -32,11 +33,10 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    # Lazy so `import grimoire` (and the CLI's --help) stays fast; accelerate/transformers load
-    # on first use of the trainer.
+def __getattr__(name: str) -> object:
+    # Lazy so `import grimoire` stays fast (accelerate/transformers load on first use of the
+    # trainer), and so the package root imports nothing at import time: every stage below may
+    # import its own `grimoire.<stage>` modules without a cycle through this facade.
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'grimoire' has no attribute {name!r}")

@@ -5,7 +5,8 @@ The command line lives in :mod:`grimoire.cli`; this module only hands its public
 
 import sys
 
-from grimoire.cli.main import build_run, main, summarize
+from grimoire.cli.main import main, summarize
+from grimoire.cli.run import build_run
 
 __all__ = ["build_run", "main", "summarize"]
 

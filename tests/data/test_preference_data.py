@@ -11,12 +11,14 @@ import logging
 import pytest
 import torch
 
+from grimoire.collate.kto import KTOCollator
+from grimoire.collate.preference import PreferenceCollator
 from grimoire.errors import DataError
 from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.kto import KTOLoss
-from grimoire.rows.kto import KTOCollator, tokenize_kto
-from grimoire.rows.preference import PreferenceCollator, tokenize_preference
+from grimoire.rows.kto import tokenize_kto
+from grimoire.rows.preference import tokenize_preference
 from grimoire.rows.sources import tokenize_dataset
 
 IGN = -100

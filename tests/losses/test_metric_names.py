@@ -15,6 +15,10 @@ from accelerate import Accelerator
 from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from grimoire.collate.kto import KTOCollator
+from grimoire.collate.preference import PreferenceCollator
+from grimoire.collate.prompts import GRPOCollator
+from grimoire.collate.sft import SFTCollator
 from grimoire.config.context import TrainingContext
 from grimoire.losses import (
     CPOLoss,
@@ -31,10 +35,10 @@ from grimoire.losses import (
     SimPOLoss,
 )
 from grimoire.model.tiny import build_model, kto_rows, preference_rows, reverse_rows
-from grimoire.rows.kto import KTOCollator, tokenize_kto
-from grimoire.rows.preference import PreferenceCollator, tokenize_preference
-from grimoire.rows.prompts import GRPOCollator, tokenize_grpo
-from grimoire.rows.sft import SFTCollator, tokenize_sft
+from grimoire.rows.kto import tokenize_kto
+from grimoire.rows.preference import tokenize_preference
+from grimoire.rows.prompts import tokenize_grpo
+from grimoire.rows.sft import tokenize_sft
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "losses.md"
 REWARD_FN = "length"  # the name a per-reward-function metric gets (its function's __name__)

@@ -12,6 +12,7 @@ import torch
 from tests.helpers.train_utils import RecordLosses, quiet_config
 
 from grimoire import GrimoireTrainer
+from grimoire.collate.prompts import GRPOCollator
 from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError, DataError
 from grimoire.losses.grpo import GRPOMethod
@@ -19,7 +20,7 @@ from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import reverse_rows
-from grimoire.rows.prompts import GRPOCollator, tokenize_grpo
+from grimoire.rows.prompts import tokenize_grpo
 
 
 @pytest.fixture(autouse=True, scope="module")

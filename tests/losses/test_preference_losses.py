@@ -16,6 +16,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from grimoire.collate.kto import KTOCollator
+from grimoire.collate.preference import PreferenceCollator
 from grimoire.errors import ConfigError
 from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.cpo import CPOLoss
@@ -35,8 +37,8 @@ from grimoire.losses.orpo import ORPOLoss
 from grimoire.losses.reward import RewardModelLoss
 from grimoire.losses.simpo import SimPOLoss
 from grimoire.model.tiny import build_model, kto_rows, preference_rows
-from grimoire.rows.kto import KTOCollator, tokenize_kto
-from grimoire.rows.preference import PreferenceCollator, tokenize_preference
+from grimoire.rows.kto import tokenize_kto
+from grimoire.rows.preference import tokenize_preference
 
 ATOL = 2e-5
 PAD = 0

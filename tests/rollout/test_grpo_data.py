@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from grimoire.collate.prompts import GRPOCollator, prompt_token_lists
 from grimoire.errors import DataError
-from grimoire.rows.prompts import GRPOCollator, prompt_token_lists, tokenize_grpo
+from grimoire.rows.prompts import tokenize_grpo
 
 
 def test_plain_prompt_keeps_extra_columns(tokenizer):

@@ -10,10 +10,12 @@ process group; :mod:`grimoire.collate.packing` collates the planned micro-batche
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
 
+from grimoire.columns import listed
 from grimoire.errors import DataError
 
 try:  # numba is an optional speed-up ("speed" extra); the fallback runs the same source.
@@ -27,10 +29,6 @@ except ImportError:  # pragma: no cover - exercised only where numba is not inst
 #: Default for ``use_numba=None``. Set to False to force the pure-Python path process-wide
 #: (e.g. to rule numba out while debugging); it produces identical plans, only slower.
 USE_NUMBA: bool = HAVE_NUMBA
-
-# Over-long samples listed by name in the error; the rest are counted, so a badly truncated
-# dataset does not produce a million-line message.
-_MAX_LISTED_PROBLEMS = 20
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,14 +273,14 @@ def _check_lengths(lengths: np.ndarray, max_tokens: int) -> None:
     """Raise :class:`DataError` (a ValueError) naming every empty or over-budget sample."""
     too_long = np.flatnonzero(lengths > max_tokens)
     empty = np.flatnonzero(lengths < 1)
-    problems = [f"sample {i} has length {lengths[i]} (must be >= 1)" for i in empty[:5]]
-    problems += [
-        f"sample {i} has {lengths[i]} tokens > max_tokens={max_tokens}"
-        for i in too_long[:_MAX_LISTED_PROBLEMS]
-    ]
-    hidden = max(0, len(empty) - 5) + max(0, len(too_long) - _MAX_LISTED_PROBLEMS)
-    if hidden:
-        problems.append(f"... and {hidden} more")
+    # Named up to MAX_LISTED, the rest counted: a badly truncated dataset gives no
+    # million-line message.
+    problems = listed(
+        chain(
+            (f"sample {i} has length {lengths[i]} (must be >= 1)" for i in empty),
+            (f"sample {i} has {lengths[i]} tokens > max_tokens={max_tokens}" for i in too_long),
+        )
+    )
     if len(too_long):
         title = (
             f"{len(too_long)} sample(s) longer than the micro-batch token budget "

@@ -21,37 +21,15 @@ generation and scoring calls so each stays within it (:mod:`grimoire.rollout.eng
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import random
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from grimoire.forward.logprobs import IGNORE_INDEX
-
-#: Rows listed by name in an error; the rest are counted.
-MAX_LISTED = 20
+from grimoire.columns import IGNORE_INDEX, column_values, columns_of, listed, sequence_prefixes
 
 #: Columns that are token-aligned with their sequence's ``input_ids`` and are cut with it.
 _ALIGNED = ("input_ids", "attention_mask", "labels", "position_ids")
-
-
-def columns_of(dataset: Any) -> list[str]:
-    """Column names of a ``datasets.Dataset`` or a list of dict rows."""
-    names = getattr(dataset, "column_names", None)
-    if names is None:
-        names = list(dataset[0].keys()) if len(dataset) else []
-    return list(names)
-
-
-def column_values(dataset: Any, name: str) -> list:
-    """One column as a list (a whole-column read for ``datasets``, a row scan for lists)."""
-    if hasattr(dataset, "column_names"):
-        return list(dataset[name])
-    return [row[name] for row in dataset]
-
-
-def sequence_prefixes(columns: Any) -> list[str]:
-    """``""``, ``"chosen_"``, ``"kl_"``, ...: one per ``*input_ids`` column (one sequence each)."""
-    return [c[: -len("input_ids")] for c in columns if c.endswith("input_ids")]
 
 
 def sequence_lengths(dataset: Any) -> list[dict[str, int]]:
@@ -68,8 +46,6 @@ def padding_ratio(dataset: Any, batch_size: int, seed: int = 0, sample: int = 40
     (``input_ids``, ``chosen_input_ids``, ...) is padded to its batch's longest. 1.0 means the rows
     are all the same length; 2.9 is the long-tailed SFT data of docs/performance.md.
     """
-    import random
-
     n = len(dataset)
     if n == 0 or not sequence_prefixes(columns_of(dataset)):
         return 1.0
@@ -101,10 +77,10 @@ def default_budget_tokens(lengths: Mapping[str, int], packed: bool) -> int:
 
 
 def method_budget_tokens(method: Any, lengths: Mapping[str, int], packed: bool) -> int:
-    """Tokens a row puts into its largest forward pass for ``method``: its own
-    ``budget_tokens(lengths, packed)`` where it has one, else :func:`default_budget_tokens`."""
-    fn = getattr(method, "budget_tokens", None)
-    return int(fn(lengths, packed)) if fn else default_budget_tokens(lengths, packed)
+    """Tokens a row puts into its largest forward pass for ``method`` (a
+    :class:`~grimoire.losses.base.GrimoireLoss`, whose default is :func:`default_budget_tokens`;
+    a duck-typed loss goes through :func:`~grimoire.losses.base.as_method` first)."""
+    return int(method.budget_tokens(lengths, packed))
 
 
 def water_level(lengths: list[int], budget: int) -> int:
@@ -157,8 +133,9 @@ class TokenBudget:
 
     Args:
         max_tokens: ``TrainingConfig.max_tokens_per_device``.
-        method: the loss object; its optional ``budget_tokens(lengths, packed)`` and
-            ``fit_to_budget(row, budget)`` replace the defaults above.
+        method: the method (a :class:`~grimoire.losses.base.GrimoireLoss`): its
+            ``budget_tokens(lengths, packed)``, ``fit_to_budget(row, budget)`` and
+            ``budget_hint`` (defaults: :func:`default_budget_tokens`, :func:`truncate_sequences`).
         packed: whether micro-batches are packed rows (else padded tensors).
         truncate: ``TrainingConfig.truncate_long_samples``.
     """
@@ -188,8 +165,7 @@ class TokenBudget:
         """The row as it enters a micro-batch: cut to fit when it must and may be."""
         if not self.truncate or self.row_cost(row) <= self.max_tokens:
             return row
-        fn = getattr(self.method, "fit_to_budget", None)
-        return fn(row, self.max_tokens) if fn else truncate_sequences(row, self.max_tokens)
+        return self.method.fit_to_budget(row, self.max_tokens)
 
     def costs(self, dataset: Any) -> list[int]:
         """Every row's cost as it will be trained (after :meth:`fit`)."""
@@ -203,22 +179,23 @@ class TokenBudget:
 
     def problems(self, dataset: Any, split: str) -> list[str]:
         """Rows whose unit cannot fit the budget (or would train nothing once cut), named."""
-        problems: list[str] = []
-        hint = getattr(self.method, "budget_hint", "")
-        over = 0
+        what = "that cannot be cut to fit" if self.truncate else "over the budget"
+        return listed(self._problems(dataset, split), more=f"more {split} rows {what}")
+
+    def _problems(self, dataset: Any, split: str) -> Iterator[str]:
+        # A generator: listed() keeps the first few and only counts the rest.
+        hint = self.method.budget_hint
         for i, lengths in enumerate(self._lengths(dataset)):
             cost = self.cost(lengths)
             if cost <= self.max_tokens:
                 continue
             if not self.truncate:
-                over += 1
-                if over <= MAX_LISTED:
-                    problems.append(
-                        f"{split} row {i}: needs {cost} tokens in one forward pass "
-                        f"({_describe(lengths)}{hint}) > max_tokens_per_device={self.max_tokens}; "
-                        "set training.truncate_long_samples=true to cut it to fit, or raise "
-                        "training.max_tokens_per_device (or tokenize with a smaller max_length)"
-                    )
+                yield (
+                    f"{split} row {i}: needs {cost} tokens in one forward pass "
+                    f"({_describe(lengths)}{hint}) > max_tokens_per_device={self.max_tokens}; "
+                    "set training.truncate_long_samples=true to cut it to fit, or raise "
+                    "training.max_tokens_per_device (or tokenize with a smaller max_length)"
+                )
                 continue
             fitted = self.fit(dataset[i])
             left = self.row_cost(fitted)
@@ -229,14 +206,11 @@ class TokenBudget:
                     if left > self.max_tokens
                     else f"{' and '.join(empty)} would have no trained token left"
                 )
-                problems.append(
+                yield (
                     f"{split} row {i}: cut to max_tokens_per_device={self.max_tokens}, {why} "
                     f"({_describe(lengths)}{hint}); raise training.max_tokens_per_device or "
                     "shorten the row's prompt"
                 )
-        if over > MAX_LISTED:
-            problems.append(f"... and {over - MAX_LISTED} more {split} rows over the budget")
-        return problems[: MAX_LISTED + 1]
 
 
 def _describe(lengths: Mapping[str, int]) -> str:
@@ -245,12 +219,9 @@ def _describe(lengths: Mapping[str, int]) -> str:
 
 __all__ = [
     "TokenBudget",
-    "column_values",
-    "columns_of",
     "default_budget_tokens",
     "method_budget_tokens",
     "sequence_lengths",
-    "sequence_prefixes",
     "truncate_sequences",
     "untrainable",
     "water_level",

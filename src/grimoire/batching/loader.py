@@ -121,7 +121,7 @@ AUTO_PACKING_CUDA_NOTE = (
 
 
 def packing_decision(
-    loss_fn: Any,
+    method: Any,
     config: Any,
     pad_id: int,
     given: Any = None,
@@ -140,21 +140,24 @@ def packing_decision(
     method that cannot pack (reward modelling) bins padded micro-batches instead. A user's
     ``data_collator`` counts as padded unless it has ``packed = True``. On a CUDA device
     (``device_type``) auto stays padded: see :data:`AUTO_PACKING_CUDA_NOTE`.
+
+    ``method`` is a :class:`~grimoire.losses.base.GrimoireLoss` (a duck-typed loss goes through
+    :func:`~grimoire.losses.base.as_method` first).
     """
     if given is not None:
         packed = bool(getattr(given, "packed", False))
         return packed, "the data_collator given to the trainer"
-    can_pack = getattr(loss_fn, "create_packed_collator", lambda _: None)(pad_id) is not None
+    can_pack = method.create_packed_collator(pad_id) is not None
     asked = bool(config.padding_free or config.max_tokens_per_device)
     if config.padding_free is None and not asked:
         if not can_pack:
-            return False, f"{type(loss_fn).__name__} has no packed collator"
+            return False, f"{method.method_name} has no packed collator"
         reason = _attention_cannot_pack(model)
         if reason is not None:
             return False, reason
         if device_type == "cuda":
             return False, AUTO_PACKING_CUDA_NOTE
-        if dataset is not None and not getattr(loss_fn, "needs_generation", False):
+        if dataset is not None and not method.needs_generation:
             # (Online methods pack their sampled completions, whose lengths the prompts do not
             # tell: they always pack.)
             ratio = padding_ratio(dataset, config.batch_size, config.seed)
@@ -172,12 +175,12 @@ def packing_decision(
     if config.padding_free:
         raise ConfigError(
             [
-                f"{type(loss_fn).__name__} does not support padding-free batches: unset "
+                f"{method.method_name} does not support padding-free batches: unset "
                 "training.padding_free (training.max_tokens_per_device alone still bounds "
                 "its padded micro-batches)"
             ]
         )
-    return False, f"{type(loss_fn).__name__} cannot pack: padded micro-batches within the budget"
+    return False, f"{method.method_name} cannot pack: padded micro-batches within the budget"
 
 
 def _attention_cannot_pack(model: Any) -> str | None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from grimoire.batching.bin_packing import plan_global_batch
+
 
 @dataclass
 class StepPlanner:
@@ -65,10 +67,6 @@ class StepPlanner:
         """This rank's micro-batches for ``(epoch, step)``; ``[]`` marks a dummy micro-batch."""
         ids = self.step_indices(epoch, step)
         if self.max_tokens_per_device is not None:
-            from grimoire.batching.bin_packing import (
-                plan_global_batch,  # lazy: the planner imports numba
-            )
-
             assert self.lengths is not None, "a token budget needs sample lengths"
             lengths = [int(self.lengths[i]) for i in ids]
             plan = plan_global_batch(

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from grimoire.batching.budget import TokenBudget, column_values, columns_of
+from grimoire.batching.budget import TokenBudget
+from grimoire.columns import IGNORE_INDEX, column_values, columns_of, listed
 from grimoire.errors import DataError
-from grimoire.forward.logprobs import IGNORE_INDEX
-
-MAX_LISTED = 20
 
 
 def validate_token_columns(
@@ -20,7 +19,13 @@ def validate_token_columns(
     length differs from their ``input_ids``, and rows with no trained label at all (an empty
     response, or a prompt that filled the context).
     """
-    problems: list[str] = []
+    return listed(_token_column_problems(dataset, split, max_length, vocab_size))
+
+
+def _token_column_problems(
+    dataset: Any, split: str, max_length: int | None, vocab_size: int | None
+) -> Iterator[str]:
+    # A generator: listed() keeps the first few problems and only counts the rest.
     columns = columns_of(dataset)
     for ids_col in [c for c in columns if c.endswith("input_ids")]:
         prefix = ids_col[: -len("input_ids")]
@@ -29,7 +34,7 @@ def validate_token_columns(
         for i, row in enumerate(ids):
             where = f"{split} row {i}: {ids_col}"
             if max_length is not None and len(row) > max_length:
-                problems.append(
+                yield (
                     f"{where} has {len(row)} tokens > max_length={max_length} "
                     "(re-tokenize with max_length, or raise training.max_length)"
                 )
@@ -37,25 +42,22 @@ def validate_token_columns(
                 lo, hi = min(row), max(row)
                 if lo < 0 or hi >= vocab_size:
                     bad = lo if lo < 0 else hi
-                    problems.append(
+                    yield (
                         f"{where} has token id {bad} outside the model's vocabulary "
                         f"[0, {vocab_size}) (tokenizer and model do not match?)"
                     )
             if labels is not None:
                 lab = labels[i]
                 if len(lab) != len(row):
-                    problems.append(
+                    yield (
                         f"{split} row {i}: {prefix}labels has {len(lab)} entries but {ids_col} "
                         f"has {len(row)}"
                     )
                 elif all(x == IGNORE_INDEX for x in lab[1:]):
-                    problems.append(
+                    yield (
                         f"{split} row {i}: {prefix}labels has no trained token (empty response, "
                         "or the prompt filled max_length)"
                     )
-            if len(problems) > MAX_LISTED:
-                return [*problems[:MAX_LISTED], "... (more problems not listed)"]
-    return problems
 
 
 def validate_training_data(
@@ -75,8 +77,7 @@ def validate_training_data(
         if len(ds) == 0:
             problems.append(f"{split} dataset is empty")
             continue
-        if hasattr(method, "validate_dataset"):
-            problems += method.validate_dataset(ds, split)
+        problems += method.validate_dataset(ds, split)
         problems += validate_token_columns(ds, split, max_length=max_length, vocab_size=vocab_size)
     if budget is not None and not problems:
         for split, ds in datasets.items():

@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from grimoire.cli.sections import section_problems
 from grimoire.config.training import check_type
 from grimoire.errors import ConfigError, did_you_mean
 
@@ -112,8 +113,6 @@ def canonical_model(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 def model_problems(model: Any, quantization: Any) -> list[str]:
     """Every problem of the (canonical) ``model:`` and ``quantization:`` sections."""
-    from grimoire.cli.schema import section_problems
-
     if model is None:
         return ["model.pretrained: required (a hub name, a local folder, or tiny:llama)"]
     p = section_problems(model, "model", MODEL_KEYS, accepted=LEGACY_MODEL_KEYS)

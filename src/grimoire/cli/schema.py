@@ -22,9 +22,10 @@ import yaml
 
 from grimoire.cli.flags import MINI_TRAINER_BASE, apply_mini_trainer_flags
 from grimoire.cli.model import TINY_PREFIX, canonical_model, model_problems
+from grimoire.cli.sections import section_problems, unknown_keys
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig, check_type
-from grimoire.errors import ConfigError, did_you_mean
+from grimoire.errors import ConfigError
 from grimoire.rows.sources import source_problems
 
 #: The embedded default run (``python -m grimoire.cli.main`` with no ``--config``).
@@ -197,7 +198,7 @@ def validate_config(raw: Any) -> list[str]:
     if not isinstance(raw, Mapping):
         return [f"the config must be a mapping, got {type(raw).__name__}"]
     raw, p = canonical_model(raw)
-    p += _unknown(raw, TOP_KEYS, "")
+    p += unknown_keys(raw, TOP_KEYS, "")
     p += model_problems(raw.get("model"), raw.get("quantization"))
     # An empty YAML section (``training:``) parses as None: treat it as absent.
     p += _training_problems(raw.get("training") or {})
@@ -225,43 +226,11 @@ def validate_config(raw: Any) -> list[str]:
     return p
 
 
-def _unknown(
-    section: Mapping[str, Any], known: Sequence[str], where: str, accepted: Sequence[str] = ()
-) -> list[str]:
-    """``where.key: unknown key (did you mean ...); valid keys: ...`` for each unknown key.
-
-    ``accepted`` are spellings that are not listed as valid but may be what was meant (deprecated
-    keys, which are moved before validation).
-    """
-    prefix = f"{where}." if where else ""
-    valid = ", ".join(str(k) for k in known)
-    return [
-        f"{prefix}{k}: unknown key{did_you_mean(str(k), [*known, *accepted])}; valid keys: {valid}"
-        for k in section
-        if k not in known
-    ]
-
-
-def section_problems(
-    section: Any, where: str, keys: Mapping[str, Any], accepted: Sequence[str] = ()
-) -> list[str]:
-    """Unknown keys and type errors of a flat section (``None`` = absent)."""
-    if section is None:
-        return []
-    if not isinstance(section, Mapping):
-        return [f"{where}: expected a mapping, got {type(section).__name__} {section!r}"]
-    p = _unknown(section, list(keys), where, accepted)
-    for key, hint in keys.items():
-        if key in section and (msg := check_type(f"{where}.{key}", section[key], hint)):
-            p.append(msg)
-    return p
-
-
 def _training_problems(training: Any) -> list[str]:
     if not isinstance(training, Mapping):
         return [f"training: expected a mapping, got {type(training).__name__} {training!r}"]
     names = [f.name for f in dataclasses.fields(TrainingConfig)]
-    p = _unknown(training, names, "training")
+    p = unknown_keys(training, names, "training")
     try:
         TrainingConfig(**{k: v for k, v in training.items() if k in names})
     except ConfigError as exc:
@@ -327,7 +296,7 @@ def _peft_problems(peft: Any) -> list[str]:
     if str(peft.get("type", PEFT_TYPES[0])).lower() not in PEFT_TYPES:
         p.append(f"peft.type: {peft['type']!r} is not supported; supported: {list(PEFT_TYPES)}")
     names = [f.name for f in dataclasses.fields(LoraConfig)]
-    return p + _unknown({k: v for k, v in peft.items() if k != "type"}, names, "peft")
+    return p + unknown_keys({k: v for k, v in peft.items() if k != "type"}, names, "peft")
 
 
 def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
@@ -396,7 +365,7 @@ def _resolve_and_check(
     p = [f"{where}.{k}: set by grimoire, do not give it" for k in kwargs if k in reserved]
     if not any(q.kind is q.VAR_KEYWORD for q in params):
         names = [q.name for q in params if q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD)]
-        p += _unknown({k: None for k in kwargs if k not in reserved}, names, where)
+        p += unknown_keys({k: None for k in kwargs if k not in reserved}, names, where)
     required = [
         q.name
         for q in params
@@ -419,6 +388,7 @@ __all__ = [
     "ConfigLoader",
     "apply_mini_trainer_flags",
     "apply_overrides",
+    "check_config",
     "is_dataset_ref",
     "load_config",
     "parse_override",
@@ -427,3 +397,11 @@ __all__ = [
     "tokenize_section",
     "validate_config",
 ]
+
+
+def check_config(raw: Mapping[str, Any]) -> TrainingConfig:
+    """Raise one :class:`ConfigError` with every problem; return the TrainingConfig if valid."""
+    problems = validate_config(raw)
+    if problems:
+        raise ConfigError(problems)
+    return TrainingConfig.from_dict(dict(raw.get("training") or {}))

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.forward.logprobs import IGNORE_INDEX
 
 
 def pack_samples(

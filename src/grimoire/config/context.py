@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from grimoire.config.training import TrainingConfig
 
@@ -63,6 +64,11 @@ class TrainingContext:
         """Whether the policy is sharded (FSDP2): then every forward is a collective."""
         return self.config.distributed == "fsdp2"
 
+    @property
+    def num_processes(self) -> int:
+        """How many ranks train together (1: the collectives below are identities)."""
+        return 1 if self.accelerator is None else int(self.accelerator.num_processes)
+
     def all_reduce_max(self, value: int) -> int:
         """The largest ``value`` over ranks (e.g. a count of forward passes to pad up to)."""
         return all_reduce_max(self.accelerator, value)
@@ -72,16 +78,28 @@ class TrainingContext:
         call it at the same point of the step."""
         return all_reduce_sum(self.accelerator, values)
 
+    def all_reduce_sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks in place, on its device (no host sync), and return it;
+        identity on one process. Every rank must call it at the same point of the step (e.g.
+        KTO's KL estimate: the ranks' ``(sum, count)`` of mismatched pairs)."""
+        return all_reduce_sum_tensor(self.accelerator, tensor)
+
 
 def all_reduce_max(accelerator: Any, value: int) -> int:
     """The largest ``value`` over ranks (identity on one process)."""
-    import torch.distributed as dist
-
     if accelerator is None or accelerator.num_processes == 1:
         return int(value)
     t = torch.tensor([int(value)], dtype=torch.int64, device=accelerator.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def all_reduce_sum_tensor(accelerator: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over ranks in place (identity on one process)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return tensor
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
 
 
 def _identity(module: torch.nn.Module) -> torch.nn.Module:
@@ -96,4 +114,10 @@ def all_reduce_sum(accelerator: Any, values: list[float]) -> list[float]:
     return accelerator.reduce(t, reduction="sum").tolist()
 
 
-__all__ = ["StepInfo", "TrainingContext", "all_reduce_max", "all_reduce_sum"]
+__all__ = [
+    "StepInfo",
+    "TrainingContext",
+    "all_reduce_max",
+    "all_reduce_sum",
+    "all_reduce_sum_tensor",
+]

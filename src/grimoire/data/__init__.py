@@ -5,11 +5,15 @@ A facade: each name lives in its stage folder (``grimoire.rows`` tokenizes rows,
 log-probs). Grimoire's own code imports from those folders; this package sits on the top layer.
 """
 
+from grimoire.collate.kto import KTOCollator
+from grimoire.collate.preference import PreferenceCollator
+from grimoire.collate.prompts import GRPOCollator
+from grimoire.collate.sft import SFTCollator
 from grimoire.forward.precomputed import cache_reference_log_probs
-from grimoire.rows.kto import KTOCollator, tokenize_kto
-from grimoire.rows.preference import PreferenceCollator, tokenize_preference
-from grimoire.rows.prompts import GRPOCollator, tokenize_grpo
-from grimoire.rows.sft import SFTCollator, tokenize_sft
+from grimoire.rows.kto import tokenize_kto
+from grimoire.rows.preference import tokenize_preference
+from grimoire.rows.prompts import tokenize_grpo
+from grimoire.rows.sft import tokenize_sft
 from grimoire.rows.sources import load_source, tokenize_dataset
 
 __all__ = [

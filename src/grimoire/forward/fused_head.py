@@ -1,16 +1,16 @@
 """The fused log-prob path: the LM head run in chunks, its logits never kept for backward.
 
-Stage: :func:`grimoire.forward.logprobs.compute_token_logps` calls :func:`fused_parts` to learn whether
-a model can take this path (an unsharded output embedding, a reachable decoder, a forward that
-accepts ``logits_to_keep``), then :func:`fused_token_logps`, which runs the model with
+Stage: :func:`grimoire.forward.logprobs.compute_token_logps` calls :func:`fused_parts` to learn
+whether a model can take this path (an unsharded output embedding, a reachable decoder, a forward
+that accepts ``logits_to_keep``), then :func:`fused_token_logps`, which runs the model with
 ``logits_to_keep=1``, captures the decoder's last hidden state with a forward hook, checks once
 per model that the head plus the declared post-head transforms reproduce the model's own logits
 (:func:`_self_check`), and pushes the positions that have a target through the head
-``chunk_size`` rows at a time (:class:`_HeadLogps`, an autograd Function specialised to a
-softmax head that either recomputes the logits in backward, like activation checkpointing, or,
-for a token-mean loss, computes the head's gradients during the forward; RNG state is replayed
-for heads with dropout). Peak logits memory
-is ``chunk_size x V`` instead of ``B x T x V``. See ``docs/fused-logprobs.md``.
+``chunk_size`` rows at a time (:class:`~grimoire.forward.head.function._HeadLogps`, an autograd
+Function specialised to a softmax head that either recomputes the logits in backward, like
+activation checkpointing, or, for a token-mean loss, computes the head's gradients during the
+forward; RNG state is replayed for heads with dropout). Peak logits memory is
+``chunk_size x V`` instead of ``B x T x V``. See ``docs/fused-logprobs.md``.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.forward.head_function import _head_logits, _HeadLogps, _HeadSpec
+from grimoire.errors import ConfigError
+from grimoire.forward.head.function import _head_logits, _HeadLogps, _HeadSpec
 
-# The public entry point lives in grimoire.forward.logprobs, and so does the logger name users filter on.
+# The public entry point lives in grimoire.forward.logprobs, and so does the logger name users
+# filter on.
 logger = logging.getLogger("grimoire.forward.logprobs")
 
 
@@ -138,8 +140,6 @@ def fused_parts(model: torch.nn.Module, require: bool = False) -> _Parts | None:
     reason = _SUPPORT[model]
     if reason is not None:
         if require:
-            from grimoire.errors import ConfigError
-
             raise ConfigError(
                 [
                     f"fused='require': the fused log-prob path cannot run on "

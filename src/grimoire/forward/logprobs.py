@@ -28,9 +28,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.fused_head import fused_parts, fused_token_logps
-
-IGNORE_INDEX = -100
+from grimoire.forward.head.workspace import release_workspace
 
 
 @dataclass
@@ -86,18 +86,48 @@ def logps_from_logits(logits: Tensor, targets: Tensor) -> Tensor:
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def _fp32_lse(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """``(logits.float(), logsumexp(logits, -1, keepdim=True))``."""
+    z = logits.float()
+    return z, torch.logsumexp(z, dim=-1, keepdim=True)
+
+
+def _entropy_given_lse(logits: Tensor, lse: Tensor) -> Tensor:
+    """``H = lse - sum_v p_v z_v`` of fp32 ``logits [..., V]`` with ``lse [..., 1]`` -> ``[...]``.
+
+    One pass over the vocab, no ``log(p)`` of tiny probabilities. The one formula every
+    full-logits entropy in grimoire uses (the fused head computes the same quantity inside its
+    own fp32 pass, :func:`grimoire.forward.head.softmax._softmax_stats`).
+    """
+    return lse.squeeze(-1) - (torch.exp(logits - lse) * logits).sum(-1)
+
+
+def token_entropy(logits: Tensor, max_elements: int = 2**26) -> Tensor:
+    """Entropy (nats, fp32) of ``softmax(logits)`` at every position: ``[N, ..., V] -> [N, ...]``.
+
+    Works in chunks of rows along the first dimension so the fp32 temporaries stay under
+    ``max_elements`` (~256 MiB) whatever the logits' size. Differentiable; pass detached logits
+    for a metric (no graph is then built, and each chunk's temporaries are freed as it goes).
+    """
+    if logits.dim() < 2:
+        return _entropy_given_lse(*_fp32_lse(logits))
+    n = logits.shape[0]
+    if n == 0:
+        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    rows = max(1, max_elements // max(1, logits[0].numel()))
+    return torch.cat(
+        [_entropy_given_lse(*_fp32_lse(logits[s : s + rows])) for s in range(0, n, rows)]
+    )
+
+
 def _logps_and_entropy(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     """Target log-probs and entropy of ``softmax(logits)``, both fp32.
 
     Shapes: ``logits [..., V]``, ``targets [...]`` -> ``([...], [...])``.
     """
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    logits, lse = _fp32_lse(logits)
     picked = torch.gather(logits, -1, targets.unsqueeze(-1))
-    probs = torch.exp(logits - lse)
-    # H = logsumexp(z) - sum_v p_v z_v: one pass over the vocab, no log(p) of tiny probabilities.
-    entropy = lse.squeeze(-1) - (probs * logits).sum(-1)
-    return (picked - lse).squeeze(-1), entropy
+    return (picked - lse).squeeze(-1), _entropy_given_lse(logits, lse)
 
 
 # --------------------------------------------------------------------------- post-head transforms
@@ -220,6 +250,14 @@ def _full_token_logps(
     return TokenLogps(logps=logps.masked_fill(~mask, 0.0), mask=mask, entropy=entropy)
 
 
+def release_buffers() -> None:
+    """Free this thread's reusable CPU buffers of the fused LM head (its logits, fp32 blocks and
+    cast weight). They are kept between calls on purpose (a fresh buffer page-faults on every
+    call); call this when no more log-probs will be computed for a while, e.g. after training.
+    The next call allocates them again."""
+    release_workspace()
+
+
 __all__ = [
     "IGNORE_INDEX",
     "POST_HEAD_TRANSFORMS",
@@ -227,5 +265,7 @@ __all__ = [
     "compute_token_logps",
     "logps_from_logits",
     "post_head_transforms",
+    "release_buffers",
     "shift_labels",
+    "token_entropy",
 ]

@@ -1,9 +1,16 @@
 """Precompute a frozen reference model's log-probs once, so training needs no reference forward.
 
-:func:`cache_reference_log_probs` adds columns that DPO/IPO (``ref_chosen_logps``,
-``ref_rejected_logps``) and KTO (``ref_logps``, ``ref_kl_logps``) read instead of running a
-reference model: the reference costs one pass over the data instead of one forward per step, and
-need not be in memory while training.
+Two callers, one pass (:func:`score_reference_columns`, which batches rows, scores them without
+gradients in eval mode, and writes the columns plus the ``ref_logps_reduction`` column):
+
+* :func:`cache_reference_log_probs` (public, ``grimoire.data``): an explicit reference model
+  over tokenized preference or KTO rows, in fixed-size batches; adds the columns DPO/IPO
+  (``ref_chosen_logps``, ``ref_rejected_logps``) and KTO (``ref_logps``, ``ref_kl_logps``) read
+  instead of running a reference model: the reference costs one pass over the data instead of
+  one forward per step, and need not be in memory while training.
+* :func:`precompute_reference` (``TrainingConfig.precompute_ref_log_probs``, run by the
+  trainer): the method's own :class:`~grimoire.forward.reference.Reference`, batched as training
+  batches, then released.
 
 KTO: its KL term uses mismatched pairs. In-batch pairs depend on how rows are batched, so they
 cannot be cached; here the pairs are fixed at dataset level instead (row ``i``'s prompt with row
@@ -11,7 +18,7 @@ cannot be cached; here the pairs are fixed at dataset level instead (row ``i``'s
 ``kl_labels`` next to ``ref_kl_logps``; the ``KTOCollator`` then uses those pairs. Rows sharing a
 prompt should not be adjacent (shuffle the dataset first), or their "mismatched" pair is not.
 
-A ``ref_logps_reduction`` column records the reduction, and the losses refuse cached values
+The ``ref_logps_reduction`` column records the reduction, and the losses refuse cached values
 reduced differently from their ``logp_reduction`` (a sum next to a mean is silently wrong).
 """
 
@@ -20,39 +27,78 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
-from grimoire.batching.budget import columns_of
+from grimoire.batching.loader import StepLoader
+from grimoire.collate.kto import KTOCollator
+from grimoire.collate.preference import PreferenceCollator
+from grimoire.columns import columns_of, pad_token_id_of
 from grimoire.errors import ConfigError, DataError
 from grimoire.forward.logprobs import compute_token_logps
-from grimoire.rows.kto import KTOCollator, mismatched_pair
-from grimoire.rows.preference import PreferenceCollator
+from grimoire.forward.reference import REDUCTION_COLUMN, Reference, eval_mode, is_quantized
+from grimoire.rows.kto import mismatched_pair
+from grimoire.rows.sources import rows_to_dataset
 
 logger = logging.getLogger(__name__)
 
+#: The reference columns of each row kind, by the sequence prefix each is scored on.
+PAIR_COLUMNS: dict[str, str] = {"chosen_": "ref_chosen_logps", "rejected_": "ref_rejected_logps"}
+KTO_COLUMNS: dict[str, str] = {"": "ref_logps", "kl_": "ref_kl_logps"}
+#: KTO's dataset-level mismatched pairs (see the module docstring).
+KL_PAIR_COLUMNS: tuple[str, ...] = ("kl_input_ids", "kl_attention_mask", "kl_labels")
+
 #: Every column this module may add (replaced when re-caching).
 CACHE_COLUMNS: tuple[str, ...] = (
-    "ref_chosen_logps",
-    "ref_rejected_logps",
-    "ref_logps",
-    "ref_kl_logps",
-    "kl_input_ids",
-    "kl_attention_mask",
-    "kl_labels",
-    "ref_logps_reduction",
+    *PAIR_COLUMNS.values(),
+    *KTO_COLUMNS.values(),
+    *KL_PAIR_COLUMNS,
+    REDUCTION_COLUMN,
 )
 
 
+# The capabilities precompute_reference reads beyond the base method flags
+# (``needs_reference_model``, ``needs_generation``: attributes of every
+# ``grimoire.losses.base.GrimoireLoss``, and supplied by its ``as_method`` adapter to duck-typed
+# methods). Structural checks rather than imports: ``grimoire.losses`` sits above this stage.
+
+
+@runtime_checkable
+class _HasReference(Protocol):
+    reference: Reference
+
+
+@runtime_checkable
+class PrecomputableMethod(Protocol):
+    """A method whose reference log-probs can be scored before training (DPO, IPO, KTO...):
+    its :class:`~grimoire.forward.reference.Reference` names the cached columns, and
+    ``reference_logps(model, batch)`` returns one ``[rows]`` tensor per column, in that order."""
+
+    needs_reference_model: bool
+    needs_generation: bool
+    reference: Reference
+    logp_reduction: str
+
+    def reference_logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> Sequence[Tensor]:
+        """One ``[rows]`` tensor per ``reference.cache_columns`` entry."""
+
+
+@runtime_checkable
+class _FixesRows(Protocol):
+    """A method that fixes dataset-level rows before its reference is cached (KTO's KL pairs)."""
+
+    def cache_rows(self, dataset: Any) -> Any:
+        """``dataset`` with the rows its cached values are computed (and trained) on."""
+
+
 def _to_dataset(dataset: Any):
-    from datasets import Dataset
+    from datasets import Dataset  # heavy to import: only when caching
 
     if isinstance(dataset, Dataset):
         return dataset
-    from grimoire.rows.sources import rows_to_dataset
-
     return rows_to_dataset([dict(r) for r in dataset], source="cache_reference_log_probs")
 
 
@@ -79,8 +125,43 @@ def with_kl_pairs(dataset: Any, max_length: int | None):
     return ds
 
 
-def _reduce(logps, reduction: str) -> torch.Tensor:
-    return logps.sum() if reduction == "sum" else logps.mean()
+@torch.no_grad()
+def score_reference_columns(
+    ds: Any,
+    columns: Sequence[str],
+    reduction: str,
+    *,
+    model: torch.nn.Module,
+    batches: Iterable[Sequence[int]],
+    collate: Callable[[Sequence[int]], dict[str, Any]],
+    score: Callable[[dict[str, Any]], Sequence[Tensor]],
+    device: torch.device,
+    split: str = "train",
+) -> Any:
+    """The one reference pass: ``ds`` (a ``datasets.Dataset``) with ``columns`` and the
+    reduction column added.
+
+    ``batches`` lists the row indices of each forward (every row exactly once);
+    ``collate(indices)`` builds their batch, moved to ``device``; ``score(batch)`` returns one
+    ``[rows]`` tensor per column, in ``columns`` order. ``model`` (the module whose forward
+    scores, or the policy wrapping it) is in eval mode for the pass, then back as it was.
+    """
+    values = torch.full((len(ds), len(columns)), float("nan"), dtype=torch.float64)
+    with eval_mode(model):
+        for indices in batches:
+            if not indices:
+                continue
+            indices = list(indices)
+            batch = collate(indices)
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            got = score(batch)
+            values[indices] = torch.stack([g.double().cpu() for g in got], dim=1)
+    missing = int(values.isnan().any(dim=1).sum())
+    if missing:  # a batching bug, never a data property: fail loudly, not train on NaN
+        raise RuntimeError(f"reference log-probs: {missing} {split} rows not scored")
+    for j, name in enumerate(columns):
+        ds = ds.add_column(name, values[:, j].tolist())
+    return ds.add_column(REDUCTION_COLUMN, [reduction] * len(ds))
 
 
 @torch.no_grad()
@@ -110,7 +191,7 @@ def cache_reference_log_probs(
             when training with ``mixed_precision="bf16"``), so the cached values carry the same
             rounding as a live reference would.
         pad_token_id: padding id for batching (irrelevant to the result: padded positions are
-            masked); default ``ref_model.config.pad_token_id`` or 0.
+            masked); default :func:`grimoire.columns.pad_token_id_of` of ``ref_model``.
         max_length: KTO only: bound on a mismatched pair's length (use the training
             ``max_length``; the completion's end is cut).
 
@@ -126,80 +207,67 @@ def cache_reference_log_probs(
     ds = ds.remove_columns([c for c in CACHE_COLUMNS if c in ds.column_names])
     cols = set(ds.column_names)
     if pad_token_id is None:
-        pad_token_id = getattr(getattr(ref_model, "config", None), "pad_token_id", None) or 0
+        pad_token_id = pad_token_id_of(model=ref_model)
+    if {"chosen_input_ids", "rejected_input_ids"} <= cols:
+        sides, collator = PAIR_COLUMNS, PreferenceCollator(pad_token_id)
+    elif {"input_ids", "labels", "label"} <= cols:
+        sides, collator = KTO_COLUMNS, KTOCollator(pad_token_id)
+        ds = with_kl_pairs(ds, max_length)  # the KTOCollator keeps a row's own pair
+    else:
+        raise DataError(
+            [
+                "cache_reference_log_probs: expected tokenized preference rows "
+                "(chosen_input_ids, rejected_input_ids, ...) or KTO rows (input_ids, labels, "
+                f"label); the dataset has {sorted(cols)}"
+            ]
+        )
     device = next(ref_model.parameters()).device
     autocast = (
         torch.autocast(device.type, dtype=autocast_dtype)
         if autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    was_training = ref_model.training
-    ref_model.eval()
 
-    def logps(batch: Mapping[str, Any], prefix: str) -> list[float]:
-        with autocast:
-            out = compute_token_logps(
-                ref_model,
-                batch[f"{prefix}input_ids"].to(device),
-                batch[f"{prefix}labels"].to(device),
-                attention_mask=batch[f"{prefix}attention_mask"].to(device),
-                fused=fused,
-                chunk_size=fused_chunk_size,
-            )
-        return _reduce(out, reduction).float().cpu().tolist()
-
-    new: dict[str, list[Any]] = {}
-    try:
-        if {"chosen_input_ids", "rejected_input_ids"} <= cols:
-            collate = PreferenceCollator(pad_token_id)
-            new = {"ref_chosen_logps": [], "ref_rejected_logps": []}
-            for start in range(0, len(ds), batch_size):
-                batch = collate([ds[i] for i in range(start, min(start + batch_size, len(ds)))])
-                new["ref_chosen_logps"] += logps(batch, "chosen_")
-                new["ref_rejected_logps"] += logps(batch, "rejected_")
-        elif {"input_ids", "labels", "label"} <= cols:
-            n = len(ds)
-            rows = [ds[i] for i in range(n)]
-            new = {**kl_pair_columns(rows, max_length), "ref_logps": [], "ref_kl_logps": []}
-            collate = KTOCollator(pad_token_id)
-            for start in range(0, n, batch_size):
-                idx = range(start, min(start + batch_size, n))
-                batch = collate(
-                    [
-                        {**rows[i], **{k: new[k][i] for k in ("kl_input_ids", "kl_labels")}}
-                        for i in idx
-                    ]
+    def score(batch: Mapping[str, Any]) -> list[Tensor]:
+        out = []
+        for prefix in sides:
+            with autocast:
+                logps = compute_token_logps(
+                    ref_model,
+                    batch[f"{prefix}input_ids"],
+                    batch[f"{prefix}labels"],
+                    attention_mask=batch[f"{prefix}attention_mask"],
+                    fused=fused,
+                    chunk_size=fused_chunk_size,
                 )
-                new["ref_logps"] += logps(batch, "")
-                new["ref_kl_logps"] += logps(batch, "kl_")
-        else:
-            raise DataError(
-                [
-                    "cache_reference_log_probs: expected tokenized preference rows "
-                    "(chosen_input_ids, rejected_input_ids, ...) or KTO rows (input_ids, labels, "
-                    f"label); the dataset has {sorted(cols)}"
-                ]
-            )
-    finally:
-        ref_model.train(was_training)
-    new["ref_logps_reduction"] = [reduction] * len(ds)
-    for name, values in new.items():
-        ds = ds.add_column(name, values)
-    return ds
+            out.append(logps.sum() if reduction == "sum" else logps.mean())
+        return out
+
+    return score_reference_columns(
+        ds,
+        tuple(sides.values()),
+        reduction,
+        model=ref_model,
+        batches=[range(s, min(s + batch_size, len(ds))) for s in range(0, len(ds), batch_size)],
+        collate=lambda indices: collator([ds[i] for i in indices]),
+        score=score,
+        device=device,
+    )
 
 
 def check_precomputable(method: Any) -> None:
     """Raise a ConfigError unless ``method`` can score its reference before training."""
-    name = type(method).__name__
-    reference = getattr(method, "reference", None)
-    if not getattr(method, "needs_reference_model", False):
+    name = method.method_name
+    if not method.needs_reference_model:
         raise ConfigError(
             [
                 f"training.precompute_ref_log_probs=true but {name} uses no reference model: "
                 "there is nothing to precompute; unset precompute_ref_log_probs"
             ]
         )
-    if getattr(method, "needs_generation", False) or not getattr(reference, "cache_columns", ()):
+    if method.needs_generation or not (
+        isinstance(method, _HasReference) and method.reference.cache_columns
+    ):
         raise ConfigError(
             [
                 f"training.precompute_ref_log_probs=true but {name} is an online method: its "
@@ -207,17 +275,17 @@ def check_precomputable(method: Any) -> None:
                 "be computed before it; unset precompute_ref_log_probs"
             ]
         )
-    if not callable(getattr(method, "reference_logps", None)):
+    if not isinstance(method, PrecomputableMethod):
         raise ConfigError(
             [
                 f"training.precompute_ref_log_probs=true but {name} has no "
                 "reference_logps(model, batch) returning its cached columns "
-                f"{list(reference.cache_columns)}; add it, or unset precompute_ref_log_probs"
+                f"{list(method.reference.cache_columns)}; add it, or unset "
+                "precompute_ref_log_probs"
             ]
         )
 
 
-@torch.no_grad()
 def precompute_reference(
     method: Any,
     policy: torch.nn.Module,
@@ -230,8 +298,8 @@ def precompute_reference(
     move_policy: bool = True,
 ) -> list[Any]:
     """``TrainingConfig.precompute_ref_log_probs``: the datasets with the method's reference
-    columns, from one no-grad pass of its :class:`~grimoire.forward.reference.Reference` (set up by the
-    method's ``setup``), which is then released.
+    columns, from one no-grad pass of its :class:`~grimoire.forward.reference.Reference` (set up
+    by the method's ``setup``), which is then released.
 
     The pass batches rows the way training does: the run's collator (padded or packed) and
     token budget (``max_tokens_per_device``, each row fitted as training will fit it), so no
@@ -240,12 +308,9 @@ def precompute_reference(
     autocast, so they are what the live reference would return. KTO first fixes its KL pairs
     at dataset level (``cache_rows``). Every process computes every row: the values are then
     the same on all ranks without a collective, and under FSDP2 (a sharded reference: every
-    forward is a collective) all ranks run the same forwards. ``move_policy``: move the policy to
-    the accelerator's device first when it is the reference (not when it is sharded later).
+    forward is a collective) all ranks run the same forwards. ``move_policy``: move the policy
+    to the accelerator's device first when it is the reference (not when it is sharded later).
     """
-    from grimoire.batching.loader import StepLoader
-    from grimoire.forward.reference import REDUCTION_COLUMN, is_quantized
-
     check_precomputable(method)
     reference = method.reference
     columns = tuple(reference.cache_columns)
@@ -255,43 +320,46 @@ def precompute_reference(
         if move_policy and not is_quantized(policy):
             policy.to(accelerator.device)  # where accelerate would put it next anyway
     device = next(scorer.parameters()).device
+
+    def score(batch: dict[str, Any]) -> Sequence[Tensor]:
+        with accelerator.autocast():
+            return method.reference_logps(policy, batch)
+
     out = []
-    was_training = policy.training
-    policy.eval()  # the policy may itself be the reference (adapters disabled, or untrained)
-    try:
-        for split, dataset in zip(("train", "eval"), datasets):
-            if dataset is None or all(c in columns_of(dataset) for c in columns):
-                out.append(dataset)  # already cached (e.g. cache_reference_log_probs)
-                continue
-            ds = _to_dataset(dataset)
-            ds = ds.remove_columns(
-                [c for c in (*columns, REDUCTION_COLUMN) if c in ds.column_names]
+    for split, dataset in zip(("train", "eval"), datasets):
+        if dataset is None or all(c in columns_of(dataset) for c in columns):
+            out.append(dataset)  # already cached (e.g. cache_reference_log_probs)
+            continue
+        ds = _to_dataset(dataset)
+        ds = ds.remove_columns([c for c in (*columns, REDUCTION_COLUMN) if c in ds.column_names])
+        if isinstance(method, _FixesRows):
+            ds = method.cache_rows(ds)
+        if budget is not None and (problems := budget.problems(ds, split)):
+            raise DataError(problems, title="precompute_ref_log_probs: rows over the budget")
+        loader = StepLoader.build(
+            ds, collator, budget, batch_size=batch_size, world_size=1, rank=0, shuffle=False
+        )
+        batches = (
+            indices
+            for step in range(loader.steps_per_epoch)
+            for indices in loader.planner.plan(0, step)
+        )
+        # The policy goes to eval mode whichever module scores: it may itself be the reference
+        # (adapters disabled, or untrained).
+        out.append(
+            score_reference_columns(
+                ds,
+                columns,
+                method.logp_reduction,
+                model=policy,
+                batches=batches,
+                collate=lambda indices, loader=loader: loader.collate(list(indices), True)[0],
+                score=score,
+                device=device,
+                split=split,
             )
-            ds = getattr(method, "cache_rows", lambda d: d)(ds)
-            if budget is not None and (problems := budget.problems(ds, split)):
-                raise DataError(problems, title="precompute_ref_log_probs: rows over the budget")
-            loader = StepLoader.build(
-                ds, collator, budget, batch_size=batch_size, world_size=1, rank=0, shuffle=False
-            )
-            values = torch.full((len(ds), len(columns)), float("nan"), dtype=torch.float64)
-            for step in range(loader.steps_per_epoch):
-                for indices in loader.planner.plan(0, step):
-                    if not indices:
-                        continue
-                    batch, _ = loader.collate(indices, True)
-                    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                    with accelerator.autocast():
-                        got = method.reference_logps(policy, batch)
-                    values[indices] = torch.stack([g.double().cpu() for g in got], dim=1)
-            missing = int(values.isnan().any(dim=1).sum())
-            if missing:  # a planner bug, never a data property: fail loudly, not train on NaN
-                raise RuntimeError(f"precompute_ref_log_probs: {missing} {split} rows not scored")
-            for j, name in enumerate(columns):
-                ds = ds.add_column(name, values[:, j].tolist())
-            out.append(ds.add_column(REDUCTION_COLUMN, [method.logp_reduction] * len(ds)))
-    finally:
-        policy.train(was_training)
-    logger.info("%s: reference log-probs precomputed; reference released", type(method).__name__)
+        )
+    logger.info("%s: reference log-probs precomputed; reference released", method.method_name)
     reference.release()
     gc.collect()
     if torch.cuda.is_available():
@@ -301,9 +369,11 @@ def precompute_reference(
 
 __all__ = [
     "CACHE_COLUMNS",
+    "PrecomputableMethod",
     "cache_reference_log_probs",
     "check_precomputable",
     "kl_pair_columns",
     "precompute_reference",
+    "score_reference_columns",
     "with_kl_pairs",
 ]

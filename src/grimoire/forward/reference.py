@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.batching.budget import columns_of
+from grimoire.columns import columns_of
 from grimoire.errors import ConfigError
 from grimoire.forward.logprobs import TokenLogps, compute_token_logps
 

@@ -6,12 +6,12 @@ Math: :func:`grimoire.losses.functional.kto_loss` and
 
 Per micro-batch: one policy forward WITH gradient over the rows' own completions, one policy
 forward WITHOUT gradient over the mismatched KL pairs (``kl_*`` columns from the
-:class:`~grimoire.rows.kto.KTOCollator`; the estimate is detached anyway, so storing its
+:class:`~grimoire.collate.kto.KTOCollator`; the estimate is detached anyway, so storing its
 activations would waste memory), and one reference forward over both (skipped when the batch
 carries cached ``ref_logps``/``ref_kl_logps``).
 
 Padding-free (``TrainingConfig.padding_free`` / ``max_tokens_per_device``): the
-:class:`~grimoire.rows.kto.PackedKTOCollator` packs the completions then their KL pairs into one
+:class:`~grimoire.collate.kto.PackedKTOCollator` packs the completions then their KL pairs into one
 row; :func:`kto_parts` cuts it into the two groups and every forward's result is unpacked back to
 padded rows, so the loss math is shared by both layouts.
 """
@@ -24,17 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from grimoire.batching.budget import (
-    column_values,
-    columns_of,
-    default_budget_tokens,
-    truncate_sequences,
-)
+from grimoire.batching.budget import default_budget_tokens, truncate_sequences
+from grimoire.collate.kto import KTOCollator, PackedKTOCollator
+from grimoire.columns import column_values, columns_of
 from grimoire.errors import ConfigError
 from grimoire.forward.logprobs import TokenLogps
+from grimoire.forward.precomputed import with_kl_pairs
 from grimoire.forward.reference import Reference
 from grimoire.losses.checks import _check_beta, _check_weight
 from grimoire.losses.kto_functional import kto_kl_estimate, kto_loss
@@ -47,7 +44,7 @@ from grimoire.losses.preference import (
     stack_rows,
     unpack_rows,
 )
-from grimoire.rows.kto import KTO_COLUMNS, KTOCollator, PackedKTOCollator
+from grimoire.rows.kto import KTO_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -56,20 +53,22 @@ REF_KTO_COLUMNS: tuple[str, str] = ("ref_logps", "ref_kl_logps")
 RECOMMENDED_RATIO: tuple[float, float] = (1.0, 4.0 / 3.0)
 
 
-def cross_rank_mean(count: int) -> Callable[[Tensor], Tensor] | None:
+def cross_rank_mean(count: int, ctx: Any) -> Callable[[Tensor], Tensor] | None:
     """``reduce_fn`` for :func:`kto_kl_estimate`: the mean over ALL ranks' mismatched pairs.
 
     An all-reduce of ``(sum, count)`` rather than a mean of rank means, so ranks with different
-    batch sizes are weighted by their pairs. None when not running distributed.
+    batch sizes are weighted by their pairs; it goes through the run's
+    :class:`~grimoire.config.context.TrainingContext` (``ctx``), the methods' only collectives.
+    None on one process, or without a context (the loss called outside a run).
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if ctx is None or ctx.num_processes == 1:
         return None
 
     def reduce(local_mean: Tensor) -> Tensor:
         packed = torch.stack(
             [local_mean.float() * count, torch.tensor(float(count), device=local_mean.device)]
         )
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        packed = ctx.all_reduce_sum_tensor(packed)
         return packed[0] / packed[1].clamp(min=1)
 
     return reduce
@@ -103,7 +102,7 @@ def num_rows(batch: dict[str, Any]) -> int:
 def kto_parts(batch: dict[str, Any]) -> tuple[KTORows, KTORows]:
     """The rows' own completions and their mismatched KL pairs, padded or packed.
 
-    A packed batch (:class:`~grimoire.rows.kto.PackedKTOCollator`) holds the own samples first,
+    A packed batch (:class:`~grimoire.collate.kto.PackedKTOCollator`) holds the own samples first,
     so cutting its row after them gives two packed rows (positions restart at every sample, so
     a cut at a sample boundary is itself a valid packed row): the policy can then run WITH
     gradient over the first and without over the second, as in the padded layout.
@@ -155,8 +154,8 @@ class KTOLoss(ReferenceLoss):
         logp_reduction: ``"sum"`` (paper and TRL) or ``"mean"``.
 
     The KL reference point ``z0`` is the mean over the mismatched pairs of
-    ``log pi - log pi_ref``, averaged over all ranks (all-reduce when ``torch.distributed`` is
-    initialised), clamped at 0 and detached.
+    ``log pi - log pi_ref``, averaged over all ranks (an all-reduce through the run's context
+    when training on several processes), clamped at 0 and detached.
 
     Metrics: ``rewards/chosen`` and ``rewards/rejected`` (mean ``beta * (log pi - log pi_ref)``
     over the micro-batch's desirable / undesirable rows, 0 when it has none), ``rewards/margins``
@@ -197,6 +196,8 @@ class KTOLoss(ReferenceLoss):
         self.reference = Reference(ref_model, "KTOLoss", REF_KTO_COLUMNS)
         #: KL pairs are cut to the run's max_length (set in setup; None: not cut).
         self._kl_max_length: int | None = None
+        #: The run's context (set in setup): the KL estimate's cross-rank mean goes through it.
+        self._ctx: Any = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -226,6 +227,7 @@ class KTOLoss(ReferenceLoss):
 
     def setup(self, ctx: Any) -> None:
         super().setup(ctx)
+        self._ctx = ctx
         self._kl_max_length = ctx.config.max_length  # bounds the mismatched pairs too
         cols = set(columns_of(ctx.train_dataset))
         if ctx.config.batch_size < 2 and "kl_input_ids" not in cols:
@@ -270,8 +272,6 @@ class KTOLoss(ReferenceLoss):
     def cache_rows(self, dataset: Any) -> Any:
         """The rows as a reference cache holds them: with their KL pairs fixed at dataset level
         (in-batch pairs depend on how rows are batched, so no per-row cache can hold them)."""
-        from grimoire.forward.precomputed import with_kl_pairs
-
         return with_kl_pairs(dataset, self._kl_max_length)
 
     def reference_logps(
@@ -299,7 +299,9 @@ class KTOLoss(ReferenceLoss):
         with torch.no_grad():
             policy_kl = reduce_logps(kl_rows.token_logps(policy_fn), red)
         ref, ref_kl = (t.to(policy.device) for t in self.reference_logps(model, batch))
-        kl = kto_kl_estimate(policy_kl, ref_kl, reduce_fn=cross_rank_mean(policy_kl.shape[0]))
+        kl = kto_kl_estimate(
+            policy_kl, ref_kl, reduce_fn=cross_rank_mean(policy_kl.shape[0], self._ctx)
+        )
         losses, sums = kto_loss(
             policy,
             ref,

@@ -6,28 +6,22 @@ out, so each piece is unit-tested against a naive Python reference.
 Layout conventions (from :class:`grimoire.rollout.engine.Rollout`): ``N = num_prompts * G``
 completions, **prompt-major** (rows ``g*G .. g*G+G-1`` are group ``g``); per-token tensors are
 ``[N, C]`` over completion tokens with a ``mask [N, C]`` (1 = real completion token).
+
+The reward statistics the rollout stage reports too (:func:`equal_reward_groups`,
+:func:`reward_std`) live in :mod:`grimoire.rollout.statistics` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
+
+from grimoire.rollout.statistics import equal_reward_groups, reward_groups, reward_std
 
 #: GRPO loss normalisations accepted by :func:`reduce_token_loss`.
 LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo")
 #: Advantage scalings accepted by :func:`group_advantages`.
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
-
-
-def _groups(rewards: Tensor, group_size: int) -> Tensor:
-    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(
-            f"rewards must be [N] with N a multiple of group_size={group_size}, "
-            f"got shape {tuple(rewards.shape)}"
-        )
-    return rewards.float().view(-1, group_size)
 
 
 def group_advantages(
@@ -54,7 +48,7 @@ def group_advantages(
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
-    r = _groups(rewards, group_size)
+    r = reward_groups(rewards, group_size)
     centered = r - r.mean(dim=1, keepdim=True)
     if scale_rewards == "group":
         centered = centered / (r.std(dim=1, keepdim=True) + eps) if group_size > 1 else centered
@@ -78,18 +72,9 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
         raise ValueError(
             f"RLOO needs group_size >= 2 for a leave-one-out baseline, got {group_size}"
         )
-    r = _groups(rewards, group_size)
+    r = reward_groups(rewards, group_size)
     baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
     return (r - baseline).flatten()
-
-
-def equal_reward_groups(rewards: Tensor, group_size: int, atol: float = 1e-6) -> Tensor:
-    """``[N / G]`` bool: groups whose rewards are all equal (zero advantage, no signal).
-
-    DAPO's dynamic sampling (Yu et al., "DAPO", arXiv 2503.14476, sec. 3.2) drops them.
-    """
-    r = _groups(rewards, group_size)
-    return (r.max(dim=1).values - r.min(dim=1).values) <= atol
 
 
 def clipped_surrogate(
@@ -205,7 +190,7 @@ def best_worst_pairs(rewards: Tensor, group_size: int, atol: float = 0.0) -> lis
     are skipped. The first index wins among equal maxima / minima. Indices are global rows of
     ``rewards [N]``.
     """
-    r = _groups(rewards, group_size)
+    r = reward_groups(rewards, group_size)
     pairs = []
     for g in range(r.shape[0]):
         best, worst = int(r[g].argmax()), int(r[g].argmin())
@@ -221,7 +206,7 @@ def best_of_n(rewards: Tensor, group_size: int, reward_threshold: float | None =
     Alignment", arXiv 2304.06767 (best-of-K per prompt, then SFT on the winners). Returns global
     row indices; the first index wins among equal maxima.
     """
-    r = _groups(rewards, group_size)
+    r = reward_groups(rewards, group_size)
     out = []
     for g in range(r.shape[0]):
         best = int(r[g].argmax())
@@ -234,14 +219,6 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` over ``mask`` (0 when the mask is empty), detached float32."""
     m = mask.to(torch.float32)
     return ((values.detach().float() * m).sum() / m.sum().clamp(min=1.0)).detach()
-
-
-def reward_std(values: list[float]) -> float:
-    """Population std (a metric; no Bessel correction so a single value gives 0)."""
-    if not values:
-        return 0.0
-    mu = sum(values) / len(values)
-    return math.sqrt(sum((v - mu) ** 2 for v in values) / len(values))
 
 
 __all__ = [

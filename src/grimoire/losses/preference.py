@@ -19,7 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.forward.logprobs import IGNORE_INDEX, TokenLogps, compute_token_logps
+from grimoire.collate.preference import PackedPairCollator, PreferenceCollator, pad_right
+from grimoire.columns import IGNORE_INDEX
+from grimoire.forward.logprobs import TokenLogps, compute_token_logps
 from grimoire.forward.reference import (
     REDUCTION_COLUMN,
     Reference,
@@ -28,7 +30,7 @@ from grimoire.forward.reference import (
     unwrap,
 )
 from grimoire.losses.base import TokenLogpsLoss
-from grimoire.rows.preference import PREFERENCE_COLUMNS, PreferenceCollator, pad_right
+from grimoire.rows.preference import PREFERENCE_COLUMNS
 
 logger = logging.getLogger(__name__)
 
@@ -153,22 +155,6 @@ def pair_token_logps(
 ) -> tuple[TokenLogps, TokenLogps]:
     """Per-token log-probs of the chosen and rejected responses from one concatenated forward."""
     return pair_forward(batch, policy_compute(model, fused=fused, chunk_size=chunk_size))
-
-
-class PackedPairCollator:
-    """Padding-free pairs: the micro-batch's chosen then rejected responses as one packed row.
-
-    Other numeric columns (cached reference log-probs, margins) are stacked as tensors.
-    """
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        from grimoire.collate.packing import pack_row_sides
-
-        sides = ("chosen_", "rejected_")
-        return pack_row_sides(features, sides, self.pad_token_id, lambda key: key.startswith(sides))
 
 
 class ReferenceLoss(TokenLogpsLoss):

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.collate.preference import PreferenceCollator
 from grimoire.errors import ConfigError
 from grimoire.losses.base import GrimoireLoss
 from grimoire.losses.functional import bradley_terry_loss
 from grimoire.losses.preference import pair_rows, scalar_metrics, unwrap
-from grimoire.rows.preference import PreferenceCollator
 
 RM_COLUMNS: tuple[str, ...] = (
     "chosen_input_ids",

@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.packing import PackedCollator
-from grimoire.forward.logprobs import IGNORE_INDEX, compute_token_logps
+from grimoire.collate.sft import SFTCollator
+from grimoire.columns import IGNORE_INDEX
+from grimoire.forward.logprobs import compute_token_logps
 from grimoire.losses.base import TokenLogpsLoss
-from grimoire.rows.sft import SFTCollator
 
 
 class SFTLoss(TokenLogpsLoss):

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from grimoire.model.blocks import block_modules
+
 logger = logging.getLogger(__name__)
 
 #: The backend :func:`compile_blocks` uses (a module attribute so a test can force a failure).
@@ -45,8 +47,6 @@ class CompileState:
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from grimoire.parallel.fsdp import block_modules
-
     try:
         return block_modules(model)
     except ValueError:

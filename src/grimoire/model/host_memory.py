@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grimoire.batching.budget import columns_of, method_budget_tokens, sequence_prefixes
+from grimoire.batching.budget import method_budget_tokens
+from grimoire.columns import columns_of, sequence_prefixes
 
 #: auto turns checkpointing off when the activation estimate is at most this share of the memory
 #: available (the rest is headroom for weights, gradients, optimizer state and the logits chunks).

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from grimoire.config.training import TrainingConfig
+from grimoire.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 #: x86 flags that give oneDNN a native bf16 dot product (Sapphire Rapids AMX, Cooper Lake / Zen 4
@@ -132,6 +135,25 @@ def resolve_auto(requested: str, *, cuda: bool | None = None) -> str:
     return choice
 
 
+def resolve_mixed_precision(config: TrainingConfig) -> str:
+    """The precision accelerate is asked for; fp16 needs CUDA (its loss scaler).
+
+    ``"auto"`` is decided by the hardware (:func:`resolve_auto`: bf16 where the GPU or CPU has
+    native bf16 matmuls, else fp32), and an explicit bf16 on a CPU without it warns.
+    """
+    if config.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError(
+            [
+                "mixed_precision='fp16' needs a CUDA GPU; on CPU use 'auto', 'bf16' (fast with "
+                "AMX or AVX512-BF16) or 'no'"
+            ]
+        )
+    precision = resolve_auto(config.mixed_precision)
+    if config.distributed == "fsdp2":
+        return "no"  # FSDP2's MixedPrecisionPolicy casts the gathered weights instead of autocast
+    return precision
+
+
 __all__ = [
     "SLOW_BF16_NOTE",
     "X86_BF16_FLAGS",
@@ -141,4 +163,5 @@ __all__ = [
     "decide",
     "detect_cpu_bf16",
     "resolve_auto",
+    "resolve_mixed_precision",
 ]

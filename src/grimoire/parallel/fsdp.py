@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from grimoire.errors import ConfigError
+from grimoire.model.blocks import block_modules
 from grimoire.model.precision import decide
 
 logger = logging.getLogger(__name__)
@@ -50,21 +52,6 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def block_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated transformer blocks: modules whose class is in the HF model's
-    ``_no_split_modules`` (``LlamaDecoderLayer``, ...), found through peft wrappers too."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise ValueError(
-            f"distributed='fsdp2': no transformer blocks found in {type(model).__name__} (its "
-            "_no_split_modules is empty); shard a transformers model, or use distributed='ddp'"
-        )
-    return blocks
-
-
 def shard_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     """``fully_shard`` each transformer block, then the root (in place; returns ``model``).
 
@@ -80,8 +67,6 @@ def shard_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
     )
 
     if config.fsdp_cpu_offload and not torch.cuda.is_available():
-        from grimoire.errors import ConfigError
-
         raise ConfigError(
             [
                 "fsdp_cpu_offload=True moves shards from an accelerator to CPU memory; with no "
@@ -194,7 +179,6 @@ def _inner(optimizer: Any) -> Any:
 
 __all__ = [
     "DCP_DIR",
-    "block_modules",
     "ensure_process_group",
     "full_state_dict",
     "gradient_sync",

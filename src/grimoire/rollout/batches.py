@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.forward.logprobs import IGNORE_INDEX, compute_token_logps, logps_from_logits
-from grimoire.rollout.engine import Rollout, _entropy, completion_logps
-from grimoire.rows.prompts import prompt_token_lists
+from grimoire.collate.prompts import prompt_token_lists
+from grimoire.columns import IGNORE_INDEX
+from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
+from grimoire.rollout.engine import Rollout, completion_logps
 
 
 def training_batch(rollout: Rollout, rows: Sequence[int], pack: bool) -> dict[str, Any]:
@@ -123,7 +124,7 @@ def packed_completion_logps(
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
         logits = logits[src] / temperature  # [N, C, V]
         logps = logps_from_logits(logits, ids[0][index.clamp(min=0)])
-        entropy = _entropy(logits.detach()) if with_entropy else None
+        entropy = token_entropy(logits.detach()) if with_entropy else None
     return logps.masked_fill(~valid, 0.0), entropy
 
 

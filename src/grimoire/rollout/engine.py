@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.forward.logprobs import IGNORE_INDEX, compute_token_logps, logps_from_logits
+from grimoire.columns import IGNORE_INDEX
+from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
 from grimoire.rollout.generation import generation_mode
 
 
@@ -132,21 +133,7 @@ def completion_logps(
     logits = logits[:, -(c + 1) : -1] / temperature  # position P-1+t predicts completion token t
     logps = logps_from_logits(logits, input_ids[:, -c:])
     logps = logps * attention_mask[:, -c:]
-    return logps, (_entropy(logits.detach()) if with_entropy else None)
-
-
-@torch.no_grad()
-def _entropy(logits: Tensor, max_elements: int = 2**26) -> Tensor:
-    """``H = logsumexp(z) - sum_v softmax(z)_v z_v`` per position, ``[N, C, V]`` -> ``[N, C]``,
-    in row chunks so the fp32 temporaries stay under ``max_elements`` (~256 MiB)."""
-    n, c, v = logits.shape
-    rows = max(1, max_elements // max(1, c * v))
-    out = []
-    for s in range(0, n, rows):
-        z = logits[s : s + rows].float()
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        out.append(lse.squeeze(-1) - (torch.exp(z - lse) * z).sum(-1))
-    return torch.cat(out)
+    return logps, (token_entropy(logits.detach()) if with_entropy else None)
 
 
 class RolloutEngine:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from grimoire.columns import pad_token_id_of
+
 
 def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
     """Token ids for a plain prompt, or a chat message list with the generation prompt."""
@@ -49,7 +51,7 @@ def greedy_generate_texts(
 ) -> list[str]:
     """Greedy completions (decoded, special tokens skipped) for ``prompts``, left-padded batches."""
     device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id_of(tokenizer, model)
     out: list[str] = []
     with generation_mode(model):
         for start in range(0, len(prompts), batch_size):

@@ -29,7 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.columns import pad_token_id_of
+from grimoire.config.registry import resolve
 from grimoire.errors import ConfigError
+from grimoire.rollout.engine import HFGenerateEngine
+from grimoire.rows.prompts import tokenize_grpo
 
 RewardFn = Callable[..., Sequence[float]]
 
@@ -139,8 +143,6 @@ def resolve_reward_funcs(
     suffix. Raises :class:`ConfigError` listing every unimportable spec, non-callable and bad
     weight, so a config is fixed in one pass, before any model is loaded.
     """
-    from grimoire.config.registry import resolve
-
     if callable(reward_funcs) or isinstance(reward_funcs, str):
         reward_funcs = [reward_funcs]
     funcs = list(reward_funcs)
@@ -236,13 +238,10 @@ def evaluate_rewards(
     :func:`grimoire.rows.prompts.tokenize_grpo`; the other fields of each row are the reward
     columns. Returns ``{"reward": total mean, "<name>": mean, ...}``.
     """
-    from grimoire.rollout.engine import HFGenerateEngine
-    from grimoire.rows.prompts import tokenize_grpo
-
     funcs = resolve_reward_funcs(reward_funcs)
     n = 1 if greedy else num_samples
     engine = HFGenerateEngine(max_new_tokens=max_new_tokens, temperature=temperature)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id_of(tokenizer, model)
     engine.bind(model, pad, tokenizer.eos_token_id)
     sums: dict[str, float] = {}
     count = 0

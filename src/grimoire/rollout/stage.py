@@ -1,14 +1,15 @@
-"""The rollout stage of a step: sample, score, hand the method its groups, report.
+"""The rollout stage of a step: sample, score, build the training micro-batches, report.
 
 For methods that generate (``needs_generation``), the trainer calls :meth:`RolloutStage.step`
 on the step's prompt micro-batches BEFORE any loss runs:
 
 1. every REAL prompt micro-batch is sampled (``G = num_generations`` completions per prompt, by
-   the method's :class:`~grimoire.rollout.engine.RolloutEngine`) and scored by the reward
-   functions; rank-sync dummies (keep 0) are not sampled at all;
-2. the method turns the step's scored groups into training micro-batches
-   (``build_batches(ctx, groups)``), so statistics over "the batch" see exactly the real groups
-   of the whole step (and, through ``ctx.all_reduce_sum``, of every rank);
+   the :class:`~grimoire.rollout.engine.RolloutEngine`) and scored by the reward functions;
+   rank-sync dummies (keep 0) are not sampled at all;
+2. the step's scored groups become training micro-batches through the ``build_batches(ctx,
+   groups)`` callable the stage was given (the method's), so statistics over "the batch" see
+   exactly the real groups of the whole step (and, through ``ctx.all_reduce_sum``, of every
+   rank);
 3. dummies get a placeholder batch (loss 0, 0 loss units), keeping their place and flag;
 4. the stage reports the rollout metrics (rewards per function, completion lengths, clip ratio,
    timings) with the number of completions as their weight.
@@ -16,21 +17,28 @@ on the step's prompt micro-batches BEFORE any loss runs:
 With ``steps_per_batch > 1`` (GRPO's ``num_iterations``) the planner repeats a global batch for
 that many optimizer steps and the stage reuses the first step's training batches: same
 completions, same old log-probs (PPO's epochs over one rollout).
+
+The stage knows no method: it is built from explicit parts (engine, reward functions, sampling
+settings, the ``build_batches`` and ``reference_logps`` callables, ``steps_per_batch``), so
+whoever builds it (the method's ``rollout_stage``, or the trainer) owns it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from grimoire.collate.prompts import prompt_token_lists
+from grimoire.columns import pad_token_id_of
 from grimoire.rollout.batches import placeholder_batch, training_batch
-from grimoire.rollout.engine import Rollout
-from grimoire.rollout.rewards import score_completions
-from grimoire.rows.prompts import prompt_token_lists
+from grimoire.rollout.engine import Rollout, RolloutEngine
+from grimoire.rollout.rewards import RewardFunction, score_completions
+from grimoire.rollout.statistics import equal_reward_groups, reward_std
 
 #: Batch keys of a prompt micro-batch that are not reward-function columns.
 _NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
@@ -61,13 +69,44 @@ class ScoredGroup:
     ref_logps: Tensor | None = None
 
 
-class RolloutStage:
-    """Sampling and scoring for one online method (see the module docstring)."""
+#: ``build_batches(ctx, groups) -> (training micro-batches, metrics)``: one batch per group.
+BuildBatches = Callable[[Any, list[ScoredGroup]], tuple[list[dict[str, Any]], dict[str, float]]]
+#: ``reference_logps(training_batch) -> [N, C]`` reference log-probs of its completions.
+ReferenceLogps = Callable[[dict[str, Any]], Tensor]
 
-    def __init__(self, method: Any):
-        self.method = method
-        self.engine = method.engine
-        self.reward_funcs = method.reward_funcs
+
+class RolloutStage:
+    """Sampling and scoring for one online method (see the module docstring).
+
+    Args:
+        engine: samples the completions (bound to the policy by :meth:`bind`).
+        reward_funcs: score them (:func:`~grimoire.rollout.rewards.resolve_reward_funcs`).
+        sampling: ``num_generations`` (``G``) is read here; the engine holds the rest.
+        build_batches: turns the step's scored groups into training micro-batches.
+        steps_per_batch: optimizer steps per rollout batch (the batches are reused that often).
+        needs_old_logps: sample with the sampling policy's log-probs (an extra no-grad pass).
+        reference_logps: when given, every group's reference log-probs are computed before
+            ``build_batches`` (:attr:`ScoredGroup.ref_logps`).
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        reward_funcs: Sequence[RewardFunction],
+        sampling: SamplingConfig,
+        build_batches: BuildBatches,
+        *,
+        steps_per_batch: int = 1,
+        needs_old_logps: bool = False,
+        reference_logps: ReferenceLogps | None = None,
+    ):
+        self.engine = engine
+        self.reward_funcs = list(reward_funcs)
+        self.sampling = sampling
+        self.build_batches = build_batches
+        self.steps_per_batch = max(1, int(steps_per_batch))
+        self.needs_old_logps = needs_old_logps
+        self.reference_logps = reference_logps
         self.tokenizer: Any = None
         self.pack = self.sharded = False
         self.pad_token_id = 0
@@ -80,8 +119,7 @@ class RolloutStage:
         eos = getattr(tok, "eos_token_id", None)
         if eos is None:
             eos = getattr(getattr(policy, "config", None), "eos_token_id", None)
-        pad = getattr(tok, "pad_token_id", None)
-        self.pad_token_id = pad if pad is not None else (eos if isinstance(eos, int) else 0)
+        self.pad_token_id = pad_token_id_of(tok, policy)
         self.engine.bind(policy, self.pad_token_id, eos, ctx.accelerator.autocast)
         self.engine.max_tokens = ctx.config.max_tokens_per_device
         self.tokenizer = tok
@@ -101,7 +139,7 @@ class RolloutStage:
         if self._last_step_start is not None:
             timing["time/step"] = now - self._last_step_start  # the previous step, end to end
         self._last_step_start = now
-        repeat = max(1, int(getattr(self.method, "steps_per_batch", 1)))
+        repeat = self.steps_per_batch
         key = (ctx.step.epoch, ctx.step.step_in_epoch // repeat)
         if repeat > 1 and self._cache is not None and self._cache[0] == key:
             _, batches, metrics, weight = self._cache
@@ -110,7 +148,7 @@ class RolloutStage:
 
         self.engine.sync_weights()
         groups = []
-        g, old = self.method.num_generations, self.method.needs_old_logps
+        g, old = self.sampling.num_generations, self.needs_old_logps
         for prompts, keep in micro:
             if keep:
                 rollout = self.engine.generate(prompt_token_lists(prompts), g, with_old_logps=old)
@@ -122,16 +160,16 @@ class RolloutStage:
         for _ in range(fillers):
             self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
         t_gen = time.perf_counter() - now
-        if self.method.needs_reference_model:
+        if self.reference_logps is not None:
             for group in groups:  # every row's reference log-probs; methods select rows
                 rows = range(group.rewards.numel())
-                group.ref_logps = self.method.reference_logps(
+                group.ref_logps = self.reference_logps(
                     training_batch(group.rollout, rows, self.pack)
                 )
             filler = placeholder_batch(micro[0][0], self.pad_token_id, self.pack)
             for _ in range(fillers):
-                self.method.reference_logps(filler)
-        built, extra = self.method.build_batches(ctx, groups)
+                self.reference_logps(filler)
+        built, extra = self.build_batches(ctx, groups)
         real = iter(built)
         batches = [
             (next(real), keep)
@@ -172,9 +210,6 @@ class RolloutStage:
     def metrics(self, groups: list[ScoredGroup]) -> tuple[dict[str, float], float]:
         """Rollout metrics over this rank's real groups and their weight (completions), so the
         trainer's one reduction averages them over every rank's completions."""
-        # Imported here: grimoire.losses imports this module (a top-level import would cycle).
-        from grimoire.losses.online_functional import equal_reward_groups, reward_std
-
         if not groups:
             return {}, 0.0
         rewards = torch.cat([g.rewards for g in groups]).float()
@@ -213,4 +248,4 @@ class RolloutStage:
         return -group.rewards.mean(), metrics
 
 
-__all__ = ["RolloutStage", "SamplingConfig", "ScoredGroup"]
+__all__ = ["BuildBatches", "ReferenceLogps", "RolloutStage", "SamplingConfig", "ScoredGroup"]

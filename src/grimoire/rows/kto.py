@@ -1,25 +1,21 @@
 """KTO data: unpaired ``(prompt, completion, label)`` rows, and mismatched pairs for the KL term.
 
 KTO's reference point ``z0`` estimates ``KL(pi || pi_ref)`` on MISMATCHED pairs: each prompt
-with another row's completion (Ethayarajh et al., arXiv 2402.01306, section 4.1). The
-``KTOCollator`` builds them inside each batch, pairing prompt ``i`` with completion
-``(i + 1) mod B``; when the rows already carry ``kl_*`` columns (written by
-:func:`grimoire.forward.precomputed.cache_reference_log_probs`, which fixes the pairs at dataset level so
-their reference log-probs can be cached) it uses those instead.
+with another row's completion (Ethayarajh et al., arXiv 2402.01306, section 4.1).
+:class:`grimoire.collate.kto.KTOCollator` builds them inside each batch with
+:func:`mismatched_pair`, pairing prompt ``i`` with completion ``(i + 1) mod B``; when the rows
+already carry ``kl_*`` columns (written by
+:func:`grimoire.forward.precomputed.cache_reference_log_probs`, which fixes the pairs at dataset
+level so their reference log-probs can be cached) it uses those instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from grimoire.collate.packing import pack_row_sides
+from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.forward.logprobs import IGNORE_INDEX
-from grimoire.rows.common import collate_prefixed
 from grimoire.rows.preference import (
     _check_lengths,
     _is_conversational,
@@ -130,85 +126,8 @@ def mismatched_pair(
     return p_ids + c_ids, [IGNORE_INDEX] * len(p_ids) + c_labels
 
 
-@dataclass
-class KTOCollator:
-    """Pads KTO rows and adds the mismatched KL pairs ``kl_input_ids/kl_attention_mask/kl_labels``.
-
-    In-batch pairs join prompt ``i`` with completion ``(i + 1) mod B``. With ``B == 1`` that is
-    the row's own completion (the KL estimate then equals the implied reward): train KTO with a
-    per-device batch size of at least 2, or cache the pairs at dataset level. Rows that already
-    hold ``kl_input_ids``/``kl_labels`` (cached pairs) keep them. ``max_length`` (the trainer's
-    ``max_length``, set by ``KTOLoss.setup`` when left None) bounds a pair's length.
-    """
-
-    pad_token_id: int
-    max_length: int | None = None
-
-    def with_kl_pairs(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """The rows with their mismatched pair as ``kl_input_ids/kl_attention_mask/kl_labels``.
-
-        Shared by the padded and the packed collator so both train on the very same pairs.
-        """
-        if not features:
-            raise ValueError(f"{type(self).__name__} got an empty batch")
-        if "kl_input_ids" in features[0]:
-            rows = [dict(f) for f in features]
-            for r in rows:
-                r.setdefault("kl_attention_mask", [1] * len(r["kl_input_ids"]))
-            return rows
-        n = len(features)
-        rows = []
-        for i, f in enumerate(features):
-            kl_ids, kl_labels = mismatched_pair(f, features[(i + 1) % n], self.max_length)
-            rows.append(
-                {
-                    **f,
-                    "kl_input_ids": kl_ids,
-                    "kl_attention_mask": [1] * len(kl_ids),
-                    "kl_labels": kl_labels,
-                }
-            )
-        return rows
-
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        batch = collate_prefixed(self.with_kl_pairs(features), self.pad_token_id, ("", "kl_"))
-        if "label" in batch:
-            batch["label"] = torch.as_tensor(batch["label"]).bool()
-        return batch
-
-
-#: Token columns a packed KTO batch replaces by its packed row (the rest ride along per row).
-_TOKEN_COLUMNS = ("input_ids", "attention_mask", "labels", "position_ids")
-
-
-@dataclass
-class PackedKTOCollator(KTOCollator):
-    """Padding-free KTO: one ``[1, L]`` row holding the ``B`` completions, then their ``B``
-    mismatched KL pairs (samples ``B .. 2B-1``; the same pairs :class:`KTOCollator` builds).
-
-    Output: :func:`grimoire.collate.packing.pack_samples`' keys (``input_ids``, ``labels``,
-    ``position_ids``, ``seq_lens [2B]``, ``sample_index``) plus every other per-row column
-    (``label`` as bool, cached ``ref_logps``/``ref_kl_logps`` as tensors; non-numeric ones, e.g.
-    ``ref_logps_reduction``, as lists). A subclass of :class:`KTOCollator` so that
-    ``KTOLoss.setup`` bounds its pairs with the trainer's ``max_length`` the same way.
-    """
-
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        batch = pack_row_sides(
-            self.with_kl_pairs(features),
-            ("", "kl_"),
-            self.pad_token_id,
-            lambda key: key in _TOKEN_COLUMNS or key.startswith("kl_"),
-        )
-        if "label" in batch:
-            batch["label"] = torch.as_tensor(batch["label"]).bool()
-        return batch
-
-
 __all__ = [
     "KTO_COLUMNS",
-    "KTOCollator",
-    "PackedKTOCollator",
     "mismatched_pair",
     "split_prompt_completion",
     "tokenize_kto",

@@ -1,4 +1,5 @@
-"""Pairwise preference data: ``tokenize_preference`` and ``PreferenceCollator``.
+"""Pairwise preference data: ``tokenize_preference`` (collated by
+:class:`grimoire.collate.preference.PreferenceCollator`).
 
 A row is a prompt with a preferred (``chosen``) and a dispreferred (``rejected``) response, as
 plain strings or as chat messages. Both responses share the prompt tokens exactly, so every
@@ -16,18 +17,15 @@ text did not. A row left with no trainable response token raises ``DataError``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.forward.logprobs import IGNORE_INDEX
-from grimoire.rows.common import chat_with_assistant_mask, collate_prefixed, render_chat
+from grimoire.rows.common import chat_with_assistant_mask, render_chat
 
 Messages = list[dict[str, Any]]
 
-#: Columns produced by :func:`tokenize_preference` (the ``PreferenceCollator`` pads them).
+#: Columns produced by :func:`tokenize_preference` (``PreferenceCollator`` pads them).
 PREFERENCE_COLUMNS: tuple[str, ...] = (
     "chosen_input_ids",
     "chosen_attention_mask",
@@ -342,45 +340,9 @@ def tokenize_preference(
     return out
 
 
-# --------------------------------------------------------------------------- collate
-
-
-def pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
-    """Right-pad a ``[B, T]`` tensor with ``value`` to ``[B, width]`` (no-op when wide enough)."""
-    if t.shape[1] >= width:
-        return t
-    pad = t.new_full((t.shape[0], width - t.shape[1]), value)
-    return torch.cat([t, pad], dim=1)
-
-
-@dataclass
-class PreferenceCollator:
-    """Pads ``chosen_*`` and ``rejected_*`` to ONE common width, ready to stack into ``[2B, T]``.
-
-    A common width lets the loss run chosen and rejected through the model in a single forward
-    without re-padding. Extra numeric columns (cached reference log-probs, margins) become
-    tensors; strings pass through as lists.
-    """
-
-    pad_token_id: int
-
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        batch = collate_prefixed(features, self.pad_token_id, ("chosen_", "rejected_"))
-        width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
-        for side in ("chosen_", "rejected_"):
-            batch[f"{side}input_ids"] = pad_right(
-                batch[f"{side}input_ids"], width, self.pad_token_id
-            )
-            batch[f"{side}attention_mask"] = pad_right(batch[f"{side}attention_mask"], width, 0)
-            batch[f"{side}labels"] = pad_right(batch[f"{side}labels"], width, IGNORE_INDEX)
-        return batch
-
-
 __all__ = [
     "PREFERENCE_COLUMNS",
-    "PreferenceCollator",
     "encode_prompt_response",
-    "pad_right",
     "split_implicit_prompt",
     "tokenize_preference",
     "tokenize_prompt_responses",

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.forward.logprobs import IGNORE_INDEX
 
 
 def tokenize_pretokenized(

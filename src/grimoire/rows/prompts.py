@@ -2,20 +2,16 @@
 
 ``tokenize_grpo`` turns a row into prompt token ids and keeps every other column (``answer``,
 test cases, ...) untouched, because reward functions receive them per completion.
-``GRPOCollator`` left-pads the prompts (generation appends to the right) and passes the other
-columns through as Python lists.
+:class:`grimoire.collate.prompts.GRPOCollator` collates them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from grimoire.errors import DataError
-from grimoire.rows.common import pad_sequences, render_chat, require_fields
+from grimoire.rows.common import render_chat, require_fields
 
 #: Columns ``tokenize_grpo`` writes itself; a dataset column with one of these names is replaced.
 GRPO_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
@@ -90,30 +86,4 @@ def tokenize_grpo(
     }
 
 
-@dataclass
-class GRPOCollator:
-    """Left-pads ``prompt_input_ids`` / ``prompt_attention_mask`` to ``[B, P]``; every other
-    column is passed through as a list (reward functions get plain Python values)."""
-
-    pad_token_id: int
-
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        ids = [list(f["prompt_input_ids"]) for f in features]
-        batch: dict[str, Any] = {
-            "prompt_input_ids": pad_sequences(ids, self.pad_token_id, side="left"),
-            "prompt_attention_mask": pad_sequences([[1] * len(s) for s in ids], 0, side="left"),
-        }
-        for key in features[0]:
-            if key not in batch:
-                batch[key] = [f.get(key) for f in features]
-        return batch
-
-
-def prompt_token_lists(batch: Mapping[str, Any]) -> list[list[int]]:
-    """Unpadded prompt ids of a collated batch (drops the left padding)."""
-    ids: torch.Tensor = batch["prompt_input_ids"]
-    mask: torch.Tensor = batch["prompt_attention_mask"]
-    return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
-
-
-__all__ = ["GRPOCollator", "prompt_token_lists", "tokenize_grpo"]
+__all__ = ["GRPO_COLUMNS", "tokenize_grpo"]

@@ -1,16 +1,16 @@
-"""SFT data: ``tokenize_sft`` (prompt/response, plain text, or chat messages) and ``SFTCollator``."""
+"""SFT data: ``tokenize_sft`` (prompt/response, plain text, or chat messages).
+
+Its collator is :class:`grimoire.collate.sft.SFTCollator`.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
+from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.forward.logprobs import IGNORE_INDEX
-from grimoire.rows.common import chat_with_assistant_mask, collate_prefixed, require_fields
+from grimoire.rows.common import chat_with_assistant_mask, require_fields
 
 
 def tokenize_sft(
@@ -74,13 +74,3 @@ def tokenize_sft(
             ]
         )
     return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
-
-
-@dataclass
-class SFTCollator:
-    """Right-pads ``input_ids``/``labels``/``attention_mask`` into ``[B, T]`` tensors."""
-
-    pad_token_id: int
-
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-        return collate_prefixed(features, self.pad_token_id)

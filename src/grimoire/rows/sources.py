@@ -24,10 +24,12 @@ bundled configs work from any folder.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from grimoire.columns import listed
 from grimoire.errors import ConfigError, DataError, did_you_mean
 
 #: Prefix for files shipped inside the grimoire package.
@@ -48,8 +50,6 @@ SOURCE_KEYS: dict[str, type | tuple[type, ...]] = {
     "seed": int,
 }
 _KINDS = ("name", "jsonl", "path", "load_from_disk")
-#: How many problems a DataError lists before summarising the rest.
-MAX_LISTED = 20
 
 
 def resolve_path(path: str) -> Path:
@@ -161,8 +161,8 @@ def load_source(section: Mapping[str, Any], where: str = "dataset"):
 def read_json_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a JSONL file (or a ``.json`` array); errors name ``file:line``.
 
-    Every bad line is reported (up to ``MAX_LISTED``), not just the first. Blank lines are
-    skipped.
+    Every bad line is reported (up to :data:`grimoire.columns.MAX_LISTED`), not just the first.
+    Blank lines are skipped.
     """
     path = Path(path)
     try:
@@ -188,7 +188,7 @@ def read_json_rows(path: str | Path) -> list[dict[str, Any]]:
             continue
         rows.append(row)
     if problems:
-        raise DataError(_capped(problems), title=f"invalid JSONL file {path}")
+        raise DataError(listed(problems), title=f"invalid JSONL file {path}")
     return rows
 
 
@@ -238,16 +238,10 @@ def tokenize_dataset(
                 exc.add_note(f"while tokenizing {source_name} row {i}")
             raise
     if problems:
-        raise DataError(_capped(problems), title=f"invalid data in {source_name}")
+        raise DataError(listed(problems), title=f"invalid data in {source_name}")
     if not out:
         raise DataError([f"{source_name}: no rows to tokenize"])
     return rows_to_dataset(out, source=source_name)
-
-
-def _capped(problems: list[str]) -> list[str]:
-    if len(problems) <= MAX_LISTED:
-        return problems
-    return [*problems[:MAX_LISTED], f"... and {len(problems) - MAX_LISTED} more"]
 
 
 def _json_array(text: str, path: Path) -> list[dict[str, Any]]:
@@ -262,8 +256,6 @@ def _json_array(text: str, path: Path) -> list[dict[str, Any]]:
 
 
 def _load_hub(section: Mapping[str, Any], where: str):
-    import os
-
     from datasets import load_dataset
 
     name, split = section["name"], section.get("split", "train")

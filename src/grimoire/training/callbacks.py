@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from grimoire.rollout.generation import greedy_generate_texts
+
 
 class TrainerCallback:
     """Base class: override the hooks you need."""
@@ -154,8 +156,6 @@ class ExactMatchCallback(TrainerCallback):
 
     @torch.no_grad()
     def score(self, trainer) -> float:
-        from grimoire.rollout.generation import greedy_generate_texts
-
         acc = trainer.accelerator
         shard = self.rows[acc.process_index :: acc.num_processes]
         prompts = [r[self.prompt_field] for r in shard]

@@ -1,8 +1,13 @@
-"""Metric accumulation across micro-batches, steps and ranks, and the JSONL metrics log."""
+"""The run's records: the JSONL metrics log, peak memory, the ``log_with`` trackers, and
+:class:`RunLog`, which writes the trainer's train / eval records to both.
+
+Metric means over micro-batches and ranks are :mod:`grimoire.normalise.reduction`.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -10,111 +15,10 @@ from typing import Any
 
 import torch
 
-
-def to_float(value: Any) -> float:
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().mean()) if value.numel() else 0.0
-    return float(value)
-
-
-class WeightedMeans:
-    """Sums of ``value x weight`` and of weights per key; reduced over ranks on ``compute``.
-
-    Weights are the micro-batches' loss units, so the logged loss is exactly the objective the
-    optimizer saw (a token mean for SFT), however the global batch was split. Values stay
-    tensors until reduced (no host sync per micro-batch). A key added with weight 0 (a dummy, a
-    micro-batch with nothing to train) is registered but adds nothing, so every rank that runs
-    the method knows the same keys.
-    """
-
-    def __init__(self) -> None:
-        self.sums: dict[str, Any] = {}
-        self.weights: dict[str, float] = {}
-
-    def add(self, metrics: dict[str, Any], weight: float) -> None:
-        for key, value in metrics.items():
-            self.sums.setdefault(key, 0.0)
-            self.weights.setdefault(key, 0.0)
-            if weight > 0:
-                v = value.detach().float().mean() if isinstance(value, torch.Tensor) else value
-                self.sums[key] = self.sums[key] + v * weight
-                self.weights[key] += weight
-
-    def vector(self, keys: list[str], device: Any) -> torch.Tensor:
-        """``[sums..., weights...]`` of ``keys`` (missing keys: 0) as one float64 tensor."""
-        values = [self.sums.get(k, 0.0) for k in keys] + [self.weights.get(k, 0.0) for k in keys]
-        if not values:
-            return torch.zeros(0, dtype=torch.float64, device=device)
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-
-    def clear(self) -> None:
-        self.sums.clear()
-        self.weights.clear()
-
-    def compute(self, accelerator, reduce: bool = True) -> dict[str, float]:
-        keys = sorted(self.sums)
-        if reduce and accelerator.num_processes > 1:
-            # Ranks may hold different keys: agree on the union first, so the all-reduce below
-            # always matches up (evaluation; the step uses StepReduction's cached key list).
-            keys = sorted({k for rank_keys in _gather_keys(keys) for k in rank_keys})
-        if not keys:
-            return {}
-        packed = self.vector(keys, accelerator.device)
-        if reduce and accelerator.num_processes > 1:
-            packed = accelerator.reduce(packed, reduction="sum")
-        self.clear()
-        return means_of(keys, packed.tolist())
-
-
-def means_of(keys: list[str], packed: list[float]) -> dict[str, float]:
-    """``{key: sum / weight}`` from ``[sums..., weights...]`` (0.0 where the weight is 0)."""
-    n = len(keys)
-    return {k: packed[i] / packed[n + i] if packed[n + i] > 0 else 0.0 for i, k in enumerate(keys)}
-
-
-def _gather_keys(keys: list[str]) -> list[list[str]]:
-    from accelerate.utils import gather_object
-
-    return gather_object([keys])
-
-
-class StepReduction:
-    """Everything an optimizer step needs from the other ranks, in ONE all-reduce.
-
-    :meth:`reduce` sums, in a single float64 tensor: the named ``scalars`` (loss units, tokens,
-    the stop flag) and the step's metric sums and weights over an agreed, cached key list. The
-    first step (or a step where some rank logs a key the list lacks, flagged in the same tensor)
-    agrees on the key union with one gather and reduces the metrics once more; every later step
-    is one collective.
-    """
-
-    def __init__(self, accelerator: Any):
-        self.accelerator = accelerator
-        self.keys: list[str] = []
-
-    def reduce(
-        self, scalars: dict[str, float], means: WeightedMeans
-    ) -> tuple[dict[str, float], dict[str, float]]:
-        acc = self.accelerator
-        names = list(scalars)
-        local = sorted(means.sums)
-        if acc.num_processes == 1:
-            self.keys = local
-        new_keys = float(any(k not in self.keys for k in local))
-        head = torch.tensor(
-            [float(scalars[k]) for k in names] + [new_keys], dtype=torch.float64, device=acc.device
-        )
-        packed = torch.cat([head, means.vector(self.keys, acc.device)])
-        if acc.num_processes > 1:
-            packed = acc.reduce(packed, reduction="sum")
-        values = packed.tolist()  # the step's one host sync
-        totals = dict(zip(names, values))
-        body = values[len(names) + 1 :]
-        if values[len(names)] > 0:  # some rank has a key the agreed list lacks: agree, redo
-            self.keys = sorted({k for keys in _gather_keys(local) for k in keys} | set(self.keys))
-            body = acc.reduce(means.vector(self.keys, acc.device), reduction="sum").tolist()
-        means.clear()
-        return totals, means_of(self.keys, body)
+from grimoire.config.training import TrainingConfig
+from grimoire.errors import ConfigError
+from grimoire.normalise.reduction import WeightedMeans
+from grimoire.training.records import metrics_path
 
 
 def peak_memory_mb() -> float:
@@ -142,6 +46,69 @@ class JsonlLogger:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+class RunLog:
+    """Where the trainer's records go: ``metrics.jsonl`` (main process) and the ``log_with``
+    trackers; and the train window between two logged steps (the steps' metrics, weighted by
+    their loss units, and the tokens behind ``tokens_per_sec``)."""
+
+    def __init__(self, config: TrainingConfig, accelerator: Any):
+        self.config, self.accelerator = config, accelerator
+        self.jsonl = JsonlLogger(metrics_path(config.output_dir), accelerator.is_main_process)
+        self.open_window()
+
+    def begin(self) -> None:
+        """Start of ``train()``: a fresh run into an old ``output_dir`` starts a fresh log (a
+        resumed one appends); the trackers start."""
+        if not self.config.resume_from_checkpoint:
+            self.jsonl.reset()
+        if self.config.log_with:
+            init_trackers(self.accelerator, self.config)
+
+    def end(self) -> None:
+        """End of ``train()``: close the trackers (not ``end_training``: it would drop the
+        process group that saving the model still needs)."""
+        if self.config.log_with:
+            finish_trackers(self.accelerator)
+
+    def open_window(self) -> None:
+        """Start a fresh train window (at the start of the loop, and after each train record)."""
+        self.means = WeightedMeans()
+        self.window_tokens, self.window_start = 0.0, time.time()
+
+    def add_step(self, metrics: dict[str, float], units: float, tokens: float) -> None:
+        """One optimizer step's global metrics (already reduced over ranks) into the window."""
+        self.means.add(metrics, units)
+        self.window_tokens += tokens
+
+    def train_record(self, step: int, epoch: float, progress: dict[str, Any]) -> dict[str, Any]:
+        """The window as a train record (its mean loss and metrics, throughput, memory), with
+        ``progress`` (lr, grad norm, token counts); opens the next window."""
+        now = time.time()
+        elapsed = max(now - self.window_start, 1e-9)
+        metrics = self.means.compute(self.accelerator, reduce=False)  # already global
+        record = {
+            "split": "train",
+            "step": step,
+            "epoch": epoch,
+            "loss": metrics.pop("loss", float("nan")),
+            **progress,
+            "tokens_per_sec": self.window_tokens / elapsed,
+            "elapsed": now - self.jsonl.start,
+            "peak_memory_mb": peak_memory_mb(),
+            **metrics,
+        }
+        self.open_window()
+        self.window_start = now
+        return record
+
+    def write(self, record: dict[str, Any], step: int) -> None:
+        """One record to ``metrics.jsonl`` and, numbers only, to the trackers."""
+        self.jsonl.write(record)
+        if self.config.log_with:
+            numeric = {k: v for k, v in record.items() if isinstance(v, int | float)}
+            self.accelerator.log(numeric, step=step)
 
 
 # The package each ``log_with`` tracker needs (accelerate silently drops a tracker whose package
@@ -173,8 +140,6 @@ def tracker_paths(config: Any) -> dict[str, Path]:
 
 def project_of(config: Any) -> str:
     """The trackers' project: ``project_name``, else ``WANDB_PROJECT``, else ``"grimoire"``."""
-    import os
-
     return config.project_name or os.environ.get("WANDB_PROJECT") or "grimoire"
 
 
@@ -186,11 +151,7 @@ def init_trackers(accelerator: Any, config: Any) -> None:
     tracker whose package is missing is an error here, not a silently untracked run.
     Hyper-parameter tables take scalars only, so list and dict values are logged as text.
     """
-    import os
-
     from accelerate.tracking import MLflowTracker, TensorBoardTracker, WandBTracker
-
-    from grimoire.errors import ConfigError
 
     requested = requested_trackers(config.log_with)
     available = {str(t) for t in accelerator.log_with}
@@ -235,8 +196,6 @@ def _use_local_mlflow_store(path: Path) -> None:
     """Point mlflow at a file store under ``output_dir`` unless the user chose a tracking URI
     (``MLFLOW_TRACKING_URI``, or ``mlflow.set_tracking_uri`` before the run); mlflow's own
     default is the current directory, which would mix every run launched from it."""
-    import os
-
     import mlflow
     from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
 

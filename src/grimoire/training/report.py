@@ -11,37 +11,28 @@ import logging
 import os
 import re
 import time
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from grimoire.model.precision import cpu_capability, decide
 from grimoire.training.checkpoint import PREFIX
 from grimoire.training.metrics import peak_memory_mb
+from grimoire.training.records import metrics_path, read_records
 
 logger = logging.getLogger(__name__)
 
 SUMMARY_FILE = "run_summary.json"
 CARD_FILE = "README.md"
+#: The version a source checkout reports when grimoire is not installed as a distribution. Kept
+#: here (equal to pyproject's) rather than read from ``grimoire.__version__``: the training layer
+#: does not import the package root, whose public facade sits above it.
+SOURCE_VERSION = "0.1.0"
 
 
 # --------------------------------------------------------------------------- shared helpers
-
-
-def read_records(output_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``output_dir/metrics.jsonl``; a line cut short by a crash is skipped."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
 
 
 def last_records(records: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -61,14 +52,11 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def grimoire_version() -> str:
+    """The installed grimoire's version (:data:`SOURCE_VERSION` for a bare source checkout)."""
     try:
-        from importlib.metadata import version
-
         return version("grimoire")
-    except Exception:  # not installed as a distribution (a source checkout on sys.path)
-        from grimoire import __version__
-
-        return __version__
+    except PackageNotFoundError:  # not installed as a distribution (a source checkout on sys.path)
+        return SOURCE_VERSION
 
 
 def checkpoints_in(output_dir: str | Path) -> list[Path]:
@@ -111,7 +99,7 @@ def run_summary(trainer: Any, started: float, tokens_before: int = 0) -> dict[st
         "loss_last": losses[-1] if losses else None,
         "eval": {k: v for k, v in last_eval.items() if k.startswith("eval/")},
         "output_dir": str(cfg.output_dir),
-        "metrics": str(Path(cfg.output_dir) / "metrics.jsonl"),
+        "metrics": str(metrics_path(cfg.output_dir)),
         "checkpoints": [str(p) for p in checkpoints],
         "saved_model": None,  # filled in by save_model
     }
@@ -119,8 +107,6 @@ def run_summary(trainer: Any, started: float, tokens_before: int = 0) -> dict[st
 
 def _precision(requested: str) -> dict[str, str]:
     """What ``mixed_precision`` ran as on this machine, and why (``auto`` depends on it)."""
-    from grimoire.model.precision import cpu_capability, decide
-
     resolved, why = decide(requested)
     return {"requested": requested, "resolved": resolved, "why": why, "cpu": cpu_capability()}
 
@@ -187,14 +173,14 @@ def method_params(loss_fn: Any) -> dict[str, Any]:
     """The method's public scalar settings (``beta``, ``loss_type``, ...), as its attributes."""
     return {
         k: v
-        for k, v in sorted(vars(loss_fn).items())
+        for k, v in sorted(vars(loss_fn.implementation).items())
         if not k.startswith("_") and isinstance(v, bool | int | float | str)
     }
 
 
 def method_tag(loss_fn: Any) -> str:
     """``DPOLoss`` -> ``dpo``, ``GRPOMethod`` -> ``grpo``: a tag for the card's front matter."""
-    name = type(loss_fn).__name__
+    name = loss_fn.method_name
     for suffix in ("Loss", "Method"):
         if name.endswith(suffix) and len(name) > len(suffix):
             name = name[: -len(suffix)]
@@ -229,7 +215,7 @@ def model_card(trainer: Any, model_dir: str | Path) -> str:
     adapter = hasattr(model, "peft_config")
     tags = ["grimoire", method_tag(loss_fn)] + (["lora"] if adapter else [])
     front = {"library_name": "grimoire", "base_model": base, "tags": tags}
-    method = type(loss_fn).__name__
+    method = loss_fn.method_name
     params = method_params(loss_fn)
     launch = getattr(trainer, "launch", None)
     records = read_records(cfg.output_dir)

@@ -11,66 +11,44 @@ log / evaluate / checkpoint / stop. The loop never asks which method it is runni
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 from grimoire.batching.budget import TokenBudget
-from grimoire.batching.loader import StepLoader, packing_decision
-from grimoire.batching.validation import validate_training_data
+from grimoire.batching.loader import StepLoader
+from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
-from grimoire.errors import ConfigError
-from grimoire.forward.head_function import release_workspace
-from grimoire.forward.precomputed import precompute_reference
+from grimoire.forward.logprobs import release_buffers
+from grimoire.losses.base import as_method
 from grimoire.model.compiling import maybe_compile
-from grimoire.model.prepare import (
-    check_world_size,
-    configure_deepspeed,
+from grimoire.model.prepare import resolve_checkpointing
+from grimoire.normalise.reduction import StepReduction, WeightedMeans
+from grimoire.normalise.units import (
+    backward_norm,
+    backward_scale,
     count_tokens,
-    frozen_preparer,
-    has_accelerator,
-    pad_token_id_of,
-    prepare_model,
-    reset_accelerate_state,
-    resolve_checkpointing,
-    resolve_mixed_precision,
-    save_hf,
+    gradient_scale,
+    loss_units,
 )
-from grimoire.optim.optimizers import (
-    build_optimizer,
-    build_scheduler,
-    clip_gradients,
-    scale_gradients,
-)
+from grimoire.optim.optimizers import clip_gradients, scale_gradients
+from grimoire.parallel.accelerate import uses_deepspeed
 from grimoire.parallel.fsdp import (
     gradient_sync,
-    is_sharded,
     load_dcp,
     preemption_signals,
     release_process_group,
-    save_dcp,
-    shard_model,
 )
 from grimoire.training import checkpoint as ckpt
-from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
-from grimoire.training.metrics import (
-    JsonlLogger,
-    StepReduction,
-    WeightedMeans,
-    finish_trackers,
-    init_trackers,
-    peak_memory_mb,
-)
-from grimoire.training.report import note_saved_model, write_model_card, write_run_summary
-
-logger = logging.getLogger(__name__)
+from grimoire.training import setup
+from grimoire.training.callbacks import TrainerCallback
+from grimoire.training.export import export_model, write_checkpoint_model
+from grimoire.training.metrics import RunLog
+from grimoire.training.report import write_run_summary
 
 
 class GrimoireTrainer:
@@ -100,111 +78,62 @@ class GrimoireTrainer:
         peft_config: Any = None,
         callbacks: Sequence[TrainerCallback] | None = None,
     ):
-        if not isinstance(config, TrainingConfig):
-            raise ConfigError([f"config must be a TrainingConfig, got {type(config).__name__}"])
-        self.config = config
-        reset_accelerate_state()
-        self.accelerator = acc = Accelerator(
-            # On a machine with no accelerator, torchrun/accelerate-launched processes must be told
-            # to form a CPU (gloo) group; otherwise each would silently train alone.
-            cpu=not has_accelerator(),
-            mixed_precision=resolve_mixed_precision(config),
-            log_with=config.log_with,
-            project_dir=config.output_dir,
-        )
-        check_world_size(acc.num_processes)
-        set_seed(config.seed)
-        self.tokenizer, self.loss_fn = tokenizer, loss_fn
+        # The build steps of training/setup.py, in order; each names what it makes.
+        self.config = config = setup.check_config(config)
+        self.accelerator = acc = setup.build_accelerator(config)
+        self.loss_fn = loss_fn = as_method(loss_fn)  # duck-typed methods get the defaults
+        self.tokenizer = tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pad_id = pad_token_id_of(tokenizer, model)
-        #: Whether micro-batches are packed rows (padding_free: auto / forced), and why.
-        packed, why = packing_decision(
-            loss_fn, config, pad_id, data_collator, model, train_dataset, acc.device.type
+        #: Whether micro-batches are packed rows (padding_free: auto / forced).
+        self.packed = packed = setup.decide_packing(
+            loss_fn, config, pad_id, data_collator, model, train_dataset, acc
         )
-        self.packed = packed
-        logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
         #: Whether activations are checkpointed (gradient_checkpointing: auto / forced), and why.
         self.checkpointing = resolve_checkpointing(model, config, acc, loss_fn, train_dataset)
-        model, self.step_hooks = prepare_model(
+        model, self.step_hooks = setup.prepare_model(
             model, peft_config, config, acc, packed, checkpointing=self.checkpointing[0]
         )
         #: What torch_compile did (compiled blocks, or why eager); None when not asked.
         self.compile_state = maybe_compile(model, config)
-        budget = config.max_tokens_per_device
-        self.budget = (
-            TokenBudget(budget, loss_fn, packed, config.truncate_long_samples) if budget else None
+        self.budget: TokenBudget | None = setup.build_budget(config, loss_fn, packed)
+        setup.validate_data(loss_fn, model, config, self.budget, train_dataset, eval_dataset)
+        #: The method reads the run through this context only.
+        self.context: TrainingContext = setup.setup_method(
+            loss_fn, config, acc, tokenizer, model, (train_dataset, eval_dataset), packed
         )
-        embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-        validate_training_data(
-            loss_fn,
-            {"train": train_dataset, "eval": eval_dataset},
-            config.max_length,
-            getattr(embeddings, "num_embeddings", None),
-            self.budget,
+        self.collator = setup.build_collator(loss_fn, data_collator, packed, pad_id)
+        self.train_dataset, self.eval_dataset = setup.precompute_reference_columns(
+            loss_fn, model, self.context, self.collator, self.budget
         )
-        # The method reads the run through this context only; set up before its collator exists
-        # (KTO bounds its KL rows by max_length) and before DDP wraps the policy.
-        self.context = TrainingContext(
-            config, acc, tokenizer, model, train_dataset, eval_dataset, packed=packed
-        )
-        self.context.prepare_frozen = frozen_preparer(config, packed)
-        if hasattr(loss_fn, "setup"):
-            loss_fn.setup(self.context)
-        self.collator = data_collator or (
-            loss_fn.create_packed_collator(pad_id) if packed else loss_fn.create_collator(pad_id)
-        )
-        if config.precompute_ref_log_probs:
-            # One no-grad reference pass now, batched as training will be; then the reference is
-            # released and training reads the datasets' cached columns.
-            train_dataset, eval_dataset = precompute_reference(
-                loss_fn,
-                model,
-                (train_dataset, eval_dataset),
-                collator=self.collator,
-                budget=self.budget,
-                batch_size=config.effective_eval_batch_size,
-                accelerator=acc,
-                move_policy=config.distributed != "fsdp2",
-            )
-            self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-            self.context.train_dataset, self.context.eval_dataset = train_dataset, eval_dataset
         #: The rollout stage, for methods that generate (they own it: engine, rewards).
-        self.rollouts = loss_fn.rollouts if getattr(loss_fn, "needs_generation", False) else None
-        if getattr(loss_fn, "needs_reference_model", False):
-            source = getattr(getattr(loss_fn, "reference", None), "source", "the method's own")
-            logger.info("%s: reference log-probs from %s", type(loss_fn).__name__, source)
+        self.rollouts = loss_fn.rollouts if loss_fn.needs_generation else None
+        setup.log_reference(loss_fn)
         self.loader = self._loader(
-            train_dataset,
+            self.train_dataset,
             config.batch_size,
             grad_accum=config.gradient_accumulation_steps,
             seed=config.seed,
-            repeat=int(getattr(loss_fn, "steps_per_batch", 1)),
+            repeat=int(loss_fn.steps_per_batch),
         )
         self.planner = self.loader.planner
         self._eval_loader: StepLoader | None = None
         self.max_steps = config.max_steps or self.loader.steps_per_epoch * config.num_epochs
-        if config.distributed == "fsdp2":
-            # Sharded before the optimizer exists, so its state is sharded too; accelerate never
-            # wraps a sharded model (on CPU its FSDP plugin would silently run DDP).
-            model = shard_model(model, config)
-        optimizer = build_optimizer(model, config)
-        self.scheduler = build_scheduler(optimizer, config, self.max_steps)
-        configure_deepspeed(acc, config)
-        if is_sharded(model):
-            self.model, self.optimizer = model, acc.prepare(optimizer)
-        else:
-            self.model, self.optimizer = acc.prepare(model, optimizer)
+        model = setup.shard(model, config)
+        self.model, self.optimizer, self.scheduler = setup.build_optimization(
+            model, config, acc, self.max_steps
+        )
+        self.callbacks = setup.build_callbacks(callbacks, config)
+        self._init_run_state()
 
+    def _init_run_state(self) -> None:
+        """The run's records and stop flags (what ``train()`` reads and writes)."""
+        acc = self.accelerator
         self.state = ckpt.TrainerState()
         #: How the run was launched, for the model card: the CLI sets {"command", "config"}.
         self.launch: dict[str, Any] | None = None
-        self.callbacks = CallbackList(
-            # The progress bar goes last so its eval line shows metrics other callbacks add.
-            list(callbacks or []) + ([ProgressCallback()] if config.progress_bar else [])
-        )
-        self.metrics_log = JsonlLogger(
-            Path(config.output_dir) / "metrics.jsonl", acc.is_main_process
-        )
+        self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
+        self.metrics_log = self.records.jsonl
         self._reduction = StepReduction(acc)
         self._stop = self._stop_requested = False
         #: The signal that stopped the run with a checkpoint (preemption), else None.
@@ -212,7 +141,7 @@ class GrimoireTrainer:
         self._signal: str | None = None
         # DeepSpeed steps its engine inside the last backward, before a post-hoc gradient rescale
         # could run: there the global loss units are summed before the backward passes instead.
-        self._units_first = getattr(acc.state, "deepspeed_plugin", None) is not None
+        self._units_first = uses_deepspeed(acc)
 
     # ------------------------------------------------------------------ public API
 
@@ -247,10 +176,7 @@ class GrimoireTrainer:
         self._maybe_resume()
         # For run_summary.json: this call's wall time and tokens (a resumed run started earlier).
         started = (time.time(), self.state.tokens_seen)
-        if not cfg.resume_from_checkpoint:
-            self.metrics_log.reset()  # a fresh run into an old output_dir starts a fresh log
-        if cfg.log_with:
-            init_trackers(self.accelerator, cfg)
+        self.records.begin()
         with preemption_signals(cfg.checkpoint_signals, self._on_signal):
             self._train_loop()
         if self._signal is not None and self.accelerator.num_processes == 1:
@@ -263,10 +189,9 @@ class GrimoireTrainer:
         elif self.eval_dataset is not None and self._last_eval_step != self.global_step:
             self.evaluate()
         self.callbacks("on_train_end", self)
-        if cfg.log_with:
-            finish_trackers(self.accelerator)  # (end_training would drop the process group)
+        self.records.end()
         write_run_summary(self, *started)
-        release_workspace()  # the head's CPU logits buffer: not held past training
+        release_buffers()  # the head's CPU logits buffer: not held past training
         return self.state
 
     def _train_loop(self) -> None:
@@ -275,8 +200,7 @@ class GrimoireTrainer:
         if cfg.eval_on_start and self.eval_dataset is not None:
             self.evaluate()
         self.model.train()
-        self._window = {"tokens": 0.0, "time": time.time()}
-        self._log_means = WeightedMeans()
+        self.records.open_window()
         self._last_eval_step = -1
         while not self._done():
             epoch = self.state.epoch
@@ -319,13 +243,12 @@ class GrimoireTrainer:
             batch = self._to_device(batch)
             with acc.autocast():
                 loss, metrics = self.loss_fn(self.model, batch, training=False)
-            means.add({"loss": loss, **metrics}, self._loss_units(batch) * keep)
+            means.add({"loss": loss, **metrics}, loss_units(self.loss_fn, batch) * keep)
         self.model.train(was_training)
         result = {f"eval/{k}": v for k, v in means.compute(acc).items()}
         self.callbacks("on_evaluate", self, result)
-        self._record(
-            {"split": "eval", "step": self.global_step, "epoch": self._epoch_float(), **result}
-        )
+        record = {"split": "eval", "step": self.global_step, "epoch": self._epoch_float()}
+        self.records.write({**record, **result}, self.global_step)
         return result
 
     def close(self) -> None:
@@ -343,30 +266,15 @@ class GrimoireTrainer:
 
     def save_model(self, output_dir: str | Path, merge_adapter: bool = False) -> Path:
         """Write a loadable HF model (+ tokenizer). LoRA: the adapter, or merged weights if asked."""
-        out = Path(output_dir)
-        save_hf(out, self.accelerator, self.model, self.tokenizer, self.step_hooks, merge_adapter)
-        if self.accelerator.is_main_process:
-            write_model_card(self, out)
-            note_saved_model(self.config.output_dir, out)
-        self.accelerator.wait_for_everyone()
-        return out
+        return export_model(self, Path(output_dir), merge_adapter)
 
     def save_checkpoint(self) -> Path:
         """Atomically write ``checkpoint-<step>`` with everything needed to resume exactly."""
-        acc = self.accelerator
-
-        def write_model(folder: Path) -> None:
-            # The HF export is for people (from_pretrained); the DCP shards are for resuming,
-            # on any number of processes.
-            save_hf(folder, acc, self.model, self.tokenizer, self.step_hooks)
-            write_model_card(self, folder)
-            save_dcp(folder, self.model, self.optimizer)
-
         final = ckpt.save(
             Path(self.config.output_dir),
             self.global_step,
-            acc,
-            write_model,
+            self.accelerator,
+            lambda folder: write_checkpoint_model(self, folder),
             self.scheduler,
             self.state,
             {"max_steps": self.max_steps},
@@ -385,17 +293,13 @@ class GrimoireTrainer:
         if self.rollouts is not None:  # sample + score, then the method builds training batches
             micro, rollout_metrics, rollout_weight = self.rollouts.step(self.context, micro)
             means.add(rollout_metrics, rollout_weight)
-        weights = [self._loss_units(b) * keep for b, keep in micro]
+        weights = [loss_units(loss_fn, b) * keep for b, keep in micro]
         local = sum(weights)
-        # Backward each micro-batch's mean loss x its loss units / norm, where norm is the same
-        # on every rank and survives a resume: the run's mean loss units per step and rank so far.
-        # That keeps gradients at a mean's scale (no fp16 overflow) without a collective before
-        # the backward passes; the exact global normaliser is applied to the gradients after the
-        # step's one reduction below.
-        seen, steps = self.state.loss_units_seen, self.state.global_step
-        norm = seen / steps / acc.num_processes if steps and seen > 0 else 1.0
+        # Backward each micro-batch's mean loss x its loss units / norm (same on every rank, no
+        # collective); the exact global normaliser is applied after the step's one reduction.
+        norm = backward_norm(self.state.loss_units_seen, self.state.global_step, acc.num_processes)
         if self._units_first:
-            norm = self._sum_over_ranks(local) / acc.num_processes
+            norm = self.context.all_reduce_sum([local])[0] / acc.num_processes
         for i, ((batch, _), weight) in enumerate(zip(micro, weights)):
             last = i == len(micro) - 1
             sync = gradient_sync(acc, self.model, last)
@@ -403,27 +307,18 @@ class GrimoireTrainer:
             acc.gradient_state._set_sync_gradients(last)
             with sync, acc.autocast():
                 loss, metrics = loss_fn(self.model, batch, training=True)
-            acc.backward(loss * (weight / norm if norm > 0 else 0.0))
+            acc.backward(loss * backward_scale(weight, norm))
             means.add({"loss": loss, **metrics}, weight)
         tokens = sum(count_tokens(b) * keep for b, keep in micro)
-        totals, self._step_metrics = self._reduction.reduce(
-            {
-                "units": local,
-                "tokens": tokens,
-                "stop": float(self._stop_requested),
-                "signal": float(self._signal is not None),
-            },
-            means,
-        )
+        flags = {"stop": float(self._stop_requested), "signal": float(self._signal is not None)}
+        scalars = {"units": local, "tokens": tokens, **flags}
+        totals, self._step_metrics = self._reduction.reduce(scalars, means)
         if totals["stop"] > 0:
             self._stop = True
         if totals["signal"] > 0:  # some rank was signalled: all checkpoint before stopping
             self.preempted_by = self._signal or "a signal on another process"
-        if not self._units_first:
-            # DDP averaged the ranks' gradients: (1/W) sum_r sum_i w_i grad_i / norm. Times
-            # norm * W / U is the mean over every loss unit U of the global batch.
-            units = totals["units"]
-            scale_gradients(self.model, norm * acc.num_processes / units if units > 0 else 0.0)
+        if not self._units_first:  # the mean over every loss unit of the global batch
+            scale_gradients(self.model, gradient_scale(norm, acc.num_processes, totals["units"]))
         for hook in self.step_hooks:  # e.g. OSFT's gradient projection, before clipping
             hook.before_optimizer_step()
         self._last_grad_norm = clip_gradients(self.model, acc, self.config.max_grad_norm)
@@ -433,19 +328,9 @@ class GrimoireTrainer:
         for hook in self.step_hooks:
             hook.after_optimizer_step()
         self.state.global_step += 1
-        self._log_means.add(self._step_metrics, totals["units"])
+        self.records.add_step(self._step_metrics, totals["units"], totals["tokens"])
         self.state.loss_units_seen += totals["units"]
         self.state.tokens_seen += int(totals["tokens"])
-        self._window["tokens"] += totals["tokens"]
-
-    def _loss_units(self, batch: dict[str, Any]) -> float:
-        """The method's loss units in ``batch`` (its ``loss_weight``); 1 per micro-batch for a
-        plain callable without the hook."""
-        weight_fn = getattr(self.loss_fn, "loss_weight", None)
-        return float(weight_fn(batch)) if weight_fn is not None else 1.0
-
-    def _sum_over_ranks(self, value: float) -> float:
-        return self.context.all_reduce_sum([value])[0]
 
     def _end_of_step(self) -> None:
         cfg, step = self.config, self.global_step
@@ -457,32 +342,15 @@ class GrimoireTrainer:
             self.save_checkpoint()
 
     def _log_train(self) -> None:
-        now = time.time()
-        elapsed = max(now - self._window["time"], 1e-9)
-        metrics = self._log_means.compute(self.accelerator, reduce=False)  # already global
-        record = {
-            "split": "train",
-            "step": self.global_step,
-            "epoch": self._epoch_float(),
-            "loss": metrics.pop("loss", float("nan")),
+        progress = {
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": self._last_grad_norm,
             "tokens": self.state.tokens_seen,
             "loss_units": self.state.loss_units_seen,
-            "tokens_per_sec": self._window["tokens"] / elapsed,
-            "elapsed": now - self.metrics_log.start,
-            "peak_memory_mb": peak_memory_mb(),
-            **metrics,
         }
-        self._window = {"tokens": 0.0, "time": now}
+        record = self.records.train_record(self.global_step, self._epoch_float(), progress)
         self.callbacks("on_log", self, record)
-        self._record(record)
-
-    def _record(self, record: dict[str, Any]) -> None:
-        self.metrics_log.write(record)
-        if self.config.log_with:
-            numeric = {k: v for k, v in record.items() if isinstance(v, int | float)}
-            self.accelerator.log(numeric, step=self.global_step)
+        self.records.write(record, self.global_step)
 
     def _done(self) -> bool:
         # No collective here: a stop is agreed in the step's one reduction (see request_stop).
@@ -499,15 +367,8 @@ class GrimoireTrainer:
     # ------------------------------------------------------------------ data
 
     def _loader(self, dataset: Any, batch_size: int, **kwargs: Any) -> StepLoader:
-        acc = self.accelerator
-        return StepLoader.build(
-            dataset,
-            self.collator,
-            self.budget,
-            batch_size=batch_size,
-            world_size=acc.num_processes,
-            rank=acc.process_index,
-            **kwargs,
+        return setup.build_loader(
+            dataset, self.collator, self.budget, self.accelerator, batch_size, **kwargs
         )
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,72 @@
+"""Shared pieces of the collators: padding integer lists and right-padding prefixed columns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from grimoire.columns import IGNORE_INDEX
+
+
+def pad_sequences(seqs: Sequence[Sequence[int]], value: int, side: str = "right") -> torch.Tensor:
+    """Pad integer lists to the longest: ``[B, T]`` long tensor."""
+    width = max((len(s) for s in seqs), default=0)
+    out = torch.full((len(seqs), width), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            if side == "right":
+                out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            else:
+                out[i, width - len(s) :] = torch.as_tensor(s, dtype=torch.long)
+    return out
+
+
+def collate_prefixed(
+    features: Sequence[Mapping[str, Any]], pad_token_id: int, prefixes: Sequence[str] = ("",)
+) -> dict[str, torch.Tensor]:
+    """Right-pad ``{prefix}input_ids`` / ``labels`` / ``attention_mask`` for each prefix.
+
+    Other numeric columns (e.g. cached reference log-probs) are stacked as tensors; strings are
+    passed through as lists.
+    """
+    batch: dict[str, Any] = {}
+    for p in prefixes:
+        ids = [f[f"{p}input_ids"] for f in features]
+        batch[f"{p}input_ids"] = pad_sequences(ids, pad_token_id)
+        batch[f"{p}labels"] = pad_sequences([f[f"{p}labels"] for f in features], IGNORE_INDEX)
+        if f"{p}position_ids" in features[0]:
+            # Rows that carry their own document boundaries (pretrain blocks): no attention mask,
+            # so attention follows position_ids; padding continues the last segment's positions
+            # (causal attention keeps real tokens from seeing it, and its labels are -100).
+            batch[f"{p}position_ids"] = torch.stack(
+                [
+                    _continue_positions(f[f"{p}position_ids"], batch[f"{p}input_ids"].shape[1])
+                    for f in features
+                ]
+            )
+        else:
+            batch[f"{p}attention_mask"] = pad_sequences([[1] * len(s) for s in ids], 0)
+    handled = {
+        f"{p}{k}"
+        for p in prefixes
+        for k in ("input_ids", "labels", "attention_mask", "position_ids")
+    }
+    for key in features[0]:
+        if key in handled:
+            continue
+        values = [f[key] for f in features]
+        if all(isinstance(v, bool | int | float) for v in values):
+            batch[key] = torch.tensor(values)
+        else:
+            batch[key] = values
+    return batch
+
+
+def _continue_positions(pos: Sequence[int], width: int) -> torch.Tensor:
+    out = torch.as_tensor(list(pos), dtype=torch.long)
+    if len(out) < width:
+        last = int(out[-1]) if len(out) else -1
+        out = torch.cat([out, torch.arange(last + 1, last + 1 + width - len(out))])
+    return out

@@ -1,0 +1,42 @@
+"""Prompt collation for online methods: ``GRPOCollator`` left-pads the prompts of
+:func:`grimoire.rows.prompts.tokenize_grpo` (generation appends to the right) and passes the
+other columns through as Python lists; :func:`prompt_token_lists` undoes the padding."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grimoire.collate.common import pad_sequences
+
+
+@dataclass
+class GRPOCollator:
+    """Left-pads ``prompt_input_ids`` / ``prompt_attention_mask`` to ``[B, P]``; every other
+    column is passed through as a list (reward functions get plain Python values)."""
+
+    pad_token_id: int
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        ids = [list(f["prompt_input_ids"]) for f in features]
+        batch: dict[str, Any] = {
+            "prompt_input_ids": pad_sequences(ids, self.pad_token_id, side="left"),
+            "prompt_attention_mask": pad_sequences([[1] * len(s) for s in ids], 0, side="left"),
+        }
+        for key in features[0]:
+            if key not in batch:
+                batch[key] = [f.get(key) for f in features]
+        return batch
+
+
+def prompt_token_lists(batch: Mapping[str, Any]) -> list[list[int]]:
+    """Unpadded prompt ids of a collated batch (drops the left padding)."""
+    ids: torch.Tensor = batch["prompt_input_ids"]
+    mask: torch.Tensor = batch["prompt_attention_mask"]
+    return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+
+
+__all__ = ["GRPOCollator", "prompt_token_lists"]

@@ -1,0 +1,1 @@
+"""Normalisation: loss units, token counts, and the one cross-rank reduction of a step."""

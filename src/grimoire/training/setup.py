@@ -1,0 +1,317 @@
+"""The trainer's set-up, as named build steps run in order by ``GrimoireTrainer.__init__``.
+
+Each step is one small function: what it needs comes in as arguments, what it builds goes out as
+the return value, so ``__init__`` reads as the list of steps (accelerator, packing, model,
+compile, budget, data checks, the method's context, collator, reference columns, loader,
+sharding, optimizer and scheduler, ``accelerate.prepare``, callbacks). Model preparation
+(:func:`prepare_model`) applies the pieces of :mod:`grimoire.model` in their one valid order.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from grimoire.batching.budget import TokenBudget
+from grimoire.batching.loader import StepLoader, packing_decision
+from grimoire.batching.validation import validate_training_data
+from grimoire.config.context import TrainingContext
+from grimoire.config.training import TrainingConfig
+from grimoire.errors import ConfigError
+from grimoire.forward.precomputed import precompute_reference
+from grimoire.forward.reference import is_quantized
+from grimoire.losses.base import GrimoireLoss
+from grimoire.model.liger import apply_liger
+from grimoire.model.neftune import attach_neftune
+from grimoire.model.osft import attach_osft
+from grimoire.model.packed_attention import enable_packed_attention
+from grimoire.model.precision import resolve_mixed_precision
+from grimoire.model.prepare import (
+    disable_dropout,
+    enable_checkpointing,
+    prepare_kbit_model,
+    resolve_checkpointing,
+)
+from grimoire.optim.optimizers import build_optimizer, build_scheduler
+from grimoire.parallel.accelerate import (
+    check_world_size,
+    configure_deepspeed,
+    has_accelerator,
+    reset_accelerate_state,
+)
+from grimoire.parallel.fsdp import is_sharded, shard_model
+from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+def check_config(config: Any) -> TrainingConfig:
+    """Refuse anything but a :class:`TrainingConfig` (a dict or a CLI namespace would fail late)."""
+    if not isinstance(config, TrainingConfig):
+        raise ConfigError([f"config must be a TrainingConfig, got {type(config).__name__}"])
+    return config
+
+
+def build_accelerator(config: TrainingConfig) -> Accelerator:
+    """A fresh per-run accelerate state (device, precision, trackers), checked against the
+    launcher's world size; then the run's seed."""
+    reset_accelerate_state()
+    accelerator = Accelerator(
+        # On a machine with no accelerator, torchrun/accelerate-launched processes must be told
+        # to form a CPU (gloo) group; otherwise each would silently train alone.
+        cpu=not has_accelerator(),
+        mixed_precision=resolve_mixed_precision(config),
+        log_with=config.log_with,
+        project_dir=config.output_dir,
+    )
+    check_world_size(accelerator.num_processes)
+    set_seed(config.seed)
+    return accelerator
+
+
+def decide_packing(
+    method: GrimoireLoss,
+    config: TrainingConfig,
+    pad_id: int,
+    data_collator: Any,
+    model: torch.nn.Module,
+    dataset: Any,
+    accelerator: Accelerator,
+) -> bool:
+    """Whether micro-batches are packed rows (``padding_free``: auto / forced); the reason is
+    logged."""
+    packed, why = packing_decision(
+        method, config, pad_id, data_collator, model, dataset, accelerator.device.type
+    )
+    logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
+    return packed
+
+
+def prepare_model(
+    model: torch.nn.Module,
+    peft_config: Any,
+    config: TrainingConfig,
+    accelerator: Accelerator | None,
+    packed: bool = False,
+    checkpointing: bool | None = None,
+) -> tuple[torch.nn.Module, list[Any]]:
+    """Liger, LoRA (k-bit preparation for quantized bases), checkpointing, dropout, packed
+    attention, NEFTune, OSFT, in that order.
+
+    ``checkpointing``: the run's resolved ``gradient_checkpointing`` (``None``: resolved here by
+    :func:`~grimoire.model.prepare.resolve_checkpointing`). Returns the model to train and the
+    optimizer-step hooks it needs (OSFT's projection).
+    """
+    quantized = is_quantized(model)
+    if quantized and peft_config is None:
+        raise ConfigError(["a quantized model can only be trained with LoRA: pass peft_config"])
+    if config.osft and peft_config is not None:
+        raise ConfigError(["OSFT and LoRA cannot be combined: drop peft_config or set osft=False"])
+    if config.use_liger:
+        apply_liger(model)
+    if checkpointing is None:
+        checkpointing = resolve_checkpointing(model, config, accelerator)[0]
+    if peft_config is not None:
+        from peft import get_peft_model  # lazy like every peft use: only LoRA runs pay its import
+
+        if quantized:
+            if config.kbit_gradient_checkpointing is not None:
+                checkpointing = config.kbit_gradient_checkpointing
+            model = prepare_kbit_model(model, config.kbit_upcast, checkpointing)
+        model = get_peft_model(model, peft_config)
+    if checkpointing:
+        enable_checkpointing(model)
+    if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    if config.disable_dropout:
+        disable_dropout(model)
+    if packed:
+        # Packed rows then attend per sample instead of through a dense L x L mask; exact, and
+        # every other call (padded, generation, eval) stays transformers' sdpa.
+        enable_packed_attention(model, torch_compile=config.torch_compile)
+    if config.neftune_noise_alpha is not None:
+        attach_neftune(model, config.neftune_noise_alpha)
+    hooks: list[Any] = []
+    if config.osft:
+        hooks.append(attach_osft(model, config, accelerator))
+    return model, hooks
+
+
+def frozen_preparer(config: TrainingConfig, packed: bool) -> Any:
+    """How a frozen model kept beside the policy (a reference) is prepared: the policy's packed
+    attention, so both run the same kernels (policy == reference then gives exact ties, and the
+    reference passes are as fast), and the policy's FSDP2 sharding."""
+
+    def prepare(model: torch.nn.Module) -> torch.nn.Module:
+        if packed:
+            enable_packed_attention(model, torch_compile=config.torch_compile)
+        if config.distributed == "fsdp2":
+            return shard_model(model, config)
+        return model
+
+    return prepare
+
+
+def build_budget(config: TrainingConfig, method: GrimoireLoss, packed: bool) -> TokenBudget | None:
+    """The per-device token budget (``max_tokens_per_device``), or None for fixed-size batches."""
+    if not config.max_tokens_per_device:
+        return None
+    return TokenBudget(config.max_tokens_per_device, method, packed, config.truncate_long_samples)
+
+
+def validate_data(
+    method: GrimoireLoss,
+    model: torch.nn.Module,
+    config: TrainingConfig,
+    budget: TokenBudget | None,
+    train_dataset: Any,
+    eval_dataset: Any,
+) -> None:
+    """Every problem with the tokenized datasets (columns, lengths, token ids beyond the
+    vocabulary, rows over the budget), raised together before anything trains."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    validate_training_data(
+        method,
+        {"train": train_dataset, "eval": eval_dataset},
+        config.max_length,
+        getattr(embeddings, "num_embeddings", None),
+        budget,
+    )
+
+
+def setup_method(
+    method: GrimoireLoss,
+    config: TrainingConfig,
+    accelerator: Accelerator,
+    tokenizer: Any,
+    model: torch.nn.Module,
+    datasets: tuple[Any, Any],
+    packed: bool,
+) -> TrainingContext:
+    """The method's view of the run, handed to its ``setup`` hook.
+
+    Runs before the method's collator exists (KTO bounds its KL rows by ``max_length``) and
+    before DDP wraps the policy (the context holds the unwrapped model).
+    """
+    context = TrainingContext(config, accelerator, tokenizer, model, *datasets, packed=packed)
+    context.prepare_frozen = frozen_preparer(config, packed)
+    method.setup(context)
+    return context
+
+
+def build_collator(method: GrimoireLoss, data_collator: Any, packed: bool, pad_id: int) -> Any:
+    """The user's collator, else the method's packed or padded one."""
+    if data_collator is not None:
+        return data_collator
+    if packed:
+        return method.create_packed_collator(pad_id)
+    return method.create_collator(pad_id)
+
+
+def precompute_reference_columns(
+    method: GrimoireLoss,
+    model: torch.nn.Module,
+    context: TrainingContext,
+    collator: Any,
+    budget: TokenBudget | None,
+) -> tuple[Any, Any]:
+    """``precompute_ref_log_probs``: one no-grad reference pass now, batched as training will
+    be; the reference is then released and training reads the datasets' cached columns (they
+    replace the context's datasets). Returns the (train, eval) datasets training reads."""
+    config = context.config
+    if not config.precompute_ref_log_probs:
+        return context.train_dataset, context.eval_dataset
+    context.train_dataset, context.eval_dataset = precompute_reference(
+        method,
+        model,
+        (context.train_dataset, context.eval_dataset),
+        collator=collator,
+        budget=budget,
+        batch_size=config.effective_eval_batch_size,
+        accelerator=context.accelerator,
+        move_policy=config.distributed != "fsdp2",
+    )
+    return context.train_dataset, context.eval_dataset
+
+
+def log_reference(method: GrimoireLoss) -> None:
+    """Say where a method's reference log-probs come from (cache, adapters, a frozen copy)."""
+    if method.needs_reference_model:
+        reference = method.reference
+        source = reference.source if reference is not None else "the method's own"
+        logger.info("%s: reference log-probs from %s", method.method_name, source)
+
+
+def build_loader(
+    dataset: Any,
+    collator: Any,
+    budget: TokenBudget | None,
+    accelerator: Accelerator,
+    batch_size: int,
+    **kwargs: Any,
+) -> StepLoader:
+    """This rank's step loader over ``dataset`` (planned once; see :class:`StepLoader`)."""
+    return StepLoader.build(
+        dataset,
+        collator,
+        budget,
+        batch_size=batch_size,
+        world_size=accelerator.num_processes,
+        rank=accelerator.process_index,
+        **kwargs,
+    )
+
+
+def shard(model: torch.nn.Module, config: TrainingConfig) -> torch.nn.Module:
+    """FSDP2 sharding (``distributed="fsdp2"``), before the optimizer exists so its state is
+    sharded too; accelerate never wraps a sharded model (on CPU its FSDP plugin would silently
+    run DDP)."""
+    return shard_model(model, config) if config.distributed == "fsdp2" else model
+
+
+def build_optimization(
+    model: torch.nn.Module, config: TrainingConfig, accelerator: Accelerator, max_steps: int
+) -> tuple[torch.nn.Module, Any, Any]:
+    """Optimizer and schedule, then ``accelerate.prepare`` (DDP / DeepSpeed wrapping; a sharded
+    model stays as it is). Returns ``(model, optimizer, scheduler)``."""
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config, max_steps)
+    configure_deepspeed(accelerator, config)
+    if is_sharded(model):
+        return model, accelerator.prepare(optimizer), scheduler
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return model, optimizer, scheduler
+
+
+def build_callbacks(
+    callbacks: Sequence[TrainerCallback] | None, config: TrainingConfig
+) -> CallbackList:
+    """The user's callbacks, then the progress bar (last, so its eval line shows metrics other
+    callbacks add)."""
+    return CallbackList(
+        list(callbacks or []) + ([ProgressCallback()] if config.progress_bar else [])
+    )
+
+
+__all__ = [
+    "build_accelerator",
+    "build_budget",
+    "build_callbacks",
+    "build_collator",
+    "build_loader",
+    "build_optimization",
+    "check_config",
+    "decide_packing",
+    "frozen_preparer",
+    "log_reference",
+    "precompute_reference_columns",
+    "prepare_model",
+    "setup_method",
+    "shard",
+    "validate_data",
+]
