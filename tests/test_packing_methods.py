@@ -20,6 +20,7 @@ from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import build_model, kto_rows, reverse_rows
 from grimoire.rollout.batches import pack_rollout_batch
 from grimoire.rows.prompts import tokenize_grpo
+from grimoire.training.setup import build_rollouts
 
 PAD = 0
 
@@ -141,7 +142,7 @@ def test_packed_grpo_pass_matches_padded(tiny_model, tokenizer, temperature):
     method.setup(ctx)
     assert not method.pack_training
     prompts = GRPOCollator(tokenizer.pad_token_id)(rows[:2])
-    padded = method.rollouts.step(ctx, [(prompts, 1.0)])[0][0][0]
+    padded = build_rollouts(method, ctx).step(ctx, [(prompts, 1.0)])[0][0][0]
     # The tiny model rarely samples EOS: end some completions early (as EOS would) so the
     # samples differ in completion length too, then redo the padded reference pass.
     c = padded["completion_mask"].shape[1]

@@ -11,6 +11,7 @@ from grimoire.losses import GrimoireLoss, GRPOMethod, KTOLoss, SFTLoss
 from grimoire.losses.base import FORWARDED, MethodAdapter, as_method
 from grimoire.losses.kto import cross_rank_mean
 from grimoire.rollout.stage import RolloutStage
+from grimoire.training.setup import build_rollouts
 
 
 class Minimal:  # the documented duck-typed protocol
@@ -41,7 +42,7 @@ def test_as_method_keeps_a_method_and_adapts_a_duck_type():
     assert method.loss_weight(batch) == 1.0
     assert GrimoireLoss.loss_weight(sft, batch) == 4.0  # the contract's default: rows
     assert method.validate_dataset([{"x": 1}], "train") == []
-    assert method.create_packed_collator(0) is None and method.rollouts is None
+    assert method.create_packed_collator(0) is None and method.engine is None
     assert not method.needs_generation and not method.needs_reference_model
     assert method.steps_per_batch == 1 and method.budget_hint == "" and method.reference is None
     assert method.budget_tokens({"": 3, "kl_": 5}, True) == 8
@@ -70,11 +71,16 @@ def test_an_adapter_forwards_what_the_object_defines_live():
     assert method.steps_per_batch == 5
 
 
-def test_the_rollout_stage_is_made_at_setup_from_explicit_parts():
+def test_the_trainer_builds_the_rollout_stage_from_the_methods_parts():
     method = GRPOMethod(["exact_match"], num_iterations=2)
-    assert method.rollouts is None and method.steps_per_batch == 2
+    assert method.steps_per_batch == 2 and not hasattr(method, "rollouts")
     parts = inspect.signature(RolloutStage).parameters
     assert "method" not in parts and {"engine", "build_batches", "reference_logps"} <= set(parts)
+    # The contract names every part the trainer hands the stage, with a default for methods
+    # that do not generate.
+    sft = SFTLoss()
+    assert sft.engine is None and list(sft.reward_funcs) == [] and sft.sampling is None
+    assert build_rollouts(sft, None) is None
 
 
 def test_kto_cross_rank_mean_goes_through_the_context():

@@ -39,6 +39,7 @@ from grimoire.rows.kto import tokenize_kto
 from grimoire.rows.preference import tokenize_preference
 from grimoire.rows.prompts import tokenize_grpo
 from grimoire.rows.sft import tokenize_sft
+from grimoire.training.setup import build_rollouts
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "losses.md"
 REWARD_FN = "length"  # the name a per-reward-function metric gets (its function's __name__)
@@ -104,7 +105,7 @@ def _online(name, tiny_dir, tokenizer):
     ctx = TrainingContext(quiet_config("unused"), Accelerator(cpu=True), tokenizer, model, rows)
     method.setup(ctx)
     prompts = GRPOCollator(tokenizer.pad_token_id)(rows[:2])
-    batches, rollout_metrics, _ = method.rollouts.step(ctx, [(prompts, 1.0)])
+    batches, rollout_metrics, _ = build_rollouts(method, ctx).step(ctx, [(prompts, 1.0)])
     _, loss_metrics = method(model, batches[0][0])
     return {**rollout_metrics, **loss_metrics}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rows.prompts import tokenize_grpo
+from grimoire.training.setup import build_rollouts
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -77,10 +79,15 @@ def _rows_of(batch):
     return out
 
 
+_STAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _step(method, ctx, rows, tokenizer, n=4):
     """The rollout stage on one prompt micro-batch: ``(training batch, rollout metrics)``."""
     mb = GRPOCollator(tokenizer.pad_token_id)(rows[:n])
-    batches, metrics, _ = method.rollouts.step(ctx, [(mb, 1.0)])
+    if method not in _STAGES:  # one stage per method, as the trainer holds it (it caches rollouts)
+        _STAGES[method] = build_rollouts(method, ctx)
+    batches, metrics, _ = _STAGES[method].step(ctx, [(mb, 1.0)])
     return batches[0][0], metrics
 
 

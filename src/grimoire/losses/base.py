@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,9 @@ from torch import Tensor
 from grimoire.batching.budget import default_budget_tokens, truncate_sequences
 from grimoire.columns import columns_of
 from grimoire.forward.reference import Reference
-from grimoire.rollout.stage import RolloutStage
+from grimoire.rollout.engine import RolloutEngine
+from grimoire.rollout.rewards import RewardFunction
+from grimoire.rollout.stage import SamplingConfig, ScoredGroup
 
 
 class GrimoireLoss(abc.ABC):
@@ -48,7 +50,9 @@ class GrimoireLoss(abc.ABC):
     required_columns: tuple[str, ...] = ()
     #: Needs a frozen reference policy (DPO, IPO, KTO, online methods with KL): see ``reference``.
     needs_reference_model: bool = False
-    #: Generates completions from the current policy during training (online RL): see ``rollouts``.
+    #: Generates completions from the current policy during training (online RL): the trainer
+    #: then builds its rollout stage from ``engine``, ``reward_funcs``, ``sampling``,
+    #: :meth:`build_batches`, ``needs_old_logps`` and ``reference_logps``.
     needs_generation: bool = False
     #: Optimizer steps taken on each global batch (GRPO's num_iterations); read by the planner.
     steps_per_batch: int = 1
@@ -62,9 +66,13 @@ class GrimoireLoss(abc.ABC):
     budget_hint: str = ""
     #: The frozen reference (:class:`~grimoire.forward.reference.Reference`); None without one.
     reference: Reference | None = None
-    #: The rollout stage the trainer runs before the step's losses (methods that generate; made
-    #: by :meth:`setup`), or None.
-    rollouts: RolloutStage | None = None
+    #: Methods that generate: the engine that samples, the reward functions that score, and the
+    #: sampling settings (G, temperature, ...). The trainer owns the stage made from them.
+    engine: RolloutEngine | None = None
+    reward_funcs: Sequence[RewardFunction] = ()
+    sampling: SamplingConfig | None = None
+    #: Whether rollouts record the sampling policy's log-probs (an extra no-grad forward).
+    needs_old_logps: bool = False
     #: ``reference_logps(model, batch)``: the cached reference columns of a batch, for methods
     #: whose reference can be computed before training (``precompute_ref_log_probs``); None: not.
     reference_logps: Callable[..., Any] | None = None
@@ -93,6 +101,13 @@ class GrimoireLoss(abc.ABC):
     def implementation(self) -> Any:
         """The object that holds the method's settings (itself; the wrapped one for an adapter)."""
         return self
+
+    def build_batches(
+        self, ctx: Any, groups: list[ScoredGroup]
+    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        """Methods that generate: the step's scored groups as training micro-batches, and the
+        method's rollout metrics (called by the rollout stage)."""
+        raise NotImplementedError(f"{self.method_name} does not generate (needs_generation)")
 
     def create_packed_collator(self, pad_token_id: int) -> Any:
         """Padding-free collator (one packed row per micro-batch), or None when unsupported."""
@@ -166,7 +181,11 @@ FORWARDED: tuple[str, ...] = (
     "logp_reduction",
     "budget_hint",
     "reference",
-    "rollouts",
+    "engine",
+    "reward_funcs",
+    "sampling",
+    "needs_old_logps",
+    "build_batches",
     "reference_logps",
     "create_packed_collator",
     "loss_weight",

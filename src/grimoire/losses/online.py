@@ -5,8 +5,8 @@ How an online method plugs into the one training loop (:class:`grimoire.Grimoire
 1. The dataset holds prompts (:func:`grimoire.rows.prompts.tokenize_grpo`); each micro-batch the
    planner gives this rank is ``batch_size`` prompts (collated by ``GRPOCollator``).
 2. The trainer runs the step's rollout stage first (:class:`grimoire.rollout.stage.RolloutStage`,
-   ``self.rollouts``, made by :meth:`OnlineMethod.rollout_stage` in ``setup`` from explicit
-   parts; the stage never holds the method): it samples ``G = num_generations`` completions per prompt of every real
+   which the trainer owns and builds from this method's ``engine``, ``reward_funcs``,
+   ``sampling`` and :meth:`build_batches`; the stage never holds the method): it samples ``G = num_generations`` completions per prompt of every real
    micro-batch, scores them, and hands the step's scored groups to :meth:`build_batches`, which
    returns one training micro-batch per group (advantages, old / reference log-probs,
    selections). Statistics over the step ("batch" reward scaling, advantage normalisation) are
@@ -37,7 +37,7 @@ from grimoire.losses.base import GrimoireLoss
 from grimoire.rollout.batches import batch_completion_logps, training_batch
 from grimoire.rollout.engine import HFGenerateEngine, RolloutEngine
 from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
-from grimoire.rollout.stage import RolloutStage, SamplingConfig, ScoredGroup
+from grimoire.rollout.stage import SamplingConfig, ScoredGroup
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +113,6 @@ class OnlineMethod(GrimoireLoss):
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
-        #: The rollout stage the trainer runs before this method's loss (made in setup).
-        self.rollouts: RolloutStage | None = None
         #: Emit packed TRAINING micro-batches (padding-free run or token budget); set in setup.
         self.pack_training = False
         self._ctx: Any = None
@@ -211,29 +209,11 @@ class OnlineMethod(GrimoireLoss):
                 )
         return problems
 
-    def rollout_stage(self, ctx: Any) -> RolloutStage:
-        """This method's rollout stage, bound to the run's policy: built from explicit parts
-        (engine, reward functions, sampling, ``build_batches``, ``steps_per_batch``, the
-        reference log-probs when there is a reference), so it never calls back into the method
-        otherwise. Made at set-up, when subclasses' settings are final."""
-        stage = RolloutStage(
-            self.engine,
-            self.reward_funcs,
-            self.sampling,
-            self.build_batches,
-            steps_per_batch=self.steps_per_batch,
-            needs_old_logps=self.needs_old_logps,
-            reference_logps=self.reference_logps if self.needs_reference_model else None,
-        )
-        stage.bind(ctx)
-        return stage
-
     def setup(self, ctx: Any) -> None:
-        """Make the rollout stage, check prompt lengths, place the reference."""
+        """Check prompt lengths, place the reference."""
         self._ctx = ctx
-        self.rollouts = self.rollout_stage(ctx)
         self._check_lengths(ctx)
-        self.pack_training = self.rollouts.pack
+        self.pack_training = ctx.packed
         if self.needs_reference_model:
             self.reference.setup(ctx)
         policy = ctx.unwrapped_model
@@ -326,9 +306,10 @@ class OnlineMethod(GrimoireLoss):
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
     ) -> tuple[Tensor, dict[str, Any]]:
         if "completion_mask" not in batch:  # an evaluation batch of prompts
-            if self.rollouts is None:
-                raise RuntimeError(f"{type(self).__name__}: call setup(ctx) before evaluating")
-            return self.rollouts.evaluate(batch)
+            raise RuntimeError(
+                f"{type(self).__name__}: prompt batches are sampled and scored by the rollout "
+                "stage (GrimoireTrainer.rollouts.evaluate), not by the loss"
+            )
         return self.compute_loss(model, batch)
 
     def compute_loss(

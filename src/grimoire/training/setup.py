@@ -45,6 +45,7 @@ from grimoire.parallel.accelerate import (
     reset_accelerate_state,
 )
 from grimoire.parallel.fsdp import is_sharded, shard_model
+from grimoire.rollout.stage import RolloutStage
 from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
 
 logger = logging.getLogger(__name__)
@@ -237,6 +238,25 @@ def precompute_reference_columns(
         move_policy=config.distributed != "fsdp2",
     )
     return context.train_dataset, context.eval_dataset
+
+
+def build_rollouts(method: GrimoireLoss, context: TrainingContext) -> RolloutStage | None:
+    """The rollout stage of a method that generates, owned by the trainer: built from the parts
+    the method declares (engine, reward functions, sampling, ``build_batches``, the reference
+    log-probs when it has a reference) and bound to the run's policy. None for other methods."""
+    if not method.needs_generation:
+        return None
+    stage = RolloutStage(
+        method.engine,
+        method.reward_funcs,
+        method.sampling,
+        method.build_batches,
+        steps_per_batch=method.steps_per_batch,
+        needs_old_logps=method.needs_old_logps,
+        reference_logps=method.reference_logps if method.needs_reference_model else None,
+    )
+    stage.bind(context)
+    return stage
 
 
 def log_reference(method: GrimoireLoss) -> None:

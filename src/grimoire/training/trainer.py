@@ -106,8 +106,8 @@ class GrimoireTrainer:
         self.train_dataset, self.eval_dataset = setup.precompute_reference_columns(
             loss_fn, model, self.context, self.collator, self.budget
         )
-        #: The rollout stage, for methods that generate (they own it: engine, rewards).
-        self.rollouts = loss_fn.rollouts if loss_fn.needs_generation else None
+        #: The rollout stage, for methods that generate (built from the method's parts).
+        self.rollouts = setup.build_rollouts(loss_fn, self.context)
         setup.log_reference(loss_fn)
         self.loader = self._loader(
             self.train_dataset,
@@ -242,7 +242,10 @@ class GrimoireTrainer:
         for batch, keep in self._eval_loader.all_batches():
             batch = self._to_device(batch)
             with acc.autocast():
-                loss, metrics = self.loss_fn(self.model, batch, training=False)
+                if self.rollouts is not None:  # prompts: greedy samples, scored
+                    loss, metrics = self.rollouts.evaluate(batch)
+                else:
+                    loss, metrics = self.loss_fn(self.model, batch, training=False)
             means.add({"loss": loss, **metrics}, loss_units(self.loss_fn, batch) * keep)
         self.model.train(was_training)
         result = {f"eval/{k}": v for k, v in means.compute(acc).items()}
