@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
 from grimoire.collate.kto import KTOCollator, PackedKTOCollator
+from grimoire.collate.layout import Packed, layout_of
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.config.context import TrainingContext
 from grimoire.data import cache_reference_log_probs, tokenize_kto
@@ -65,7 +66,7 @@ def test_packed_kto_layout(kto_feats):
     packed = PackedKTOCollator(PAD)(kto_feats)
     b = len(kto_feats)
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
-    assert packed["seq_lens"].tolist() == (
+    assert list(layout_of(packed).seq_lens) == (
         padded["attention_mask"].sum(-1).tolist() + padded["kl_attention_mask"].sum(-1).tolist()
     )
     assert torch.equal(packed["label"], padded["label"]) and packed["label"].dtype == torch.bool
@@ -194,4 +195,6 @@ def test_grpo_trains_padding_free(tiny_dir, tokenizer, tmp_path):
     )
     trainer.train()
     assert trainer.global_step == 2
-    assert seen and all("seq_lens" in b and b["input_ids"].shape[0] == 1 for b in seen)
+    assert seen and all(
+        isinstance(layout_of(b), Packed) and b["input_ids"].shape[0] == 1 for b in seen
+    )

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from grimoire.batching import bin_packing as planner
 from grimoire.batching.bin_packing import plan_global_batch
 from grimoire.collate import packing
+from grimoire.collate.layout import LAYOUT_KEY, Packed
 from grimoire.collate.packing import pack_samples, padding_fraction, segment_sum
 from grimoire.errors import DataError
 from grimoire.forward.logprobs import IGNORE_INDEX, shift_labels
@@ -307,13 +308,13 @@ def three_samples(prefix: str = "") -> list[dict]:
 
 def test_pack_samples_layout():
     out = pack_samples(three_samples(), pad_token_id=0)
-    assert set(out) == {"input_ids", "labels", "position_ids", "seq_lens", "sample_index"}
+    assert set(out) == {"input_ids", "labels", "position_ids", "sample_index", LAYOUT_KEY}
     assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6]]
     assert out["labels"].tolist() == [[-100, 2, 3, 4, -100, 6]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1]]
-    assert out["seq_lens"].tolist() == [3, 1, 2]
+    assert out[LAYOUT_KEY] == Packed((3, 1, 2))
     assert out["sample_index"].tolist() == [[0, 0, 0, 1, 2, 2]]
-    for key in ("input_ids", "labels", "position_ids", "seq_lens", "sample_index"):
+    for key in ("input_ids", "labels", "position_ids", "sample_index"):
         assert out[key].dtype == torch.long
 
 
@@ -341,7 +342,7 @@ def test_pack_one_token_sample():
     out = pack_samples([{"input_ids": [7], "labels": [7]}], pad_token_id=0)
     assert out["input_ids"].tolist() == [[7]]
     assert out["position_ids"].tolist() == [[0]]
-    assert out["seq_lens"].tolist() == [1]
+    assert out[LAYOUT_KEY] == Packed((1,))
     assert out["sample_index"].tolist() == [[0]]
     assert shift_labels(out["labels"], out["position_ids"]).tolist() == [[IGNORE_INDEX]]
 
@@ -362,7 +363,7 @@ def test_pack_pad_to_multiple_of():
     assert out["labels"].tolist() == [[-100, 2, 3, 4, -100, 6, -100, -100]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 0, 1, 0, 1]]
     assert out["sample_index"].tolist() == [[0, 0, 0, 1, 2, 2, -1, -1]]
-    assert out["seq_lens"].tolist() == [3, 1, 2]
+    assert out[LAYOUT_KEY].seq_lens == (3, 1, 2)
     # already aligned -> untouched
     assert pack_samples(three_samples(), 9, pad_to_multiple_of=3)["input_ids"].shape == (1, 6)
 
@@ -407,7 +408,7 @@ def test_segment_sum_matches_naive_loop(shape2d):
 def test_segment_sum_gradient_and_packed_row():
     out = pack_samples(three_samples(), pad_token_id=0, pad_to_multiple_of=4)
     values = torch.arange(8, dtype=torch.float32).reshape(1, 8).requires_grad_()
-    sums = segment_sum(values, out["sample_index"], len(out["seq_lens"]))
+    sums = segment_sum(values, out["sample_index"], out[LAYOUT_KEY].num_samples)
     assert sums.tolist() == [0 + 1 + 2, 3, 4 + 5]
     sums.sum().backward()
     assert values.grad.tolist() == [[1, 1, 1, 1, 1, 1, 0, 0]]

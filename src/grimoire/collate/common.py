@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from grimoire.collate.layout import LAYOUT_KEY, Padded
 from grimoire.columns import IGNORE_INDEX
 
 
@@ -25,11 +26,11 @@ def pad_sequences(seqs: Sequence[Sequence[int]], value: int, side: str = "right"
 
 def collate_prefixed(
     features: Sequence[Mapping[str, Any]], pad_token_id: int, prefixes: Sequence[str] = ("",)
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:
     """Right-pad ``{prefix}input_ids`` / ``labels`` / ``attention_mask`` for each prefix.
 
     Other numeric columns (e.g. cached reference log-probs) are stacked as tensors; strings are
-    passed through as lists.
+    passed through as lists. The batch states its layout: :class:`~grimoire.collate.layout.Padded`.
     """
     batch: dict[str, Any] = {}
     for p in prefixes:
@@ -61,6 +62,7 @@ def collate_prefixed(
             batch[key] = torch.tensor(values)
         else:
             batch[key] = values
+    batch[LAYOUT_KEY] = Padded()
     return batch
 
 

@@ -13,6 +13,9 @@ from grimoire.collate.common import collate_prefixed
 from grimoire.collate.packing import pack_row_sides
 from grimoire.rows.kto import mismatched_pair
 
+#: A KTO row's two sequences, by column prefix: its own completion, then its mismatched KL pair.
+KTO_SIDES: tuple[str, str] = ("", "kl_")
+
 
 @dataclass
 class KTOCollator:
@@ -22,7 +25,8 @@ class KTOCollator:
     the row's own completion (the KL estimate then equals the implied reward): train KTO with a
     per-device batch size of at least 2, or cache the pairs at dataset level. Rows that already
     hold ``kl_input_ids``/``kl_labels`` (cached pairs) keep them. ``max_length`` (the trainer's
-    ``max_length``, set by ``KTOLoss.setup`` when left None) bounds a pair's length.
+    ``max_length``, set by ``KTOLoss.setup`` when left None) bounds a pair's length. Layout:
+    :class:`~grimoire.collate.layout.Padded`.
     """
 
     pad_token_id: int
@@ -55,7 +59,7 @@ class KTOCollator:
         return rows
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        batch = collate_prefixed(self.with_kl_pairs(features), self.pad_token_id, ("", "kl_"))
+        batch = collate_prefixed(self.with_kl_pairs(features), self.pad_token_id, KTO_SIDES)
         if "label" in batch:
             batch["label"] = torch.as_tensor(batch["label"]).bool()
         return batch
@@ -71,7 +75,8 @@ class PackedKTOCollator(KTOCollator):
     mismatched KL pairs (samples ``B .. 2B-1``; the same pairs :class:`KTOCollator` builds).
 
     Output: :func:`grimoire.collate.packing.pack_samples`' keys (``input_ids``, ``labels``,
-    ``position_ids``, ``seq_lens [2B]``, ``sample_index``) plus every other per-row column
+    ``position_ids``, ``sample_index``, and ``layout``: a
+    :class:`~grimoire.collate.layout.Packed` of ``2B`` samples) plus every other per-row column
     (``label`` as bool, cached ``ref_logps``/``ref_kl_logps`` as tensors; non-numeric ones, e.g.
     ``ref_logps_reduction``, as lists). A subclass of :class:`KTOCollator` so that
     ``KTOLoss.setup`` bounds its pairs with the trainer's ``max_length`` the same way.
@@ -80,7 +85,7 @@ class PackedKTOCollator(KTOCollator):
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         batch = pack_row_sides(
             self.with_kl_pairs(features),
-            ("", "kl_"),
+            KTO_SIDES,
             self.pad_token_id,
             lambda key: key in _TOKEN_COLUMNS or key.startswith("kl_"),
         )
@@ -89,4 +94,4 @@ class PackedKTOCollator(KTOCollator):
         return batch
 
 
-__all__ = ["KTOCollator", "PackedKTOCollator"]
+__all__ = ["KTO_SIDES", "KTOCollator", "PackedKTOCollator"]

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.collate.layout import LAYOUT_KEY, Packed
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
 
@@ -26,7 +27,7 @@ def pack_samples(
     columns: Sequence[str] = ("input_ids", "labels"),
     prefix: str = "",
     pad_to_multiple_of: int | None = None,
-) -> dict[str, Tensor]:
+) -> dict[str, Any]:
     """Collate one micro-batch padding-free: all samples concatenated into a single row.
 
     Reads ``f"{prefix}{col}"`` from each sample for every ``col`` in ``columns`` (e.g.
@@ -38,7 +39,9 @@ def pack_samples(
       sample boundaries: varlen attention derives the per-sample causal blocks from it, and
       :func:`grimoire.forward.logprobs.shift_labels` drops every target at a ``position_ids == 0``
       position, so a sample's last token never learns to predict the next sample's first token;
-    - ``seq_lens``: ``[num_samples]`` long;
+    - ``layout`` (:data:`~grimoire.collate.layout.LAYOUT_KEY`): a
+      :class:`~grimoire.collate.layout.Packed` with the samples' host-side lengths (and so
+      ``cu_seqlens``); the losses cut the row back into samples with it;
     - ``sample_index``: ``[1, L]`` long, which sample each position belongs to (for
       :func:`segment_sum`).
 
@@ -48,7 +51,7 @@ def pack_samples(
     ``pad_to_multiple_of`` pads the row at the end (e.g. for kernels that want aligned lengths)
     with ``pad_token_id`` / label ``-100`` / 0 for other columns, as its own segment
     (``position_ids`` restarting at 0, so no real token attends to it) with ``sample_index = -1``,
-    which :func:`segment_sum` ignores. ``seq_lens`` excludes the padding.
+    which :func:`segment_sum` ignores. The layout's ``seq_lens`` exclude the padding.
 
     Raises:
         ValueError: for an empty ``samples`` list (dummy micro-batches reuse a real sample with
@@ -91,7 +94,7 @@ def pack_samples(
     if pad_to_multiple_of is not None and pad_to_multiple_of > 1:
         pad = -total % pad_to_multiple_of
 
-    out: dict[str, Tensor] = {}
+    out: dict[str, Any] = {}
     for col, parts in zip(columns, per_col):
         row = torch.cat(parts)
         if not row.is_floating_point() and row.dtype != torch.bool:
@@ -116,8 +119,8 @@ def pack_samples(
         sample_index = torch.cat([sample_index, sample_index.new_full((pad,), -1)])
         position_ids = torch.cat([position_ids, torch.arange(pad)])
     out["position_ids"] = position_ids.unsqueeze(0)
-    out["seq_lens"] = lens
     out["sample_index"] = sample_index.unsqueeze(0)
+    out[LAYOUT_KEY] = Packed(tuple(seq_lens))
     return out
 
 
@@ -131,9 +134,10 @@ def pack_row_sides(
     pair) into one row: every row's first side, then every row's second side, and so on.
 
     ``f"{side}input_ids"`` / ``f"{side}labels"`` go through :func:`pack_samples`, so sample
-    ``j * len(rows) + i`` is row ``i``'s side ``j``. Every other column (those
-    ``is_token_column`` rejects) rides along per row: numeric values as a ``[len(rows)]``
-    tensor, anything else as a list.
+    ``j * len(rows) + i`` is row ``i``'s side ``j`` (the batch's
+    :class:`~grimoire.collate.layout.Packed` layout lists them in that order). Every other
+    column (those ``is_token_column`` rejects) rides along per row: numeric values as a
+    ``[len(rows)]`` tensor, anything else as a list.
     """
     samples = [
         {"input_ids": r[f"{side}input_ids"], "labels": r[f"{side}labels"]}
@@ -207,5 +211,5 @@ class PackedCollator:
         self.pad_token_id = pad_token_id
         self.columns = tuple(columns)
 
-    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Tensor]:
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, Any]:
         return pack_samples(list(features), self.pad_token_id, columns=self.columns)

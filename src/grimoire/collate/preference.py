@@ -14,6 +14,9 @@ from grimoire.collate.common import collate_prefixed
 from grimoire.collate.packing import pack_row_sides
 from grimoire.columns import IGNORE_INDEX
 
+#: A preference row's two sequences, by column prefix, in the order they are stacked or packed.
+PAIR_SIDES: tuple[str, str] = ("chosen_", "rejected_")
+
 
 def pad_right(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
     """Right-pad a ``[B, T]`` tensor with ``value`` to ``[B, width]`` (no-op when wide enough)."""
@@ -29,15 +32,15 @@ class PreferenceCollator:
 
     A common width lets the loss run chosen and rejected through the model in a single forward
     without re-padding. Extra numeric columns (cached reference log-probs, margins) become
-    tensors; strings pass through as lists.
+    tensors; strings pass through as lists. Layout: :class:`~grimoire.collate.layout.Padded`.
     """
 
     pad_token_id: int
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        batch = collate_prefixed(features, self.pad_token_id, ("chosen_", "rejected_"))
+        batch = collate_prefixed(features, self.pad_token_id, PAIR_SIDES)
         width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
-        for side in ("chosen_", "rejected_"):
+        for side in PAIR_SIDES:
             batch[f"{side}input_ids"] = pad_right(
                 batch[f"{side}input_ids"], width, self.pad_token_id
             )
@@ -49,15 +52,17 @@ class PreferenceCollator:
 class PackedPairCollator:
     """Padding-free pairs: the micro-batch's chosen then rejected responses as one packed row.
 
-    Other numeric columns (cached reference log-probs, margins) are stacked as tensors.
+    Other numeric columns (cached reference log-probs, margins) are stacked as tensors. Layout:
+    :class:`~grimoire.collate.layout.Packed` of ``2B`` samples, the chosen ones first.
     """
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        sides = ("chosen_", "rejected_")
-        return pack_row_sides(features, sides, self.pad_token_id, lambda key: key.startswith(sides))
+        return pack_row_sides(
+            features, PAIR_SIDES, self.pad_token_id, lambda key: key.startswith(PAIR_SIDES)
+        )
 
 
-__all__ = ["PackedPairCollator", "PreferenceCollator", "pad_right"]
+__all__ = ["PAIR_SIDES", "PackedPairCollator", "PreferenceCollator", "pad_right"]

@@ -11,12 +11,14 @@ from typing import Any
 import torch
 
 from grimoire.collate.common import pad_sequences
+from grimoire.collate.layout import LAYOUT_KEY, Padded
 
 
 @dataclass
 class GRPOCollator:
     """Left-pads ``prompt_input_ids`` / ``prompt_attention_mask`` to ``[B, P]``; every other
-    column is passed through as a list (reward functions get plain Python values)."""
+    column is passed through as a list (reward functions get plain Python values). Layout:
+    :class:`~grimoire.collate.layout.Padded` (generation takes padded prompts)."""
 
     pad_token_id: int
 
@@ -29,6 +31,7 @@ class GRPOCollator:
         for key in features[0]:
             if key not in batch:
                 batch[key] = [f.get(key) for f in features]
+        batch[LAYOUT_KEY] = Padded()
         return batch
 
 

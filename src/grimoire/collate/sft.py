@@ -6,18 +6,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from grimoire.collate.common import collate_prefixed
 
 
 @dataclass
 class SFTCollator:
-    """Right-pads ``input_ids``/``labels``/``attention_mask`` into ``[B, T]`` tensors."""
+    """Right-pads ``input_ids``/``labels``/``attention_mask`` into ``[B, T]`` tensors (layout
+    :class:`~grimoire.collate.layout.Padded`)."""
 
     pad_token_id: int
 
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return collate_prefixed(features, self.pad_token_id)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from grimoire.batching.budget import default_budget_tokens, truncate_sequences
+from grimoire.collate.layout import Packed, layout_of
 from grimoire.columns import columns_of
 from grimoire.forward.reference import Reference
 from grimoire.rollout.engine import RolloutEngine
@@ -114,7 +115,11 @@ class GrimoireLoss(abc.ABC):
         return None
 
     def loss_weight(self, batch: dict[str, Any]) -> float:
-        """Loss units in ``batch``; default: one per row (rows equally weighted)."""
+        """Loss units in ``batch``; default: one per sample (samples equally weighted): the
+        rows of a padded batch, the samples of a packed row."""
+        layout = layout_of(batch)
+        if isinstance(layout, Packed):
+            return float(layout.num_samples)
         for key, value in batch.items():
             if key.endswith("input_ids") and isinstance(value, Tensor):
                 return float(value.shape[0])

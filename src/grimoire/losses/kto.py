@@ -13,23 +13,23 @@ carries cached ``ref_logps``/``ref_kl_logps``).
 Padding-free (``TrainingConfig.padding_free`` / ``max_tokens_per_device``): the
 :class:`~grimoire.collate.kto.PackedKTOCollator` packs the completions then their KL pairs into one
 row; :func:`kto_parts` cuts it into the two groups and every forward's result is unpacked back to
-padded rows, so the loss math is shared by both layouts.
+padded rows (:mod:`grimoire.forward.batch`), so the loss math is shared by both layouts.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from grimoire.batching.budget import default_budget_tokens, truncate_sequences
-from grimoire.collate.kto import KTOCollator, PackedKTOCollator
+from grimoire.collate.kto import KTO_SIDES, KTOCollator, PackedKTOCollator
 from grimoire.columns import column_values, columns_of
 from grimoire.errors import ConfigError
+from grimoire.forward.batch import LayoutRows, rows_per_side, side_rows, sides_token_logps
 from grimoire.forward.logprobs import TokenLogps
 from grimoire.forward.precomputed import with_kl_pairs
 from grimoire.forward.reference import Reference
@@ -40,9 +40,6 @@ from grimoire.losses.preference import (
     check_reduction,
     policy_compute,
     reduce_logps,
-    split_logps,
-    stack_rows,
-    unpack_rows,
 )
 from grimoire.rows.kto import KTO_COLUMNS
 
@@ -74,66 +71,29 @@ def cross_rank_mean(count: int, ctx: Any) -> Callable[[Tensor], Tensor] | None:
     return reduce
 
 
-@dataclass
-class KTORows:
-    """One group of a KTO micro-batch (the rows' completions, or their KL pairs), padded
-    (``mask`` set, ``seq_lens`` None) or packed (``position_ids`` and ``seq_lens`` set)."""
-
-    input_ids: Tensor
-    labels: Tensor
-    mask: Tensor | None = None
-    position_ids: Tensor | None = None
-    seq_lens: Tensor | None = None
-
-    def token_logps(self, compute: Callable[..., TokenLogps]) -> TokenLogps:
-        """``[rows, T]`` per-token log-probs; a packed group is unpacked to padded rows, so the
-        loss code downstream is the same for both layouts."""
-        out = compute(self.input_ids, self.labels, self.mask, self.position_ids)
-        return out if self.seq_lens is None else unpack_rows(out, self.seq_lens)
-
-
 def num_rows(batch: dict[str, Any]) -> int:
     """The micro-batch's KTO rows (a packed batch holds 2 samples per row: its own + KL pair)."""
-    if "seq_lens" in batch:
-        return int(batch["seq_lens"].shape[0]) // 2
-    return int(batch["input_ids"].shape[0])
+    return rows_per_side(batch, KTO_SIDES)
 
 
-def kto_parts(batch: dict[str, Any]) -> tuple[KTORows, KTORows]:
+def kto_parts(batch: dict[str, Any]) -> tuple[LayoutRows, LayoutRows]:
     """The rows' own completions and their mismatched KL pairs, padded or packed.
 
     A packed batch (:class:`~grimoire.collate.kto.PackedKTOCollator`) holds the own samples first,
-    so cutting its row after them gives two packed rows (positions restart at every sample, so
-    a cut at a sample boundary is itself a valid packed row): the policy can then run WITH
-    gradient over the first and without over the second, as in the padded layout.
+    so it is cut after them into two packed rows (:func:`grimoire.forward.batch.side_rows`): the
+    policy can then run WITH gradient over the first and without over the second, as in the
+    padded layout.
     """
-    if "seq_lens" not in batch:
-        return (
-            KTORows(batch["input_ids"], batch["labels"], batch["attention_mask"]),
-            KTORows(batch["kl_input_ids"], batch["kl_labels"], batch["kl_attention_mask"]),
-        )
-    lens, b = batch["seq_lens"], num_rows(batch)
-    cut = int(lens[:b].sum())
-    ids, labels, pos = batch["input_ids"], batch["labels"], batch["position_ids"]
-    return (
-        KTORows(ids[:, :cut], labels[:, :cut], None, pos[:, :cut], lens[:b]),
-        KTORows(ids[:, cut:], labels[:, cut:], None, pos[:, cut:], lens[b:]),
-    )
+    own, kl_rows = side_rows(batch, KTO_SIDES)
+    return own, kl_rows
 
 
 def joint_logps(
-    batch: dict[str, Any], own: KTORows, kl_rows: KTORows, compute: Callable[..., TokenLogps]
+    batch: dict[str, Any], compute: Callable[..., TokenLogps]
 ) -> tuple[TokenLogps, TokenLogps]:
     """Own and KL per-token log-probs from ONE forward over both groups (the reference pass)."""
-    if "seq_lens" in batch:  # the whole packed row is already both groups back to back
-        joint = KTORows(
-            batch["input_ids"], batch["labels"], None, batch["position_ids"], batch["seq_lens"]
-        )
-    else:
-        parts = [(g.input_ids, g.mask, g.labels) for g in (own, kl_rows)]
-        ids, mask, labels = stack_rows(parts)  # type: ignore[arg-type]
-        joint = KTORows(ids, labels, mask)
-    return split_logps(joint.token_logps(compute), num_rows(batch))
+    own, kl = sides_token_logps(compute, batch, KTO_SIDES)
+    return own, kl
 
 
 def _label_counts(dataset: Any) -> tuple[int, int]:
@@ -282,9 +242,8 @@ class KTOLoss(ReferenceLoss):
         cached = self.reference.cached(batch, self.logp_reduction)
         if cached is not None:
             return cached[0], cached[1]
-        own, kl_rows = kto_parts(batch)
         ref_fn = self.reference.compute(model, fused=self.fused, chunk_size=self.fused_chunk_size)
-        ref_t, ref_kl_t = joint_logps(batch, own, kl_rows, ref_fn)
+        ref_t, ref_kl_t = joint_logps(batch, ref_fn)
         return reduce_logps(ref_t, self.logp_reduction), reduce_logps(ref_kl_t, self.logp_reduction)
 
     # ------------------------------------------------------------------ loss
@@ -326,7 +285,6 @@ class KTOLoss(ReferenceLoss):
 __all__ = [
     "REF_KTO_COLUMNS",
     "KTOLoss",
-    "KTORows",
     "cross_rank_mean",
     "joint_logps",
     "kto_parts",

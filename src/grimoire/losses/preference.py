@@ -13,14 +13,19 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from grimoire.collate.preference import PackedPairCollator, PreferenceCollator, pad_right
-from grimoire.columns import IGNORE_INDEX
+from grimoire.collate.preference import PAIR_SIDES, PackedPairCollator, PreferenceCollator
+from grimoire.forward.batch import (
+    TokenLogpsFn,
+    rows_per_side,
+    sides_token_logps,
+    stack_rows,
+    stacked_sides,
+)
 from grimoire.forward.logprobs import TokenLogps, compute_token_logps
 from grimoire.forward.reference import (
     REDUCTION_COLUMN,
@@ -55,37 +60,10 @@ def scalar_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v.detach().float().mean() for k, v in metrics.items()}
 
 
-def stack_rows(
-    parts: list[tuple[Tensor, Tensor, Tensor]], pad_value: int = 0
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Stack several ``(input_ids, attention_mask, labels)`` groups into one ``[sum B, T]``.
-
-    Groups are right-padded to a common width first: the padded positions are masked and
-    labelled -100, and with right padding a causal model's outputs at real positions are
-    unaffected, so the result is exactly that of separate forwards.
-    """
-    width = max(ids.shape[1] for ids, _, _ in parts)
-    ids = torch.cat([pad_right(i, width, pad_value) for i, _, _ in parts])
-    mask = torch.cat([pad_right(m, width, 0) for _, m, _ in parts])
-    labels = torch.cat([pad_right(lab, width, IGNORE_INDEX) for _, _, lab in parts])
-    return ids, mask, labels
-
-
 def pair_rows(batch: dict[str, Any], pad_value: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """``[2B, T]`` input_ids / attention_mask / labels: chosen rows first, then rejected."""
-    parts = []
-    for side in ("chosen_", "rejected_"):
-        ids = batch[f"{side}input_ids"]
-        mask = batch.get(f"{side}attention_mask")
-        labels = batch.get(f"{side}labels")
-        parts.append(
-            (
-                ids,
-                mask if mask is not None else torch.ones_like(ids),
-                labels if labels is not None else ids,
-            )
-        )
-    return stack_rows(parts, pad_value)
+    """A padded pair batch's ``[2B, T]`` input_ids / attention_mask / labels: chosen rows first,
+    then rejected (:func:`grimoire.forward.batch.stacked_sides`)."""
+    return stacked_sides(batch, PAIR_SIDES, pad_value)
 
 
 def split_logps(out: TokenLogps, n: int) -> tuple[TokenLogps, TokenLogps]:
@@ -96,43 +74,24 @@ def split_logps(out: TokenLogps, n: int) -> tuple[TokenLogps, TokenLogps]:
     )
 
 
-def unpack_rows(out: TokenLogps, seq_lens: Tensor) -> TokenLogps:
-    """A packed ``[1, L]`` result laid out as ``[num_samples, max_len]`` rows (zeros past each
-    sample's end), i.e. exactly what the same samples padded would give."""
-    lens = seq_lens.to(out.logps.device)
-    width = int(lens.max())
-    starts = torch.cumsum(lens, 0) - lens
-    offsets = torch.arange(width, device=lens.device)
-    valid = offsets[None, :] < lens[:, None]
-    index = (starts[:, None] + offsets[None, :]).clamp(max=out.logps.shape[1] - 1)
-    logps = out.logps[0][index].masked_fill(~valid, 0.0)
-    return TokenLogps(logps, out.mask[0][index] & valid)
+def pair_forward(batch: dict[str, Any], compute: TokenLogpsFn) -> tuple[TokenLogps, TokenLogps]:
+    """Chosen / rejected per-token log-probs ``[B, T]`` from one forward, padded or packed.
 
-
-def pair_forward(batch: dict[str, Any], compute: Any) -> tuple[TokenLogps, TokenLogps]:
-    """Chosen / rejected per-token log-probs from one forward, padded or packed.
-
-    ``compute(input_ids, labels, attention_mask, position_ids) -> TokenLogps``. Padded batches
-    stack chosen over rejected (``[2B, T]``); packed ones (from :class:`PackedPairCollator`) hold
-    the ``2B`` samples in one row, chosen first, and are unpacked back to rows.
+    ``compute(input_ids, labels, attention_mask, position_ids) -> TokenLogps``. The batch's
+    layout decides the forward (:func:`grimoire.forward.batch.sides_token_logps`): padded pairs
+    are stacked chosen over rejected (``[2B, T]``); a packed row (from
+    :class:`PackedPairCollator`) holds the ``2B`` samples, chosen first, and is unpacked.
     """
-    if "seq_lens" in batch:
-        out = compute(batch["input_ids"], batch["labels"], None, batch["position_ids"])
-        rows = unpack_rows(out, batch["seq_lens"])
-        return split_logps(rows, int(batch["seq_lens"].shape[0]) // 2)
-    ids, mask, labels = pair_rows(batch)
-    return split_logps(compute(ids, labels, mask, None), batch["chosen_input_ids"].shape[0])
+    chosen, rejected = sides_token_logps(compute, batch, PAIR_SIDES)
+    return chosen, rejected
 
 
 def num_pairs(batch: dict[str, Any]) -> int:
-    if "seq_lens" in batch:
-        return int(batch["seq_lens"].shape[0]) // 2
-    return int(batch["chosen_input_ids"].shape[0])
+    """The micro-batch's preference pairs, padded or packed."""
+    return rows_per_side(batch, PAIR_SIDES)
 
 
-def policy_compute(
-    model: torch.nn.Module, *, fused: bool, chunk_size: int
-) -> Callable[..., TokenLogps]:
+def policy_compute(model: torch.nn.Module, *, fused: bool, chunk_size: int) -> TokenLogpsFn:
     """``compute(ids, labels, mask, position_ids)`` for :func:`pair_forward` and the KTO parts:
     the model's per-token log-probs, with gradient."""
 

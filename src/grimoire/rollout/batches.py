@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.collate.layout import LAYOUT_KEY, Packed, Padded, layout_of
 from grimoire.collate.prompts import prompt_token_lists
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
@@ -40,6 +41,7 @@ def training_batch(rollout: Rollout, rows: Sequence[int], pack: bool) -> dict[st
         "input_ids": torch.cat([rollout.prompt_ids[idx], rollout.completion_ids[idx, :width]], 1),
         "attention_mask": torch.cat([rollout.prompt_mask[idx], cmask[:, :width]], 1),
         "completion_mask": (cmask if rows else torch.zeros_like(cmask))[:, :width],
+        LAYOUT_KEY: Padded(),
     }
     if rollout.old_logps is not None:
         batch["old_logps"] = rollout.old_logps[idx, :width]
@@ -60,6 +62,7 @@ def placeholder_batch(prompts: dict[str, Any], pad_token_id: int, pack: bool) ->
         "advantages": torch.zeros(1, device=device),
         "ref_logps": torch.zeros((1, 1), device=device),
         "num_pairs": 0,
+        LAYOUT_KEY: Padded(),
     }
     return pack_rollout_batch(batch) if pack else batch
 
@@ -69,11 +72,12 @@ def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
     as ONE packed row of its ``N`` real prompt+completion samples.
 
     Only ``input_ids`` / ``attention_mask`` change (to ``input_ids``, ``labels``,
-    ``position_ids``, ``seq_lens``, ``sample_index`` as from
-    :func:`grimoire.collate.packing.pack_samples`); the per-token tensors (``completion_mask``,
-    ``old_logps``, advantages, reference log-probs) keep their padded ``[N, C]`` completion
-    layout, and ``completion_index [N, C]`` (each completion token's position in the packed row,
-    -1 on padding) lets :func:`packed_completion_logps` return log-probs in that same layout.
+    ``position_ids``, ``sample_index`` as from :func:`grimoire.collate.packing.pack_samples`)
+    and the layout becomes :class:`~grimoire.collate.layout.Packed` (the samples' host-side
+    lengths); the per-token tensors (``completion_mask``, ``old_logps``, advantages, reference
+    log-probs) keep their padded ``[N, C]`` completion layout, and ``completion_index [N, C]``
+    (each completion token's position in the packed row, -1 on padding) lets
+    :func:`packed_completion_logps` return log-probs in that same layout.
     Positions restart at 0 per sample: exactly the padded path's ``cumsum(attention_mask) - 1``
     at real tokens.
     """
@@ -82,6 +86,9 @@ def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
     device = keep.device
     ids = batch["input_ids"][keep]  # row-major: the samples back to back
     lens = keep.sum(-1)
+    # The layout's host-side lengths: one small copy here, where the batch is built (boolean
+    # indexing above has synced already), so no forward or loss has to wait for one later.
+    seq_lens = tuple(lens.tolist())
     where = torch.full(keep.shape, -1, dtype=torch.long, device=device)
     where[keep] = torch.arange(ids.numel(), device=device)
     is_completion = torch.zeros_like(keep)
@@ -95,10 +102,10 @@ def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
         input_ids=ids[None],
         labels=labels[None],
         position_ids=position_ids[None],
-        seq_lens=lens,
         sample_index=sample_index[None],
         completion_index=where[:, -c:],
     )
+    out[LAYOUT_KEY] = Packed(seq_lens)
     return out
 
 
@@ -131,8 +138,14 @@ def packed_completion_logps(
 def batch_completion_logps(
     model: torch.nn.Module, batch: dict[str, Any], temperature: float, with_entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
-    """``[N, C]`` completion log-probs of a training batch, packed or padded, masked."""
-    if "seq_lens" in batch:
+    """``[N, C]`` completion log-probs of a training batch, packed or padded, masked.
+
+    Dispatches on the batch's layout rather than through
+    :func:`grimoire.forward.batch.sample_token_logps`: the result is in the ``[N, C]``
+    completion layout (left-padded prompts in the padded rows), with the sampling temperature
+    applied to the logits, not per-sample rows of label log-probs.
+    """
+    if isinstance(layout_of(batch), Packed):
         logps, entropy = packed_completion_logps(model, batch, temperature, with_entropy)
     else:
         c = batch["completion_mask"].shape[1]
