@@ -1,6 +1,6 @@
 """Draw docs/img/step.svg (one step's data path and the layers): python docs/img/draw_step.py."""
 from html import escape
-W, H = 1260, 740
+W, H = 1260, 790
 out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="DejaVu Sans, Arial, sans-serif">',
        '<defs><marker id="a" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker></defs>',
        f'<rect width="{W}" height="{H}" fill="#ffffff"/>',
@@ -8,14 +8,14 @@ out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBo
 stages = [
     ("rows/", "rows → token columns", ["sources", "sft · preference", "kto · prompts", "pretokenized"]),
     ("batching/", "which rows, and when", ["budget (token cost)", "steps (planner)", "bin_packing (LPT)", "loader"]),
-    ("collate/", "rows → tensors", ["padded or packed", "layout", "per-format collators"]),
+    ("collate/", "rows → tensors", ["padded or packed", "layout.py: Padded |", "  Packed(seq_lens)", "per-format collators"]),
     ("rollout/", "online methods only", ["engine (sample)", "rewards (score)", "batches · stage"]),
-    ("forward/", "model → log-probs", ["logprobs", "fused_head + head/", "reference", "precomputed"]),
+    ("forward/", "model → log-probs", ["logprobs", "batch (by layout)", "fused_head + head/", "reference", "precomputed"]),
     ("losses/", "log-probs → loss", ["functional (math)", "one class a method", "base (contract)"]),
     ("normalise/", "loss units over ranks", ["reduction: one", "all-reduce a step", "loss units"]),
     ("optim/", "update the weights", ["optimizers", "clip · rescale"]),
 ]
-bw, bh, gap, x0, y0 = 142, 150, 13, 20, 60
+bw, bh, gap, x0, y0 = 142, 166, 13, 20, 60
 for i, (name, what, mods) in enumerate(stages):
     x = x0 + i * (bw + gap)
     fill = "#fff4e0" if name == "rollout/" else "#e8f0fb"
@@ -28,10 +28,11 @@ for i, (name, what, mods) in enumerate(stages):
         out.append(f'<line x1="{x-gap+1}" y1="{y0+bh/2}" x2="{x-2}" y2="{y0+bh/2}" stroke="#444" stroke-width="2" marker-end="url(#a)"/>')
 out.append(f'<text x="{x0}" y="{y0+bh+24}" font-size="12" fill="#444">The loop (training/trainer.py) wires these together and never asks which method it runs; a method plugs in through losses/base.py (GrimoireLoss, the one contract).</text>')
 # Layers
-ly = 290
+ly = 306
 out.append(f'<text x="20" y="{ly}" font-size="20" font-weight="bold" fill="#222">Layers: imports only run down (enforced by lint-imports and tests/test_architecture.py)</text>')
 layers = [
-    ("cli/ · tools/ · data/ (public facade) · train.py (-m entry)", "#f3e8fb"),
+    ("train.py · __main__.py  (entry points: python -m grimoire.train / grimoire)", "#f3e8fb"),
+    ("cli/ · tools/ · data/ (the public grimoire.data facade)", "#f3e8fb"),
     ("training/  loop, set-up steps, callbacks, checkpoints, report", "#e8f0fb"),
     ("optim/ · normalise/", "#e8f0fb"),
     ("parallel/  FSDP2, DCP, signals, launcher (torch's own engine)", "#eef7ee"),
