@@ -2,7 +2,8 @@
 sharded, training matches DDP and one process, and DCP checkpoints resume across world sizes.
 
 The script (tests/scripts/fsdp_parity.py) runs 3 optimizer steps (SGD, token budget on) of SFT,
-DPO with a frozen reference model, LoRA SFT and OSFT; what it records is read from the trained
+DPO with a frozen reference model, LoRA SFT, OSFT and SFT of an untied-embedding model, and
+exports the SFT models with ``save_model``; what it records is read from the trained
 objects themselves (each parameter's type and the shape this process holds; the gathered full
 weights), not from the planner or the config.
 """
@@ -23,7 +24,7 @@ from tests.scripts import fsdp_parity
 from tests.test_distributed import _env
 
 SCRIPT = Path(fsdp_parity.__file__)
-FAMILIES = ["sft", "dpo", "lora", "osft"]
+FAMILIES = ["sft", "dpo", "lora", "osft", "sft_untied"]
 
 
 def _launch(tiny_dir, out: Path, families, mode: str, batch: int, accum: int, *extra, env=None):
@@ -83,6 +84,37 @@ def test_fsdp2_matches_ddp_and_one_process(runs, family):
     for mode in ("fsdp2", "ddp"):
         assert losses[mode] == pytest.approx(losses["one"], rel=1e-5)
         _same_params(runs / mode / family, runs / "one" / family)
+
+
+def _export(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted((folder / "export").glob("*.safetensors"))
+    assert files, folder
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("family", fsdp_parity.EXPORTED)
+def test_fsdp2_export_equals_the_one_process_export(runs, family):
+    """The ``from_pretrained`` export of FSDP2 (gathered shards) writes the keys and values of
+    the 1-process export: a tied lm_head once (not a second copy of the embeddings)."""
+    from transformers import AutoModelForCausalLM
+
+    want = _export(runs / "one" / family)
+    # The golden file itself: the tied model's export holds no lm_head, the untied one does.
+    assert ("lm_head.weight" in want) == (family == "sft_untied")
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 2]])
+    one = AutoModelForCausalLM.from_pretrained(runs / "one" / family / "export")
+    with torch.no_grad():
+        logits = one(ids).logits
+    for mode in ("fsdp2", "ddp"):
+        got = _export(runs / mode / family)
+        assert sorted(got) == sorted(want), mode
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+        loaded = AutoModelForCausalLM.from_pretrained(runs / mode / family / "export")
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, logits, rtol=1e-5, atol=1e-5)
 
 
 def test_resume_on_another_world_size_equals_the_uninterrupted_run(runs, tiny_dir, tmp_path):

@@ -3,7 +3,9 @@
 Usage: ``fsdp_parity.py TINY_DIR OUT_DIR FAMILY DISTRIBUTED BATCH ACCUM [RESUME_STEPS]``.
 Writes ``OUT_DIR/result.rank<r>.json`` (losses per step, and for every trainable parameter its
 type, full shape and the shape this process holds) and, from rank 0, ``OUT_DIR/params.pt`` (full
-weights, gathered). ``RESUME_STEPS``: stop after that many steps with a checkpoint (the resume
+weights, gathered); the ``EXPORTED`` families also write ``OUT_DIR/export`` (``save_model``, the
+``from_pretrained`` export; ``sft_untied``: SFT of the tiny Llama with untied embeddings).
+``RESUME_STEPS``: stop after that many steps with a checkpoint (the resume
 test then runs again with ``resume_from_checkpoint``).
 """
 
@@ -21,12 +23,14 @@ import torch
 from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
 from grimoire.data import tokenize_preference, tokenize_sft
 from grimoire.losses import DPOLoss, SFTLoss
-from grimoire.model.tiny import preference_rows, reverse_rows
+from grimoire.model.tiny import build_model, preference_rows, reverse_rows
 from grimoire.parallel.fsdp import full_state_dict, is_sharded
 
 #: Total optimizer steps of a run (``TOTAL_STEPS`` overrides), and an optional signal a callback
 #: sends to its own process: ``SIGNAL_AT="STEP:SIGNAME:RANK"`` (preemption tests).
 TOTAL = int(os.environ.get("TOTAL_STEPS", "3"))
+#: Families whose trained model is also exported with ``save_model`` (tied and untied embeddings).
+EXPORTED = ("sft", "sft_untied")
 
 
 class SignalAt(TrainerCallback):
@@ -55,6 +59,9 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    if family == "sft_untied":  # the same tiny Llama (seed 0) with its own lm_head
+        model = build_model("llama", seed=0, vocab_size=model.config.vocab_size,
+                            tie_word_embeddings=False)  # fmt: skip
     extra: dict = {}
     peft_config = None
     if family == "dpo":
@@ -124,6 +131,8 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
             state = trainer.step_hooks[0].export_state_dict(state)
         state = {k: v.detach().cpu().clone() for k, v in state.items()}
         torch.save(state, Path(out, "params.pt"))
+    if family in EXPORTED:  # every rank takes part (FSDP2 gathers), the main process writes
+        trainer.save_model(Path(out, "export"))
     return trainer
 
 

@@ -104,11 +104,24 @@ def gradient_sync(accelerator: Any, model: torch.nn.Module, sync: bool) -> Itera
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer as a full CPU tensor (gathered on all ranks; sharded only)."""
+    """Every parameter and buffer as a full CPU tensor (gathered on all ranks; sharded only).
+
+    As in ``model.state_dict()``, a parameter shared by several modules (tied embeddings) is one
+    tensor under each of its names: the gather copies it once per name, so the copies are tied
+    back, and ``save_pretrained`` then drops the tied names (it finds ties by shared storage).
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    state = get_model_state_dict(model, options=options)
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in state:
+            names.setdefault(id(param), []).append(name)
+    for tied in names.values():
+        for name in tied[1:]:
+            state[name] = state[tied[0]]
+    return state
 
 
 def save_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
