@@ -199,12 +199,13 @@ def _materialize_model(name_or_path: str, output_dir: str) -> str:
 
 def cache_reference(ref_model: Any, dataset: Any, loss_fn: Any, config: TrainingConfig) -> Any:
     """Precompute reference log-probs into ``dataset`` once (``loss.cache_reference: true``)."""
+    method = as_method(loss_fn)
     return cache_reference_log_probs(
         ref_model,
         dataset,
         batch_size=config.effective_eval_batch_size,
-        fused=as_method(loss_fn).fused,
-        reduction=as_method(loss_fn).logp_reduction,
+        fused=method.fused,
+        reduction=method.logp_reduction,
         autocast_dtype=torch.bfloat16 if decide(config.mixed_precision)[0] == "bf16" else None,
         max_length=config.max_length,
     )
