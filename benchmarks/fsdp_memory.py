@@ -1,4 +1,4 @@
-"""Per-rank training-state memory of DDP vs FSDP2, and the cost of FSDP2's full-logits fallback.
+"""Per-rank training-state memory of DDP vs FSDP2, and the log-prob path's memory under each.
 
 Part 1, sharding. For each mode (``distributed="ddp"`` / ``"fsdp2"``) and world size (1, 2, 4
 processes), a fresh launch trains ONE AdamW step of SFT through ``GrimoireTrainer`` on a Llama
@@ -17,10 +17,11 @@ its process's peak RSS (``VmHWM``, for the whole process: model construction inc
 every rank still holds the full model before ``fully_shard`` splits it) and its RSS right after
 the step. The table shows the largest value over a launch's ranks.
 
-Part 2, the fallback. Under FSDP2 the LM head's weight is a DTensor outside the model's forward,
-so ``compute_token_logps`` uses full logits instead of the fused chunked head. One process trains
-one step of SFT (``fused=True``) on one packed row (``padding_free``: 4 rows of 512 tokens make a
-2048-token row) under ``ddp`` (fused path) and under ``fsdp2`` (full logits): peak RSS during
+Part 2, the log-prob path. Under FSDP2 the fused chunked head gathers the LM head's weight
+around its chunk loop (``grimoire.forward.head.sharded``); before that it fell back to full
+logits. One process trains one step of SFT (``fused=True``) on one packed row
+(``padding_free``: 4 rows of 512 tokens make a 2048-token row) under ``ddp`` and under
+``fsdp2``: the path taken (a "fused log-probs off" log line means the fallback), peak RSS during
 ``trainer.train()``, total and above the RSS just before it.
 
     python benchmarks/fsdp_memory.py            # 50M-parameter model, 1/2/4 processes; minutes
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> None:
         fb = {mode: _launch("fallback-cell", mode, 1, args.quick)[0] for mode in MODES}
         print()
         print(
-            f"# full-logits fallback: 1 process, one SFT step (SFTLoss(fused=True)) on one packed "
+            f"# log-prob path: 1 process, one SFT step (SFTLoss(fused=True)) on one packed "
             f"row of {tokens} tokens ({ROWS_PER_PACK} x {preset['row_len']}, padding_free), "
             f"vocab {preset['vocab']}, fp32, gradient checkpointing on; peak RSS during train(), "
             "'+' = above the RSS just before it"

@@ -66,6 +66,7 @@ def test_fsdp2_shards_every_trainable_weight(runs, family):
     for rank in (0, 1):
         result = _result(runs / "fsdp2" / family, rank)
         assert result["sharded"]
+        assert result["fused_log"] == []  # the fused head ran: no "fused log-probs off" line
         for name, p in result["params"].items():
             assert p["type"] == "DTensor", name  # a DDP fallback would hold plain tensors
             rows = math.ceil(p["full"][0] / 2)

@@ -7,22 +7,29 @@ weights, gathered); the ``EXPORTED`` families also write ``OUT_DIR/export`` (``s
 ``from_pretrained`` export; ``sft_untied``: SFT of the tiny Llama with untied embeddings).
 ``RESUME_STEPS``: stop after that many steps with a checkpoint (the resume
 test then runs again with ``resume_from_checkpoint``).
+
+``FUSED_CHUNK=N`` builds the loss with ``fused_chunk_size=N``; ``VOCAB=V`` records, with a
+TorchDispatchMode around training, the most rows of any float tensor whose last dim is ``V``
+(the largest logits block), and the ``grimoire.forward.logprobs`` log lines.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
 from grimoire.data import tokenize_preference, tokenize_sft
-from grimoire.losses import DPOLoss, SFTLoss
+from grimoire.losses import DPOLoss, ORPOLoss, SFTLoss
 from grimoire.model.tiny import build_model, preference_rows, reverse_rows
 from grimoire.parallel.fsdp import full_state_dict, is_sharded
 
@@ -41,6 +48,32 @@ class SignalAt(TrainerCallback):
     def on_step_end(self, trainer, step, loss, metrics):
         if step == self.step and trainer.accelerator.process_index == self.rank:
             os.kill(os.getpid(), self.signal)
+
+
+class VocabPeak(TorchDispatchMode):
+    """The most rows (``numel // V``) of any float tensor an op returns whose last dim is V and
+    innermost (stride 1): a logits block, not a transposed view of the ``[V, H]`` head weight."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.rows = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            logits = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2
+            if logits and t.shape[-1] == self.vocab and t.stride(-1) == 1:
+                self.rows = max(self.rows, t.numel() // self.vocab)
+        return out
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 class Losses(TrainerCallback):
@@ -62,14 +95,31 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
     if family == "sft_untied":  # the same tiny Llama (seed 0) with its own lm_head
         model = build_model("llama", seed=0, vocab_size=model.config.vocab_size,
                             tie_word_embeddings=False)  # fmt: skip
+    if family == "sft_tied":  # one tensor for the input embedding and the LM head
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.get_input_embeddings().weight
     extra: dict = {}
     peft_config = None
-    if family == "dpo":
+    chunk = {"fused_chunk_size": int(os.environ.get("FUSED_CHUNK", "1024"))}
+    if family in ("dpo", "orpo"):
         rows = [tokenize_preference(r, tok, max_length=64) for r in preference_rows(32, seed=4)]
-        loss = DPOLoss(ref_model=copy.deepcopy(model))
+        if family == "dpo":
+            loss = DPOLoss(ref_model=copy.deepcopy(model), **chunk)
+        else:
+            loss = ORPOLoss(**chunk)
+    elif family == "grpo":  # a fixed-completion engine: every layout sees the same samples
+        from tests.scripts.online_invariance import FixedEngine, reward
+
+        from grimoire.losses.grpo import GRPOMethod
+        from grimoire.rows.prompts import tokenize_grpo
+
+        rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=9)]
+        engine = FixedEngine(max_new_tokens=4, temperature=1.0)
+        loss = GRPOMethod([reward], beta=0.05, ref_model="copy", engine=engine,
+                          num_generations=4, max_new_tokens=4)  # fmt: skip
     else:
         rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
-        loss = SFTLoss()
+        loss = SFTLoss(**chunk)
     if family == "lora":  # with activation checkpointing composed with the sharding
         peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
         extra = {"gradient_checkpointing": True}
@@ -101,7 +151,12 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
     )
     if family == "sft_bf16":
         seen.clear()
-    trainer.train()
+    peak, lines = VocabPeak(int(os.environ.get("VOCAB", "0"))), Lines()
+    logging.getLogger("grimoire.forward.logprobs").addHandler(lines)
+    logging.getLogger("grimoire.forward.logprobs").setLevel(logging.INFO)
+    with peak if peak.vocab else contextlib.nullcontext():
+        trainer.train()
+    logging.getLogger("grimoire.forward.logprobs").removeHandler(lines)
     rank = trainer.accelerator.process_index
     shards = {
         name: {
@@ -122,6 +177,8 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
         "preempted_by": trainer.preempted_by,
         "forward_weight_dtypes": sorted(set(seen)) if family == "sft_bf16" else None,
         "params": shards,
+        "vocab_peak_rows": peak.rows,
+        "fused_log": lines.lines,
     }
     Path(out, f"result.rank{rank}.json").write_text(json.dumps(result))
     model = trainer.model

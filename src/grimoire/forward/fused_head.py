@@ -1,8 +1,9 @@
 """The fused log-prob path: the LM head run in chunks, its logits never kept for backward.
 
 Stage: :func:`grimoire.forward.logprobs.compute_token_logps` calls :func:`fused_parts` to learn
-whether a model can take this path (an unsharded output embedding, a reachable decoder, a forward
-that accepts ``logits_to_keep``), then :func:`fused_token_logps`, which runs the model with
+whether a model can take this path (an output embedding that is unsharded or in an FSDP2 unit it
+can gather, :mod:`~grimoire.forward.head.sharded`; a reachable decoder; a forward that accepts
+``logits_to_keep``), then :func:`fused_token_logps`, which runs the model with
 ``logits_to_keep=1``, captures the decoder's last hidden state with a forward hook, checks once
 per model that the head plus the declared post-head transforms reproduce the model's own logits
 (:func:`_self_check`), and pushes the positions that have a target through the head
@@ -28,6 +29,13 @@ from torch import Tensor
 
 from grimoire.errors import ConfigError
 from grimoire.forward.head.function import _head_logits, _HeadLogps, _HeadSpec
+from grimoire.forward.head.sharded import (
+    gathered,
+    head_unit,
+    is_dtensor,
+    root_unit,
+    unshard_in_backward,
+)
 
 # The public entry point lives in grimoire.forward.logprobs, and so does the logger name users
 # filter on.
@@ -46,8 +54,13 @@ class _FusedState:
 # share it; weak so a deleted model takes its entry with it.
 _STATE: weakref.WeakKeyDictionary[torch.nn.Module, _FusedState] = weakref.WeakKeyDictionary()
 # Structural support (head present, not sharded, decoder reachable), keyed by the object passed
-# in: the same model may be fine bare and unsupported once wrapped (FSDP, ZeRO-3).
-_SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, str | None] = weakref.WeakKeyDictionary()
+# in, with its class: the same model may be fine bare and unsupported once wrapped (FSDP, ZeRO-3;
+# ``fully_shard`` changes the class of the module it shards, in place).
+_SUPPORT: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+# FSDP2 only: the unit owning the head's weight, and the units to gather again in backward.
+_UNITS: weakref.WeakKeyDictionary[torch.nn.Module, tuple] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -56,6 +69,8 @@ class _Parts:
     decoder: torch.nn.Module  # whose output (last_hidden_state) feeds the head
     head: torch.nn.Module  # get_output_embeddings(): nn.Linear, LoRA-wrapped Linear, ...
     state: _FusedState
+    unit: torch.nn.Module | None = None  # the FSDP2 unit owning the head's weight (or None)
+    units: tuple[torch.nn.Module, ...] = ()  # FSDP2 units to gather again in backward
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -67,7 +82,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile
             model = model._orig_mod
-        elif type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        elif _from_peft(model) and hasattr(model, "get_base_model"):
             inner = model.get_base_model()
             if inner is model:
                 break
@@ -77,17 +92,17 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _from_peft(model: torch.nn.Module) -> bool:
+    """A peft wrapper, also once ``fully_shard`` has swapped in its subclass (``FSDPPeftModel``)."""
+    return any(cls.__module__.startswith("peft.") for cls in type(model).__mro__)
+
+
 def _is_sharded(param: Tensor) -> bool:
-    """FSDP2 DTensor, a DeepSpeed ZeRO-3 partitioned param, or an FSDP1 flat-param stub."""
+    """A DeepSpeed ZeRO-3 partitioned param or an FSDP1 flat-param stub (an FSDP2 DTensor is
+    sharded too, but the fused path gathers it: :mod:`grimoire.forward.head.sharded`)."""
     if hasattr(param, "ds_numel") or hasattr(param, "ds_id"):
         return True
-    if param.numel() == 0:
-        return True
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - builds without torch.distributed
-        return False
-    return isinstance(param, DTensor)
+    return param.numel() == 0 and not is_dtensor(param)
 
 
 def _unsupported_reason(model: torch.nn.Module, base: torch.nn.Module) -> str | None:
@@ -97,7 +112,11 @@ def _unsupported_reason(model: torch.nn.Module, base: torch.nn.Module) -> str | 
     if not isinstance(head, torch.nn.Module):
         return "the model has no output embeddings (get_output_embeddings() is None)"
     if any(_is_sharded(p) for p in head.parameters()):
-        return "the LM head's weight is sharded (FSDP / DeepSpeed ZeRO-3)"
+        return "the LM head's weight is sharded (DeepSpeed ZeRO-3 / FSDP1)"
+    if root_unit(model) is not None:  # FSDP2: the head is gathered around the chunk loop
+        reason = head_unit(model, head)[1]
+        if reason is not None:
+            return reason
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover
@@ -131,20 +150,21 @@ def fused_parts(model: torch.nn.Module, require: bool = False) -> _Parts | None:
     was counted on.
     """
     base = _unwrap(model)
-    if model not in _SUPPORT:
-        reason = _SUPPORT[model] = _unsupported_reason(model, base)
+    if _SUPPORT.get(model, (None,))[0] is not type(model):
+        reason = _unsupported_reason(model, base)
+        _SUPPORT[model] = (type(model), reason)
         if reason is not None and not require:
             logger.info(
                 "fused log-probs off for %s: %s; using full logits", type(base).__name__, reason
             )
-    reason = _SUPPORT[model]
+    reason = _SUPPORT[model][1]
     if reason is not None:
         if require:
             raise ConfigError(
                 [
                     f"fused='require': the fused log-prob path cannot run on "
                     f"{type(base).__name__}: {reason}. Fix: keep the LM head unsharded (DeepSpeed "
-                    "ZeRO stage <= 2, or leave lm_head out of FSDP sharding), or build the loss "
+                    "ZeRO stage <= 2, FSDP2 with lm_head in its parent's unit), or build the loss "
                     "with fused=True to fall back to full [batch, seq, vocab] logits"
                 ]
             )
@@ -152,8 +172,17 @@ def fused_parts(model: torch.nn.Module, require: bool = False) -> _Parts | None:
     state = _STATE.setdefault(base, _FusedState())
     if state.disabled is not None:
         return None
+    head = base.get_output_embeddings()
+    if _UNITS.get(model, (None,))[0] is not type(model):
+        # FSDP2: gather the head's unit around the chunk loop, and in backward the root too
+        # (its pre-backward hook sits on the model's own logits, which this path drops).
+        root = root_unit(model)
+        unit = head_unit(model, head)[0] if root is not None else None
+        units = tuple(dict.fromkeys(u for u in (unit, root) if u is not None))
+        _UNITS[model] = (type(model), unit, units)
+    _, unit, units = _UNITS[model]
     return _Parts(
-        base=base, decoder=base.get_decoder(), head=base.get_output_embeddings(), state=state
+        base=base, decoder=base.get_decoder(), head=head, state=state, unit=unit, units=units
     )
 
 
@@ -224,31 +253,60 @@ def fused_token_logps(
         out = model(**kwargs, logits_to_keep=1)
     finally:
         handle.remove()
-    batch, seq = targets.shape
-    if not captured or tuple(captured[-1][0].shape[:2]) != (batch, seq):
+    if not captured or tuple(captured[-1][0].shape[:2]) != tuple(targets.shape):
         _disable(parts.state, parts.base, "its decoder output does not line up with input_ids")
         return None
     hidden, autocast_on, autocast_dtype = captured[-1]
     captured.clear()
     autocast = torch.autocast(hidden.device.type, dtype=autocast_dtype, enabled=autocast_on)
-    head = parts.head
 
-    if not parts.state.checked:
-        with autocast:
-            ok = _self_check(head, transforms, hidden[:, -1:].detach(), out.logits[:, -1:])
-        if ok is False:
-            msg = (
-                f"fused log-probs: {type(parts.base).__name__}'s own logits differ from its "
-                "get_output_embeddings() output plus the post-head transforms its config declares "
-                "(grimoire.forward.logprobs.POST_HEAD_TRANSFORMS); it must transform logits in a way the "
-                "fused path can't replay. Using the full-logits path for this model from now on."
-            )
-            warnings.warn(msg, RuntimeWarning, stacklevel=3)
-            _disable(parts.state, parts.base, "self-check mismatch")
+    with gathered(parts.unit, parts.head) as whole:  # FSDP2: the head's weight all-gathered here
+        if not whole:
+            _disable(parts.state, parts.base, "its FSDP2 unit does not own the LM head's weight")
             return None
-        parts.state.checked = ok is True
-    del out  # the [B, 1, V] logits: only needed for the self-check
+        if not _checked(parts, transforms, autocast, hidden, out):
+            return None
+        del out  # the [B, 1, V] logits: only needed for the self-check
+        logps = _apply_head(parts, transforms, autocast, hidden, targets, mask, chunk_size,
+                            return_entropy, uniform_grad)  # fmt: skip
+    return logps
 
+
+def _checked(parts: _Parts, transforms: list, autocast: Any, hidden: Tensor, out: Any) -> bool:
+    """Run the self-check once per model; ``False``: it failed, the fused path is now off."""
+    if parts.state.checked:
+        return True
+    with autocast:
+        ok = _self_check(parts.head, transforms, hidden[:, -1:].detach(), out.logits[:, -1:])
+    if ok is False:
+        msg = (
+            f"fused log-probs: {type(parts.base).__name__}'s own logits differ from its "
+            "get_output_embeddings() output plus the post-head transforms its config declares "
+            "(grimoire.forward.logprobs.POST_HEAD_TRANSFORMS); it must transform logits in a way the "
+            "fused path can't replay. Using the full-logits path for this model from now on."
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        _disable(parts.state, parts.base, "self-check mismatch")
+        return False
+    parts.state.checked = ok is True
+    return True
+
+
+def _apply_head(
+    parts: _Parts,
+    transforms: list,
+    autocast: Any,
+    hidden: Tensor,
+    targets: Tensor,
+    mask: Tensor,
+    chunk_size: int,
+    return_entropy: bool,
+    uniform_grad: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """The head on the rows that have a target, ``chunk_size`` rows at a time: ``(logps,
+    entropy)`` scattered back to ``[B, T]`` (0 elsewhere)."""
+    batch, seq = targets.shape
+    head = parts.head
     flat_targets = targets.reshape(-1)
     index = mask.reshape(-1).nonzero().squeeze(-1)
     scale = 1.0
@@ -272,7 +330,7 @@ def fused_token_logps(
     )
     with autocast:
         out = _HeadLogps.apply(rows, rows_targets, spec, *params)
-    pieces = out if isinstance(out, tuple) else (out,)
+    pieces = unshard_in_backward(parts.units, out if isinstance(out, tuple) else (out,))
 
     def scatter(i: int) -> Tensor:
         values = pieces[i]

@@ -57,7 +57,10 @@ def shard_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
 
     bf16 mixed precision becomes FSDP2's own policy (parameters gathered in bf16, gradients
     reduced in fp32), replacing autocast; ``fsdp_cpu_offload`` keeps the shards and optimizer
-    state in CPU memory.
+    state in CPU memory. The LM head stays in the root unit, with the input embedding it may be
+    tied to: the fused log-prob path gathers that unit around its chunk loop
+    (:mod:`grimoire.forward.head.sharded`); a head sharded as its own unit would be gathered by
+    FSDP's hooks once per chunk, so the fused path falls back for it.
     """
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
