@@ -270,10 +270,11 @@ class RolloutEngine:
                     self.temperature,
                 )
             out.append(logps)
-        one = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.device)
-        for _ in range(total - len(starts)):  # sharded: one-token forwards to stay even
+        # Sharded: fillers rerun the first row through the very same path, so every rank makes
+        # the same collectives (the decoder's gathers and, on the fused path, the head's own).
+        for _ in range(total - len(starts)):
             with self.autocast():
-                self.model(input_ids=one, use_cache=False)
+                completion_logps(self.model, input_ids[:1], attention_mask[:1], c, self.temperature)
         return torch.cat(out) * rollout.completion_mask
 
     def prompt_chunks(self, prompts: list[list[int]], n: int) -> list[list[list[int]]]:
