@@ -92,6 +92,30 @@ def peak_during(fn: Callable[[], object]) -> dict[str, Any]:
     }
 
 
+def vocab_peak(vocab: int) -> Any:
+    """A TorchDispatchMode (use it as a context manager) whose ``.rows`` ends as the most rows
+    (``numel // vocab``) of any float tensor an op returned with last dim ``vocab`` and stride 1
+    there: the largest logits block, observed on the ops themselves (a transposed view of the
+    ``[V, H]`` head weight is excluded by its stride)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class VocabPeak(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vocab, self.rows = vocab, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                logits = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2
+                if logits and t.shape[-1] == self.vocab and t.stride(-1) == 1:
+                    self.rows = max(self.rows, t.numel() // self.vocab)
+            return out
+
+    return VocabPeak()
+
+
 # --------------------------------------------------------------------------- set-up
 
 

@@ -17,11 +17,12 @@ its process's peak RSS (``VmHWM``, for the whole process: model construction inc
 every rank still holds the full model before ``fully_shard`` splits it) and its RSS right after
 the step. The table shows the largest value over a launch's ranks.
 
-Part 2, the log-prob path. Under FSDP2 the fused chunked head gathers the LM head's weight
-around its chunk loop (``grimoire.forward.head.sharded``); before that it fell back to full
-logits. One process trains one step of SFT (``fused=True``) on one packed row
-(``padding_free``: 4 rows of 512 tokens make a 2048-token row) under ``ddp`` and under
-``fsdp2``: the path taken (a "fused log-probs off" log line means the fallback), peak RSS during
+Part 2, the log-prob path at a 128k vocabulary. Under FSDP2 the fused chunked head gathers the
+LM head's weight around its chunk loop (``grimoire.forward.head.sharded``); before that, FSDP2
+fell back to full logits. Two processes each train one step of SFT on one packed row
+(``padding_free``: 4 rows of 512 tokens make a 2048-token row), vocabulary 128,256, under
+``ddp`` (fused), ``fsdp2`` (fused) and ``fsdp2`` with ``fused=False`` (the old fallback's full
+logits): the largest logits block any op produced (a TorchDispatchMode), peak RSS during
 ``trainer.train()``, total and above the RSS just before it.
 
     python benchmarks/fsdp_memory.py            # 50M-parameter model, 1/2/4 processes; minutes
@@ -55,10 +56,12 @@ MIB = 2**20
 
 #: Model and data of the full run and of ``--quick``.
 PRESETS: dict[str, dict[str, Any]] = {
-    "full": dict(hidden=512, layers=8, vocab=32000, worlds=(1, 2, 4), row_len=512),
-    "quick": dict(hidden=128, layers=2, vocab=4096, worlds=(1, 2), row_len=128),
-}
-ROWS_PER_PACK = 4  # the fallback cell packs this many rows of ``row_len`` tokens into one row
+    "full": dict(hidden=512, layers=8, vocab=32000, worlds=(1, 2, 4), row_len=512,
+                 logits_vocab=128256, chunk=1024),
+    "quick": dict(hidden=128, layers=2, vocab=4096, worlds=(1, 2), row_len=128,
+                  logits_vocab=4096, chunk=128),
+}  # fmt: skip
+ROWS_PER_PACK = 4  # part 2 packs this many rows of ``row_len`` tokens into one row per rank
 
 
 # --------------------------------------------------------------------------- measuring
@@ -152,49 +155,50 @@ class _PathLog(logging.Handler):
             self.reasons.append(msg)
 
 
-def run_fallback(mode: str, preset: dict[str, Any], result_dir: Path) -> None:
-    """One process, one SFT step (fused=True) on one packed row: peak RSS during train()."""
+#: Part 2's cells: (mode, fused). ``fsdp2`` with ``fused=False`` is the full-logits path FSDP2
+#: took for every method before the fused head learned to gather its weight (the old fallback).
+LOGIT_CELLS = {"ddp-fused": ("ddp", True), "fsdp2-fused": ("fsdp2", True),
+               "fsdp2-full": ("fsdp2", False)}  # fmt: skip
 
+
+def run_logits(cell: str, preset: dict[str, Any], result_dir: Path) -> None:
+    """One rank of a 2-process launch: one SFT step on one packed row; the largest logits block
+    (a dispatch mode) and the peak RSS during train()."""
     import torch
 
     from grimoire import GrimoireTrainer
     from grimoire.losses import SFTLoss
     from grimoire.model.tiny import build_tokenizer
 
+    mode, fused = LOGIT_CELLS[cell]
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     catcher = _PathLog()
     log = logging.getLogger("grimoire.forward.logprobs")
     log.addHandler(catcher)
     log.setLevel(logging.INFO)
-    packed = ROWS_PER_PACK * preset["row_len"]
-    model = _model(preset, packed)
-    rows = _rows(ROWS_PER_PACK, preset["row_len"], preset["vocab"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    packed, vocab = ROWS_PER_PACK * preset["row_len"], preset["logits_vocab"]
+    model = bench.tiny_llama(vocab, preset["hidden"], preset["layers"], packed)
+    rows = _rows(ROWS_PER_PACK * world, preset["row_len"], vocab)
     with tempfile.TemporaryDirectory() as out:
         config = _config(out, mode, batch_size=ROWS_PER_PACK, padding_free=True, max_length=packed)
-        trainer = GrimoireTrainer(model, build_tokenizer(), config, SFTLoss(fused=True), rows)
-        widths: list[int] = []
-        inner = getattr(trainer.unwrapped_model, "model", None)
-        if inner is not None:  # the decoder: record the rows x tokens of each forward
-            inner.register_forward_pre_hook(
-                lambda m, a, k: (
-                    widths.append(int(k["input_ids"].numel()))
-                    if k.get("input_ids") is not None
-                    else None
-                ),
-                with_kwargs=True,
-            )
-        measured = bench.peak_during(trainer.train)
-        steps = trainer.global_step
+        loss = SFTLoss(fused=fused, fused_chunk_size=preset["chunk"])
+        trainer = GrimoireTrainer(model, build_tokenizer(), config, loss, rows)
+        peak = bench.vocab_peak(vocab)
+        with peak:
+            measured = bench.peak_during(trainer.train)
+        steps, rank = trainer.global_step, trainer.accelerator.process_index
         trainer.close()
     result = {
-        "mode": mode,
+        "cell": cell,
+        "rank": rank,
         **measured,
         "steps": steps,
-        "tokens_per_pass": max(widths, default=0),
-        "fused": not catcher.reasons,
+        "logit_rows": peak.rows,
+        "fused": fused and not catcher.reasons,
         "reason": catcher.reasons[0] if catcher.reasons else None,
     }
-    (result_dir / "fallback.json").write_text(json.dumps(result))
+    (result_dir / f"logits.rank{rank}.json").write_text(json.dumps(result))
 
 
 # --------------------------------------------------------------------------- driver
@@ -241,16 +245,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small model, 1 and 2 processes")
     p.add_argument("--worlds", help="comma list of process counts (default 1,2,4; quick 1,2)")
-    p.add_argument("--no-fallback", action="store_true", help="skip the full-logits measurement")
+    p.add_argument("--no-logits", action="store_true", help="skip part 2 (the log-prob path)")
     p.add_argument("--cell", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--fallback-cell", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--logits-cell", choices=list(LOGIT_CELLS), help=argparse.SUPPRESS)
     p.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     preset = PRESETS["quick" if args.quick else "full"]
     if args.cell:
         return run_cell(args.cell, preset, args.result_dir)
-    if args.fallback_cell:
-        return run_fallback(args.fallback_cell, preset, args.result_dir)
+    if args.logits_cell:
+        return run_logits(args.logits_cell, preset, args.result_dir)
 
     worlds = [int(w) for w in args.worlds.split(",")] if args.worlds else list(preset["worlds"])
     t_start = time.perf_counter()
@@ -290,38 +294,49 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
 
-    if not args.no_fallback:
-        tokens = ROWS_PER_PACK * preset["row_len"]
-        fb = {mode: _launch("fallback-cell", mode, 1, args.quick)[0] for mode in MODES}
+    if not args.no_logits:
+        tokens, vocab = ROWS_PER_PACK * preset["row_len"], preset["logits_vocab"]
+        cells = {}
+        for cell in LOGIT_CELLS:
+            ranks = _launch("logits-cell", cell, 2, args.quick)
+            if len(ranks) != 2 or any(r["steps"] != 1 for r in ranks):
+                sys.exit(f"{cell}: expected 2 ranks with 1 step, got {ranks}")
+            cells[cell] = ranks
         print()
         print(
-            f"# log-prob path: 1 process, one SFT step (SFTLoss(fused=True)) on one packed "
-            f"row of {tokens} tokens ({ROWS_PER_PACK} x {preset['row_len']}, padding_free), "
-            f"vocab {preset['vocab']}, fp32, gradient checkpointing on; peak RSS during train(), "
-            "'+' = above the RSS just before it"
+            f"# log-prob path: 2 processes, one SFT step on one packed row of {tokens} tokens "
+            f"per rank ({ROWS_PER_PACK} x {preset['row_len']}, padding_free), vocab {vocab}, "
+            f"fp32, fused chunk {preset['chunk']} rows, gradient checkpointing on; 'largest "
+            "logits block' = the most rows of any [*, V] float tensor an op returned (a "
+            "TorchDispatchMode); peak RSS during train(), '+' = above the RSS just before it; "
+            "max over ranks. fsdp2 fused=False is the full-logits path FSDP2 used to fall back to"
         )
         print()
-        print("| mode | log-prob path | tokens per forward | peak RSS MiB | peak above start MiB |")
-        print("|---|---|---|---|---|")
-        for mode in MODES:
-            r = fb[mode]
-            path = "fused (chunked head)" if r["fused"] else "full logits (fallback)"
+        print(
+            "| mode | log-prob path | largest logits block (rows x V) | logits block MiB "
+            "| peak RSS MiB/rank | peak above start MiB/rank |"
+        )
+        print("|---|---|---|---|---|---|")
+        for cell, ranks in cells.items():
+            mode, _ = LOGIT_CELLS[cell]
+            rows = max(r["logit_rows"] for r in ranks)
+            path = "fused (chunked head)" if all(r["fused"] for r in ranks) else "full logits"
             print(
-                f"| {mode} | {path} | {r['tokens_per_pass']} | {r['peak_mb']:.0f} "
-                f"| +{r['delta_mb']:.0f} |"
+                f"| {mode} | {path} | {rows} x {vocab} | {rows * vocab * 4 / MIB:.0f} "
+                f"| {max(r['peak_mb'] for r in ranks):.0f} "
+                f"| +{max(r['delta_mb'] for r in ranks):.0f} |"
             )
-        ddp, fsdp = fb["ddp"], fb["fsdp2"]
-        logits = tokens * preset["vocab"] * 4 / MIB
+        fused, full = (max(r["delta_mb"] for r in cells[c]) for c in ("fsdp2-fused", "fsdp2-full"))
         print()
         print(
-            f"Under FSDP2 this step peaks {fsdp['delta_mb'] / max(ddp['delta_mb'], 1e-9):.2f}x "
-            f"the fused path's memory above the start (+{fsdp['delta_mb']:.0f} vs "
-            f"+{ddp['delta_mb']:.0f} MiB; {fsdp['delta_mb'] - ddp['delta_mb']:+.0f} MiB, where "
-            f"one fp32 [{tokens} x {preset['vocab']}] logits tensor is {logits:.0f} MiB); "
-            f"total peak RSS {fsdp['peak_mb'] / ddp['peak_mb']:.2f}x."
+            f"FSDP2 fused vs the old full-logits fallback: peak above start {fused:.0f} vs "
+            f"{full:.0f} MiB per rank ({fused / max(full, 1e-9):.2f}x); total peak RSS "
+            f"{max(r['peak_mb'] for r in cells['fsdp2-fused']):.0f} vs "
+            f"{max(r['peak_mb'] for r in cells['fsdp2-full']):.0f} MiB."
         )
-        if fsdp["reason"]:
-            print(f"# fsdp2 log line: {fsdp['reason']}")
+        for r in cells["fsdp2-fused"]:
+            if r["reason"]:
+                print(f"# fsdp2 rank {r['rank']} log line: {r['reason']}")
     print(f"# wall time: {time.perf_counter() - t_start:.0f} s", flush=True)
 
 

@@ -42,7 +42,7 @@ def test_quick_fsdp2_holds_half_of_ddp_per_rank():
     assert text.startswith("# command: python ")
     assert "# machine: " in text and "torch " in text
 
-    memory, fallback = _tables(text)
+    memory, logits = _tables(text)
     cells = {(r["mode"], int(r["processes"])): r for r in memory}
     assert set(cells) == {(m, n) for m in ("ddp", "fsdp2") for n in (1, 2)}
 
@@ -60,7 +60,13 @@ def test_quick_fsdp2_holds_half_of_ddp_per_rank():
     assert abs(fsdp1 - ddp1) <= 0.05 * ddp1  # one process: a shard is the whole
     assert cells["fsdp2", 2]["ratio vs DDP same N"].endswith("x")
 
-    paths = {r["mode"]: r["log-prob path"] for r in fallback}
-    # FSDP2 gathers the head's weight around the fused chunk loop: no full-logits fallback.
-    assert paths == {"ddp": "fused (chunked head)", "fsdp2": "fused (chunked head)"}
-    assert "# fsdp2 log line" not in text
+    # Part 2 (2 processes): the largest logits block observed by a dispatch mode. FSDP2 gathers
+    # the head's weight around the fused chunk loop (128 rows at --quick), while fused=False, the
+    # old fallback, holds the whole packed row of 512 tokens.
+    cells = [(r["mode"], r["log-prob path"], r["largest logits block (rows x V)"]) for r in logits]
+    assert cells == [
+        ("ddp", "fused (chunked head)", "128 x 4096"),
+        ("fsdp2", "fused (chunked head)", "128 x 4096"),
+        ("fsdp2", "full logits", "512 x 4096"),
+    ]
+    assert "log line" not in text  # no "fused log-probs off ..." on any rank

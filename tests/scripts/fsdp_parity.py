@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from benchmarks.common import vocab_peak
 
 from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
 from grimoire.data import tokenize_preference, tokenize_sft
@@ -48,23 +48,6 @@ class SignalAt(TrainerCallback):
     def on_step_end(self, trainer, step, loss, metrics):
         if step == self.step and trainer.accelerator.process_index == self.rank:
             os.kill(os.getpid(), self.signal)
-
-
-class VocabPeak(TorchDispatchMode):
-    """The most rows (``numel // V``) of any float tensor an op returns whose last dim is V and
-    innermost (stride 1): a logits block, not a transposed view of the ``[V, H]`` head weight."""
-
-    def __init__(self, vocab: int) -> None:
-        super().__init__()
-        self.vocab, self.rows = vocab, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, tuple | list) else (out,):
-            logits = isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2
-            if logits and t.shape[-1] == self.vocab and t.stride(-1) == 1:
-                self.rows = max(self.rows, t.numel() // self.vocab)
-        return out
 
 
 class Lines(logging.Handler):
@@ -151,7 +134,7 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
     )
     if family == "sft_bf16":
         seen.clear()
-    peak, lines = VocabPeak(int(os.environ.get("VOCAB", "0"))), Lines()
+    peak, lines = vocab_peak(int(os.environ.get("VOCAB", "0"))), Lines()
     logging.getLogger("grimoire.forward.logprobs").addHandler(lines)
     logging.getLogger("grimoire.forward.logprobs").setLevel(logging.INFO)
     with peak if peak.vocab else contextlib.nullcontext():
