@@ -113,10 +113,13 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
         q_proj.register_forward_pre_hook(lambda m, args: seen.append(str(m.weight.dtype)))
     if family == "osft":
         extra = {"osft": True, "osft_unfreeze_rank_ratio": 0.5}
-    extra = {"gradient_checkpointing": False, "mixed_precision": "no", **extra}
+    if family == "muon":  # Newton-Schulz on each whole matrix, AdamW on the rest
+        extra = {"optimizer": "muon", "learning_rate": 1e-3, "muon_learning_rate": 0.02}
+    extra = {"gradient_checkpointing": False, "mixed_precision": "no", "optimizer": "sgd",
+             "learning_rate": 0.2, **extra}  # fmt: skip
     config = TrainingConfig(
         output_dir=out, max_steps=stop_after or TOTAL, batch_size=batch,
-        gradient_accumulation_steps=accum, optimizer="sgd", learning_rate=0.2, weight_decay=0.0,
+        gradient_accumulation_steps=accum, weight_decay=0.0,
         progress_bar=False, save_on_epoch_end=False,
         logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0, distributed=distributed,
         max_tokens_per_device=96, save_steps=stop_after, disable_dropout=True, save_total_limit=None,

@@ -139,9 +139,46 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._muon.step()
+        if any(_is_dtensor(p) for g in self._muon.param_groups for p in g["params"]):
+            self._sharded_muon_step()
+        else:
+            self._muon.step()
         self._adamw.step()
         return loss
+
+    def _sharded_muon_step(self) -> None:
+        """``torch.optim.Muon``'s step for FSDP2 shards: Newton-Schulz needs the whole matrix.
+
+        Per matrix, one at a time: the momentum update is computed on the local shards, gathered
+        (``full_tensor``: one all-gather of one matrix, never the whole model), orthogonalised
+        on every process, and each process applies its own slice of the result to its shard. The
+        momentum buffer stays sharded, so the state and checkpoints are those of the plain step.
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+        for group in self._muon.param_groups:
+            lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                sharded = isinstance(update, DTensor)
+                full = update.full_tensor() if sharded else update
+                ortho = _zeropower_via_newtonschulz(
+                    full, group["ns_coefficients"], group["ns_steps"], group["eps"]
+                )
+                if sharded:  # this process's slice of the whole result: no communication
+                    ortho = distribute_tensor(
+                        ortho, p.device_mesh, p.placements, src_data_rank=None
+                    )
+                p.mul_(1 - lr * wd)
+                p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The base class rebuilds param_groups and state as new objects: re-point both halves.
@@ -149,12 +186,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._link()
 
 
-def _fusable(groups: list[dict]) -> bool:
+def _is_dtensor(p: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
+    return isinstance(p, DTensor)
+
+
+def _fusable(groups: list[dict]) -> bool:
     params = [p for g in groups for p in g["params"]]
     return bool(params) and all(
-        p.is_floating_point() and p.device.type in ("cpu", "cuda") and not isinstance(p, DTensor)
+        p.is_floating_point() and p.device.type in ("cpu", "cuda") and not _is_dtensor(p)
         for p in params
     )
 
