@@ -6,7 +6,7 @@ type, full shape and the shape this process holds) and, from rank 0, ``OUT_DIR/p
 weights, gathered); the ``EXPORTED`` families also write ``OUT_DIR/export`` (``save_model``, the
 ``from_pretrained`` export; ``sft_untied``: SFT of the tiny Llama with untied embeddings).
 ``RESUME_STEPS``: stop after that many steps with a checkpoint (the resume
-test then runs again with ``resume_from_checkpoint``).
+test then runs again with ``resume_from_checkpoint``). ``PARITY_CONFIG``: JSON config overrides.
 
 ``FUSED_CHUNK=N`` builds the loss with ``fused_chunk_size=N``; ``VOCAB=V`` records, with a
 TorchDispatchMode around training, the most rows of any float tensor whose last dim is ``V``
@@ -65,6 +65,14 @@ class Losses(TrainerCallback):
 
     def on_step_end(self, trainer, step, loss, metrics):
         self.losses.append(loss)
+
+
+def _mesh(param) -> dict | None:
+    """A DTensor's device mesh: its dimension names and the ranks it lays out."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return None
+    return {"dims": list(mesh.mesh_dim_names or ()), "ranks": mesh.mesh.tolist()}
 
 
 def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, accum: int,
@@ -126,6 +134,10 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
         checkpoint_signals=["SIGTERM", "SIGUSR1"],
         resume_from_checkpoint="latest" if resume else None, **extra,
     )  # fmt: skip
+    # PARITY_CONFIG: JSON overrides of the config (tests/test_hsdp.py: the shard group size).
+    config = TrainingConfig(
+        **{**config.to_dict(), **json.loads(os.environ.get("PARITY_CONFIG", "{}"))}
+    )
     if resume:
         config = TrainingConfig(**{**config.to_dict(), "max_steps": TOTAL, "save_steps": None})
     record = Losses()
@@ -150,15 +162,23 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
             "dtype": str(p.dtype),
             "full": list(p.shape),
             "local": list(p.to_local().shape) if hasattr(p, "to_local") else list(p.shape),
+            "placements": [repr(x) for x in getattr(p, "placements", ())],  # 1 per mesh dim
+            "mesh": _mesh(p),
         }
         for name, p in trainer.model.named_parameters()
         if p.requires_grad
     }
     ref = getattr(getattr(loss, "reference", None), "ref_model", None)
+    # HSDP: a frozen reference is sharded on the policy's mesh (the same object, same groups).
+    ref_params = list(ref.parameters()) if ref is not None else []
+    policy_mesh = getattr(next(trainer.model.parameters()), "device_mesh", None)
     result = {
         "losses": record.losses,
         "sharded": is_sharded(trainer.model),
         "reference_sharded": ref is not None and is_sharded(ref),
+        "reference_placements": sorted({str(getattr(p, "placements", None)) for p in ref_params}),
+        "reference_on_policy_mesh": bool(ref_params)
+        and all(getattr(p, "device_mesh", None) is policy_mesh for p in ref_params),
         "steps": trainer.global_step,
         "preempted_by": trainer.preempted_by,
         "forward_weight_dtypes": sorted(set(seen)) if family == "sft_bf16" else None,

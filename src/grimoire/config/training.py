@@ -108,6 +108,10 @@ class TrainingConfig:
     distributed: Literal["ddp", "fsdp2"] = "ddp"
     fsdp_reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
+    # Hybrid sharding (HSDP): shard within groups of this many consecutive ranks (GPUs per node,
+    # so all-gathers stay on a node's fast links), replicate across the groups. None: shard over
+    # every process (flat FSDP2). The world size must be a multiple (checked at start).
+    fsdp_shard_group_size: int | None = None
     # Signals that make every process checkpoint and stop at the next step boundary.
     checkpoint_signals: list[str] = dataclasses.field(default_factory=lambda: ["SIGTERM"])
 
@@ -220,6 +224,17 @@ class TrainingConfig:
                 "distributed='fsdp2' runs bf16 (FSDP2's MixedPrecisionPolicy) or fp32: set "
                 "mixed_precision to 'bf16' or 'no'"
             )
+        if self.fsdp_shard_group_size is not None:
+            if self.fsdp_shard_group_size <= 0:
+                p.append(
+                    f"fsdp_shard_group_size must be > 0 (e.g. the GPUs per node), or null to shard "
+                    f"over every process; got {self.fsdp_shard_group_size}"
+                )
+            if self.distributed != "fsdp2":
+                p.append(
+                    f"fsdp_shard_group_size={self.fsdp_shard_group_size} is a setting of FSDP2 "
+                    f"hybrid sharding: set distributed to 'fsdp2', or drop fsdp_shard_group_size"
+                )
         import signal
 
         for name in self.checkpoint_signals:

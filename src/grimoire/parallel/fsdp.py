@@ -7,6 +7,9 @@ frees them after (``fsdp_reshard_after_forward``). The same code runs on CPU (gl
 and GPU (NCCL). accelerate still provides the process group, device and logging, but never wraps
 the model: on CPU an accelerate FSDP plugin silently falls back to plain DDP.
 
+``fsdp_shard_group_size=k`` makes it hybrid (HSDP): torch's 2-D device mesh ``(N / k, k)``, each
+parameter sharded over ``k`` consecutive processes (a node) and replicated across the groups.
+
 Checkpoints use ``torch.distributed.checkpoint`` (DCP) for every run, sharded or not: each process
 writes its shards, and a checkpoint loads into any number of processes (DCP reshards). The
 ``from_pretrained`` export gathers the full weights on the main process.
@@ -86,11 +89,58 @@ def shard_model(model: torch.nn.Module, config: Any) -> torch.nn.Module:
         "mp_policy": mp,
         "offload_policy": CPUOffloadPolicy() if config.fsdp_cpu_offload else OffloadPolicy(),
         "reshard_after_forward": config.fsdp_reshard_after_forward,
+        "mesh": shard_mesh(config),  # None: fully_shard's default 1-D mesh over every process
     }
     for block in block_modules(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+#: Dimension names of the hybrid-sharding mesh, in torch's HSDP order: dim 0 replicates across
+#: shard groups, dim 1 shards within one (``fully_shard`` reads a 2-D mesh this way).
+MESH_DIMS = ("replicate", "shard")
+# One mesh per (world group, group size, device): the policy and a frozen reference model shard
+# over the same process groups instead of each creating its own (every new group costs
+# connections). The world group object is kept so a cached mesh never outlives its group.
+_MESHES: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+def check_shard_group(group_size: int | None, world_size: int) -> None:
+    """Refuse a shard group size that does not divide the world size (a ragged mesh cannot be
+    built); called at start-up, before the model is prepared."""
+    if group_size is not None and world_size % group_size:
+        raise ConfigError(
+            [
+                f"training.fsdp_shard_group_size={group_size} does not divide the {world_size} "
+                f"processes of this run: set it to a divisor of {world_size}, usually the "
+                "processes per node (torchrun --nproc-per-node), or null to shard over every "
+                "process"
+            ]
+        )
+
+
+def shard_mesh(config: Any) -> Any:
+    """The ``DeviceMesh`` FSDP2 shards on: ``None`` (``fully_shard``'s own 1-D mesh over every
+    process) unless ``fsdp_shard_group_size`` is set, then torch's 2-D HSDP mesh
+    ``(world // k, k)`` named :data:`MESH_DIMS`. Its rows are consecutive ranks, which launchers
+    place on one node: parameters are sharded (and all-gathered / reduce-scattered) within a
+    node and only the gradient all-reduce crosses nodes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    k = config.fsdp_shard_group_size
+    if k is None:
+        return None
+    ensure_process_group()
+    world = dist.get_world_size()
+    check_shard_group(k, world)
+    current = torch.accelerator.current_accelerator()
+    device = current.type if current is not None else "cpu"  # fully_shard's default choice
+    cached = _MESHES.get((k, device))
+    if cached is None or cached[0] is not dist.group.WORLD:
+        mesh = init_device_mesh(device, (world // k, k), mesh_dim_names=MESH_DIMS)
+        cached = _MESHES[(k, device)] = (dist.group.WORLD, mesh)
+    return cached[1]
 
 
 @contextlib.contextmanager
@@ -184,6 +234,7 @@ def release_process_group(accelerator: Any) -> None:
         # destroy_process_group only drops c10d's own references: accelerate's list of prepared
         # objects must go too.
         accelerator.free_memory()
+        _MESHES.clear()  # their groups die with the world group
         gc.collect()
         dist.destroy_process_group()
 
@@ -195,6 +246,8 @@ def _inner(optimizer: Any) -> Any:
 
 __all__ = [
     "DCP_DIR",
+    "MESH_DIMS",
+    "check_shard_group",
     "ensure_process_group",
     "full_state_dict",
     "gradient_sync",
@@ -203,5 +256,6 @@ __all__ = [
     "preemption_signals",
     "release_process_group",
     "save_dcp",
+    "shard_mesh",
     "shard_model",
 ]

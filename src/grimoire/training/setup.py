@@ -44,7 +44,7 @@ from grimoire.parallel.accelerate import (
     has_accelerator,
     reset_accelerate_state,
 )
-from grimoire.parallel.fsdp import is_sharded, shard_model
+from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
 from grimoire.rollout.stage import RolloutStage
 from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
 
@@ -60,7 +60,7 @@ def check_config(config: Any) -> TrainingConfig:
 
 def build_accelerator(config: TrainingConfig) -> Accelerator:
     """A fresh per-run accelerate state (device, precision, trackers), checked against the
-    launcher's world size; then the run's seed."""
+    launcher's world size and the FSDP2 shard group size; then the run's seed."""
     reset_accelerate_state()
     accelerator = Accelerator(
         # On a machine with no accelerator, torchrun/accelerate-launched processes must be told
@@ -71,6 +71,7 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
         project_dir=config.output_dir,
     )
     check_world_size(accelerator.num_processes)
+    check_shard_group(config.fsdp_shard_group_size, accelerator.num_processes)
     set_seed(config.seed)
     return accelerator
 
