@@ -93,7 +93,7 @@ def pretrained_problems(
     )
     if looks_local(name) or not is_hub_name(name):
         return [
-            f"{where}: folder not found: {name} (relative paths resolve against the current "
+            f"{where}: folder not found: {name} (relative to the current "
             f"directory, {Path.cwd()}); give {instead}"
         ]
     if hub_offline() and not hub_cache_has(name, cache_dir):
@@ -141,7 +141,7 @@ def resume_problems(spec: Any) -> list[str]:
     what = (
         f"{path} is not a checkpoint (no {STATE_FILE})"
         if path.is_dir()
-        else f"folder not found: {spec} (relative paths resolve against {Path.cwd()})"
+        else f"folder not found: {spec} (relative to the current directory, {Path.cwd()})"
     )
     return [
         f"{where}: {what}; give a checkpoint-<step> folder written by an earlier run, or "

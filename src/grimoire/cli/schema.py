@@ -210,7 +210,7 @@ def validate_config(raw: Any) -> list[str]:
         p.append("dataset: required (e.g. dataset: {jsonl: train.jsonl, tokenize: {type: sft}})")
     for where in ("dataset", "eval_dataset"):
         if where in raw:
-            p += source_problems(raw[where], where, extra_keys=("tokenize",))
+            p += source_problems(raw[where], where, extra_keys=("tokenize",), check_hub=True)
             inherited = where == "eval_dataset" and "tokenize" not in (raw[where] or {})
             if isinstance(raw[where], Mapping) and not (inherited and "dataset" in raw):
                 # An eval_dataset without its own tokenize reuses dataset's (checked once).
@@ -332,7 +332,9 @@ def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
         args = dict(cb.get("args") or {})
         for key, value in args.items():
             if is_dataset_ref(value):
-                p += source_problems(value["dataset"], f"{where}.args.{key}.dataset")
+                p += source_problems(
+                    value["dataset"], f"{where}.args.{key}.dataset", check_hub=True
+                )
         if cb["type"] == "exact_match" and "rows" not in args:
             if not has_eval:
                 p.append(

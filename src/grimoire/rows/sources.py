@@ -93,12 +93,18 @@ def resolve_path(path: str) -> Path:
 
 
 def source_problems(
-    section: Any, where: str, extra_keys: Iterable[str] = (), check_files: bool = True
+    section: Any,
+    where: str,
+    extra_keys: Iterable[str] = (),
+    check_files: bool = True,
+    check_hub: bool = False,
 ) -> list[str]:
     """Every problem with a source section, as ``"<where>.<key>: ..."`` strings (no loading).
 
     ``extra_keys`` are keys the caller handles itself (the CLI's ``tokenize``); they are neither
-    rejected nor checked here. With ``check_files`` local paths must exist.
+    rejected nor checked here. With ``check_files`` local paths must exist; with ``check_hub``
+    (config validation) a hub dataset must look cached when offline (:func:`load_source` itself
+    just tries: the datasets library knows its cache better than this check).
     """
     if not isinstance(section, Mapping):
         return [f"{where}: expected a mapping (e.g. {{jsonl: data.jsonl}}), got {section!r}"]
@@ -141,7 +147,7 @@ def source_problems(
         problems.append(f"{where}.seed: only used with shuffle: true")
     if section.get("max_samples") is not None and section["max_samples"] <= 0:
         problems.append(f"{where}.max_samples: must be > 0, got {section['max_samples']}")
-    if check_files and kind == "name" and hub_offline() and not hub_dataset_cached(section["name"]):
+    if check_hub and kind == "name" and hub_offline() and not hub_dataset_cached(section["name"]):
         problems.append(
             f"{where}.name: {section['name']!r} is not in the local Hugging Face cache and "
             "offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE): load it once with network "
