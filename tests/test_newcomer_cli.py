@@ -5,9 +5,11 @@ the in-process tests removed, so the command has to quiet (or report) everything
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -289,3 +291,28 @@ training: {{output_dir: ./out, max_steps: 1}}
     assert "... and 10 more" in err
     assert "Traceback" not in err
     assert not (empty / "out" / "metrics.jsonl").exists()
+
+
+def test_main_called_from_python_puts_the_output_settings_back(tmp_path, capsys):
+    # The quieting is the command's, for one command: a Python caller of main() keeps its own
+    # warnings filters, environment, library log levels and progress-bar switches.
+    from huggingface_hub.utils import are_progress_bars_disabled
+
+    from grimoire.cli.main import main
+    from grimoire.cli.output import LIBRARY_LOGGERS, QUIET_ENV
+
+    def state():
+        return (
+            list(warnings.filters),
+            warnings.showwarning,
+            {k: os.environ.get(k) for k in QUIET_ENV},
+            {n: logging.getLogger(n).level for n in LIBRARY_LOGGERS},
+            are_progress_bars_disabled(),
+        )
+
+    cfg = tmp_path / "old.yaml"
+    cfg.write_text(OLD_SPELLINGS.format(steps=2))
+    before = state()
+    assert main(["validate", "--config", str(cfg)]) == 0
+    assert state() == before
+    assert capsys.readouterr().err.splitlines() == list(DEPRECATIONS)

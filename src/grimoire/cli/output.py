@@ -99,7 +99,8 @@ def _quiet_libraries(uses_datasets: bool) -> Iterator[None]:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)  # an explicit environment wins
     for name in LIBRARY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        if saved_env.get(f"{name.upper()}_VERBOSITY") is None:  # e.g. TRANSFORMERS_VERBOSITY
+            logging.getLogger(name).setLevel(logging.ERROR)
     datasets_bars = False
     if uses_datasets or "datasets" in sys.modules:
         from datasets import utils as datasets_utils
