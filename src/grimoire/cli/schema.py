@@ -21,11 +21,13 @@ from typing import Any
 import yaml
 
 from grimoire.cli.flags import MINI_TRAINER_BASE, apply_mini_trainer_flags
-from grimoire.cli.model import TINY_PREFIX, canonical_model, model_problems
+from grimoire.cli.model import REF_MODEL_COPY, TINY_PREFIX, canonical_model, model_problems
+from grimoire.cli.paths import reference_problems
 from grimoire.cli.sections import section_problems, unknown_keys
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig, check_type
 from grimoire.errors import ConfigError
+from grimoire.rollout.rewards import resolve_reward_funcs
 from grimoire.rows.sources import source_problems
 
 #: The embedded default run (``python -m grimoire.cli.main`` with no ``--config``).
@@ -48,9 +50,6 @@ WANDB_KEYS: dict[str, Any] = {"project": str | None, "entity": str | None}
 PEFT_TYPES = ("lora",)
 #: Arguments the CLI supplies itself to every tokenize function.
 TOKENIZE_RESERVED = ("tokenizer",)
-#: ``loss.ref_model`` value that asks the loss for a frozen copy of the starting policy: passed
-#: through as the string ``ref_model="copy"`` instead of loading a model from that path.
-REF_MODEL_COPY = "copy"
 
 
 # --------------------------------------------------------------------------- YAML
@@ -200,6 +199,9 @@ def validate_config(raw: Any) -> list[str]:
     raw, p = canonical_model(raw)
     p += unknown_keys(raw, TOP_KEYS, "")
     p += model_problems(raw.get("model"), raw.get("quantization"))
+    # The folders and hub names the config points at (model, tokenizer, reference, checkpoint):
+    # a mistyped path is one more line here, not a traceback from the loader later.
+    p += reference_problems(raw)
     # An empty YAML section (``training:``) parses as None: treat it as absent.
     p += _training_problems(raw.get("training") or {})
     loss_type, loss_problems = _loss_problems(raw.get("loss") or {"type": "sft"})
@@ -208,7 +210,7 @@ def validate_config(raw: Any) -> list[str]:
         p.append("dataset: required (e.g. dataset: {jsonl: train.jsonl, tokenize: {type: sft}})")
     for where in ("dataset", "eval_dataset"):
         if where in raw:
-            p += source_problems(raw[where], where, extra_keys=("tokenize",))
+            p += source_problems(raw[where], where, extra_keys=("tokenize",), check_hub=True)
             inherited = where == "eval_dataset" and "tokenize" not in (raw[where] or {})
             if isinstance(raw[where], Mapping) and not (inherited and "dataset" in raw):
                 # An eval_dataset without its own tokenize reuses dataset's (checked once).
@@ -257,7 +259,23 @@ def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
     if loss.get("ref_model") and not loss.get("cache_reference"):
         args["ref_model"] = None  # checked against the loss's signature like any argument
     p += _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
+    if "reward_funcs" in args:
+        p += _reward_problems(args["reward_funcs"], args.get("reward_weights"))
     return loss["type"], p
+
+
+def _reward_problems(funcs: Any, weights: Any) -> list[str]:
+    """Short names and ``package.module:function`` specs resolved now (importing a spec runs its
+    module, as for ``loss.type``), with the weights, as the online methods will at set-up."""
+    if weights is not None and not isinstance(weights, list):
+        return [f"loss.args.reward_weights: expected a list of numbers, got {weights!r}"]
+    if not isinstance(funcs, str | list):
+        return [f"loss.args.reward_funcs: expected a name or a list of names, got {funcs!r}"]
+    try:
+        resolve_reward_funcs(funcs, weights)
+    except ConfigError as exc:
+        return [f"loss.args.{m}" for m in exc.problems]
+    return []
 
 
 def _tokenize_problems(tok: Any, where: str, loss_type: str | None) -> list[str]:
@@ -314,7 +332,9 @@ def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
         args = dict(cb.get("args") or {})
         for key, value in args.items():
             if is_dataset_ref(value):
-                p += source_problems(value["dataset"], f"{where}.args.{key}.dataset")
+                p += source_problems(
+                    value["dataset"], f"{where}.args.{key}.dataset", check_hub=True
+                )
         if cb["type"] == "exact_match" and "rows" not in args:
             if not has_eval:
                 p.append(

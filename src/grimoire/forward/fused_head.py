@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.errors import ConfigError
+from grimoire.errors import ConfigError, GrimoireRuntimeWarning
 from grimoire.forward.head.function import _head_logits, _HeadLogps, _HeadSpec
 from grimoire.forward.head.sharded import (
     gathered,
@@ -285,7 +285,7 @@ def _checked(parts: _Parts, transforms: list, autocast: Any, hidden: Tensor, out
             "(grimoire.forward.logprobs.POST_HEAD_TRANSFORMS); it must transform logits in a way the "
             "fused path can't replay. Using the full-logits path for this model from now on."
         )
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warnings.warn(msg, GrimoireRuntimeWarning, stacklevel=4)
         _disable(parts.state, parts.base, "self-check mismatch")
         return False
     parts.state.checked = ok is True

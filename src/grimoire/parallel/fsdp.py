@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -183,7 +184,22 @@ def save_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, _inner(optimizer))
-    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(folder / DCP_DIR))
+    with _single_process_quiet():
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(folder / DCP_DIR))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns at every save and load that it assumes one process
+    ("torch.distributed is disabled, unavailable or uninitialized ..."); that is exactly what a
+    single-process run means (and no process group is made just for a checkpoint), so that one
+    warning is dropped. Any other warning, and every warning under a process group, passes."""
+    if dist.is_available() and dist.is_initialized():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def load_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
@@ -194,7 +210,8 @@ def load_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
 
     msd, osd = get_state_dict(model, _inner(optimizer))
     state = {"model": msd, "optimizer": osd}
-    dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
     set_state_dict(
         model,
         _inner(optimizer),
