@@ -9,6 +9,15 @@ groups the call held, to check that the G completions of a prompt are sampled to
 
     python benchmarks/rollout_throughput.py           # full table
     python benchmarks/rollout_throughput.py --tiny    # seconds: table shape only
+
+``--engines``: rollout tokens/s of the sampling backends alone (``engine.generate`` without old
+log-probs, every completion ``max_new_tokens`` long: no EOS), at a mid-size model with prompts as
+long as the completions: HF ``generate`` prefilling each completion's copy of its prompt (``hf``,
+``prefill_once=False``, what ``generate`` does by itself) against one prefill per prompt
+(``hf-prefill``, the default). With one seed both sample the same tokens (checked here too).
+
+    python benchmarks/rollout_throughput.py --engines          # 64 prompts x 8 x 128 tokens
+    python benchmarks/rollout_throughput.py --engines --tiny
 """
 
 from __future__ import annotations
@@ -26,6 +35,66 @@ SIZES = {
     "full": dict(vocab=32_000, hidden=256, layers=4, prompts=16, batch=4, G=8, new=64, steps=4),
     "tiny": dict(vocab=64, hidden=32, layers=1, prompts=4, batch=2, G=2, new=4, steps=2),
 }
+
+
+#: ``--engines``: hidden 512, 8 layers, 64 prompts x G=8 x 128 new tokens, 128-token prompts.
+ENGINE_SIZES = {
+    "full": dict(vocab=32_000, hidden=512, layers=8, prompts=64, G=8, new=128, prompt_len=128),
+    "tiny": dict(vocab=64, hidden=32, layers=1, prompts=4, G=4, new=8, prompt_len=8),
+}
+ENGINES = {"hf": {"prefill_once": False}, "hf-prefill": {"prefill_once": True}}
+
+
+def engines(size: str, repeats: int = 1) -> list[dict[str, Any]]:
+    """Each engine's best of ``repeats`` timed ``generate`` calls on the same prompts and seed."""
+    import random
+
+    import torch
+
+    from grimoire.rollout.hf import HFGenerateEngine
+
+    s = ENGINE_SIZES[size]
+    model = bench.tiny_llama(s["vocab"], s["hidden"], s["layers"], s["prompt_len"] + s["new"])
+    model.eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, s["vocab"]) for _ in range(s["prompt_len"])]
+               for _ in range(s["prompts"])]  # fmt: skip
+    rows, samples = [], {}
+    for name, kw in ENGINES.items():
+        engine = HFGenerateEngine(max_new_tokens=s["new"], **kw)
+        engine.bind(model, pad_token_id=0, eos_token_id=None)  # no EOS: full-length completions
+        engine.generate(prompts[:2], 2, with_old_logps=False)  # warm-up: first-call costs
+        best = float("inf")
+        for _ in range(repeats):
+            torch.manual_seed(0)
+            start = time.perf_counter()
+            rollout = engine.generate(prompts, s["G"], with_old_logps=False)
+            best = min(best, time.perf_counter() - start)
+        samples[name] = rollout.completion_ids.tolist()
+        tokens = int(rollout.completion_mask.sum())
+        rows.append({"engine": name, "seconds": best, "tokens": tokens, "tok_s": tokens / best})
+    for r in rows:
+        r["ratio"] = r["tok_s"] / rows[0]["tok_s"]
+        r["same_samples"] = samples[r["engine"]] == samples[rows[0]["engine"]]
+    return rows
+
+
+def engines_table(rows: list[dict[str, Any]], size: str) -> list[str]:
+    s = ENGINE_SIZES[size]
+    lines = [
+        bench.machine_line(),
+        f"# rollout only: Llama vocab {s['vocab']}, hidden {s['hidden']}, {s['layers']} layers, "
+        f"fp32; {s['prompts']} prompts of {s['prompt_len']} tokens x G={s['G']} x "
+        f"{s['new']} new tokens, one generate call; best of the repeats",
+        "| engine | seconds | generated tokens | rollout tok/s | vs hf | same samples as hf |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['engine']} | {r['seconds']:.2f} | {r['tokens']} | {r['tok_s']:.0f} "
+            f"| {r['ratio']:.2f}x | {r['same_samples']} |"
+        )
+    return lines
 
 
 def _timed(obj: Any, name: str, totals: dict[str, float], key: str) -> None:
@@ -130,9 +199,14 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run")
     parser.add_argument("--out", default="/tmp/rollout-throughput")
+    parser.add_argument("--engines", action="store_true", help="compare the sampling backends")
+    parser.add_argument("--repeats", type=int, default=1, help="--engines: timed calls each")
     args = parser.parse_args(argv)
     size = "tiny" if args.tiny else "full"
-    lines = table(run(size, args.out), size)
+    if args.engines:
+        lines = engines_table(engines(size, args.repeats), size)
+    else:
+        lines = table(run(size, args.out), size)
     print("\n".join(lines))
     return lines
 

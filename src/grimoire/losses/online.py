@@ -35,7 +35,8 @@ from grimoire.errors import DataError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
 from grimoire.rollout.batches import batch_completion_logps, training_batch
-from grimoire.rollout.engine import HFGenerateEngine, RolloutEngine
+from grimoire.rollout.engine import RolloutEngine
+from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
 from grimoire.rollout.stage import SamplingConfig, ScoredGroup
 

@@ -31,7 +31,6 @@ from torch import Tensor
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
-from grimoire.rollout.generation import generation_mode
 
 
 @dataclass
@@ -225,9 +224,11 @@ class RolloutEngine:
                 f"{len(prompts)} prompts x {n}"
             )
         device = self.device
-        prompt_ids, prompt_mask = _pad(repeated, self.pad_token_id, left=True)
+        prompt_ids, prompt_mask = pad_sequences(repeated, self.pad_token_id, left=True)
         # Empty completions (a sampler that stopped at once) still get one slot so C >= 1.
-        completion_ids, completion_mask = _pad(rows, self.pad_token_id, left=False, min_width=1)
+        completion_ids, completion_mask = pad_sequences(
+            rows, self.pad_token_id, left=False, min_width=1
+        )
         truncated = torch.tensor(
             [not (r and r[-1] in self.eos_token_ids) for r in rows], dtype=torch.bool
         )
@@ -308,79 +309,9 @@ class RolloutEngine:
         return list(ids)
 
 
-class HFGenerateEngine(RolloutEngine):
-    """Samples with ``model.generate`` from the training model itself (no weight copy).
-
-    Sampling is exactly ``softmax(logits / temperature)`` restricted by ``top_k`` (0 = off) and
-    ``top_p`` (1.0 = off): a fresh ``GenerationConfig`` is used, so processors from the model's
-    own ``generation_config`` (repetition penalties, a default top-k of 50, ...) cannot make the
-    sampled distribution differ from the one the log-probs describe. Prompts are left-padded;
-    generation stops at EOS; eval mode + KV cache are set around it (:func:`generation_mode`),
-    which also keeps gradient checkpointing and dropout out of sampling.
-    """
-
-    def __init__(
-        self,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        generation_batch_size: int | None = None,
-    ):
-        super().__init__(max_new_tokens, temperature, generation_batch_size)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-        self.top_p = top_p
-        self.top_k = top_k
-
-    def _generation_config(self, greedy: bool):
-        from transformers import GenerationConfig
-
-        common = dict(
-            max_new_tokens=self.max_new_tokens,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids or None,
-        )
-        if greedy:
-            return GenerationConfig(do_sample=False, **common)
-        return GenerationConfig(
-            do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            **common,
-        )
-
-    @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
-        model = self.model
-        assert model is not None
-        config = self._generation_config(greedy)
-        device = self.device
-        out: list[list[int]] = []
-        chunks = self.prompt_chunks(prompts, n)
-        # Sharded: every rank makes as many generate calls (fillers: one pad token, output
-        # dropped), and synced_gpus keeps each call stepping until every rank's is done.
-        fillers = self.agree(len(chunks)) - len(chunks) if self.agree is not None else 0
-        synced = {"synced_gpus": True} if self.agree is not None else {}
-        with generation_mode(model):
-            for group in chunks + [[[self.pad_token_id]]] * fillers:
-                chunk = [p for p in group for _ in range(n)]
-                ids, mask = _pad(chunk, self.pad_token_id, left=True)
-                with self.autocast():
-                    gen = model.generate(
-                        input_ids=ids.to(device),
-                        attention_mask=mask.to(device),
-                        generation_config=config,
-                        **synced,
-                    )
-                out.extend(gen[:, ids.shape[1] :].tolist())
-        return out[: len(prompts) * n]
-
-
-def _pad(seqs: list[list[int]], pad: int, left: bool, min_width: int = 0) -> tuple[Tensor, Tensor]:
+def pad_sequences(
+    seqs: list[list[int]], pad: int, left: bool, min_width: int = 0
+) -> tuple[Tensor, Tensor]:
     width = max(min_width, max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -394,9 +325,9 @@ def _pad(seqs: list[list[int]], pad: int, left: bool, min_width: int = 0) -> tup
 
 
 __all__ = [
-    "HFGenerateEngine",
     "Rollout",
     "RolloutEngine",
     "completion_logps",
+    "pad_sequences",
     "position_ids_from_mask",
 ]
