@@ -170,9 +170,13 @@ class VLLMEngine(RolloutEngine):
                 llm = LLM(**kwargs)
             # Dummy weights are enough to find an unsupported architecture, head size or dtype
             # now rather than at the first rollout.
-            llm.generate([{"prompt_token_ids": [self.pad_token_id]}], self._params(1, True, None))
+            llm.generate(
+                [{"prompt_token_ids": [self.pad_token_id]}],
+                self._params(1, True, None),
+                use_tqdm=False,
+            )
         except Exception as exc:
-            arch = (getattr(config, "architectures", None) or ["?"])[0]
+            arch = (config.architectures or [type(_plain_model(self.model)).__name__])[0]
             raise ConfigError(
                 [
                     f"engine: vllm cannot run this model ({arch}, {config.model_type}): "

@@ -43,7 +43,9 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
     """``(checkpoint name, full detached tensor)`` per parameter, LoRA merged (module
     docstring). Lazy: FSDP2 gathers happen as the caller consumes the iterator."""
     lora = {name: m for name, m in model.named_modules() if _is_lora_layer(m)}
-    for name, param in model.named_parameters():
+    # Tied weights (an LM head sharing the embedding) are sent under every name: vLLM's in-place
+    # reload re-creates each layer's parameters, which unties them, so the head must get its own.
+    for name, param in model.named_parameters(remove_duplicate=False):
         if ".lora_" in name or ".original_module." in name:
             continue  # adapters are merged below; a modules_to_save copy replaces its original
         owner, _, leaf = name.rpartition(".")
