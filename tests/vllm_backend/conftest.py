@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tests.vllm_backend.common import TINY
 
 # vLLM reads it when first imported: its INFO lines (one per engine start) drown pytest's output.

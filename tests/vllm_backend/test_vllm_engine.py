@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.vllm_backend.common import TINY
 
 from grimoire.errors import ConfigError
 from grimoire.model.tiny import build_model
 from grimoire.rollout.engine import completion_logps
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.vllm_engine import VLLMEngine
-from tests.vllm_backend.common import TINY
 
 EOS, PAD = 2, 0
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 12, 13]]
@@ -25,7 +25,8 @@ def model():
 def engine(model):
     engine = VLLMEngine(max_new_tokens=8)
     engine.bind(model, PAD, EOS)
-    return engine
+    yield engine
+    engine.close()  # one engine per process at a time: vLLM's groups are process-wide
 
 
 def test_layout_and_sampler_logps_equal_the_policys(engine):
@@ -85,7 +86,8 @@ def test_syncs_only_when_the_weights_change(engine, model):
             model.lm_head.weight.div_(1.5)
 
 
-def test_start_leaves_the_process_as_it_was(model):
+def test_start_leaves_the_process_as_it_was(model, engine):
+    engine.close()  # the module's engine is done
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
@@ -97,11 +99,15 @@ def test_start_leaves_the_process_as_it_was(model):
     torch.set_num_threads(1)  # still works (vLLM's CPU worker replaces it with a no-op)
     assert torch.get_num_threads() == 1
     torch.set_num_threads(threads)
+    engine.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-kernel limit")
 def test_a_model_vllm_cannot_run_is_a_config_error_at_bind():
     small_heads = build_model("llama", vocab_size=64, hidden_size=64, num_layers=1)  # head size 16
     engine = VLLMEngine(max_new_tokens=4)
-    with pytest.raises(ConfigError, match=r"vllm cannot run this model \(LlamaForCausalLM.*head_dim"):
+    with pytest.raises(
+        ConfigError, match=r"vllm cannot run this model \(LlamaForCausalLM.*head_dim"
+    ):
         engine.bind(small_heads, PAD, EOS)
+    assert engine.llm is None  # what had started is shut down

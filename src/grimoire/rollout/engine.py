@@ -213,6 +213,9 @@ class RolloutEngine:
     def sync_weights(self) -> None:
         """Make the sampler use the current weights; no-op when it shares the training model."""
 
+    def close(self) -> None:
+        """Release what the backend holds (processes, memory); no-op when it holds nothing."""
+
     def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]] | Samples:
         raise NotImplementedError
 

@@ -130,6 +130,10 @@ class RolloutStage:
         if ctx.sharded:  # every forward of a sharded policy is a collective: keep ranks even
             self.engine.agree = ctx.all_reduce_max
 
+    def close(self) -> None:
+        """Shut the engine down (the trainer's ``close``, before the process group goes)."""
+        self.engine.close()
+
     # ------------------------------------------------------------------ one step
 
     def step(

@@ -15,8 +15,8 @@ How it is put together, and why:
 - **No checkpoint on disk.** vLLM is started from the policy's ``config.json`` alone with dummy
   weights (``load_format="dummy"``, no tokenizer: prompts and completions are token ids), and
   the policy's weights are loaded into it before the first rollout (:meth:`sync_weights`).
-- **Weight sync** whenever the weights changed: an optimizer step (or a checkpoint load) bumps
-  the parameters' version counters (:func:`~grimoire.rollout.vllm_weights.weights_version`);
+- **Weight sync** whenever the weights changed: after an optimizer step, or any in-place write
+  such as a checkpoint load (:func:`~grimoire.rollout.vllm_weights.weights_version`);
   before sampling, changed weights are streamed one parameter at a time into vLLM's
   ``reload_weights`` (LoRA merged, FSDP2 shards gathered one tensor at a time:
   :func:`~grimoire.rollout.vllm_weights.policy_weights`), and vLLM's prefix cache, computed
@@ -42,6 +42,7 @@ import hashlib
 import importlib.util
 import os
 import random
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -143,10 +144,11 @@ class VLLMEngine(RolloutEngine):
         self.llm: Any = None
         #: Weight syncs done (the weight version vLLM holds is the policy's after the last).
         self.syncs = 0
-        self._synced_version: int | None = None
+        self._synced_version: tuple[int, int] | None = None
         self._seen: dict[tuple[int, ...], int] = {}  # prompt -> times sampled at this version
         self._tp_group: Any = None
         self._folder: Any = None
+        self._owns_group = True
 
     # ------------------------------------------------------------------ set-up
 
@@ -158,24 +160,25 @@ class VLLMEngine(RolloutEngine):
         if self.seed is None:
             self.seed = torch.initial_seed() % (1 << 31)
         if self.llm is None:
-            self.llm = self._start()
+            self._start()
 
-    def _start(self) -> Any:
+    def _start(self) -> None:
         config = _plain_model(self.model).config
         kwargs = self._llm_args(config)
         try:
-            with _process_state_kept():
+            with _process_state_kept(), _odd_attributes_set_aside():
                 from vllm import LLM
 
-                llm = LLM(**kwargs)
+                self.llm = LLM(**kwargs)
             # Dummy weights are enough to find an unsupported architecture, head size or dtype
             # now rather than at the first rollout.
-            llm.generate(
+            self.llm.generate(
                 [{"prompt_token_ids": [self.pad_token_id]}],
                 self._params(1, True, None),
                 use_tqdm=False,
             )
         except Exception as exc:
+            self.close()
             arch = (config.architectures or [type(_plain_model(self.model)).__name__])[0]
             raise ConfigError(
                 [
@@ -184,8 +187,7 @@ class VLLMEngine(RolloutEngine):
                 ],
                 title="vLLM could not start (nothing was trained)",
             ) from exc
-        self._sleep(llm)
-        return llm
+        self._sleep(self.llm)
 
     def _llm_args(self, config: Any) -> dict[str, Any]:
         """``vllm.LLM`` arguments: the policy's config in a temporary folder, dummy weights."""
@@ -228,6 +230,8 @@ class VLLMEngine(RolloutEngine):
             kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
         # In process, so the weight sync can hand vLLM the training tensors themselves.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Without a process group vLLM starts a 1-rank one of its own, and closes it on close().
+        self._owns_group = not (dist.is_available() and dist.is_initialized())
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             kwargs["distributed_executor_backend"] = "external_launcher"
             self._tp_group = _tensor_parallel_group(self.tensor_parallel_size)
@@ -239,6 +243,31 @@ class VLLMEngine(RolloutEngine):
                 ]
             )
         return {**kwargs, **self.llm_kwargs}
+
+    def close(self) -> None:
+        """Shut vLLM down. Its shutdown also destroys torch's default process group; when that
+        group is the trainer's (several ranks), only vLLM's own groups are destroyed."""
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state as state
+
+        destroy_world = state.destroy_distributed_environment
+
+        def own_groups_only() -> None:
+            if state._WORLD is not None:  # vLLM's groups over the trainer's ranks
+                state._WORLD.destroy()
+            state._WORLD = None
+
+        if not self._owns_group:
+            state.destroy_distributed_environment = own_groups_only
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            state.destroy_distributed_environment = destroy_world
+            self.llm = None
+            self._synced_version = None
+            if self._folder is not None:
+                self._folder.cleanup()
 
     # ------------------------------------------------------------------ weights
 
@@ -378,6 +407,35 @@ def _process_state_kept() -> Iterator[None]:
             random.setstate(py_state)
             if np is not None:
                 np.random.set_state(np_random)
+
+
+@contextmanager
+def _odd_attributes_set_aside() -> Iterator[None]:
+    """Module attributes whose ``__dict__`` is not a mapping, set aside while vLLM starts.
+
+    vLLM's CPU build (no Triton) scans every imported module's attributes at start, to rebind
+    its kernels, and reads ``vars(value).get(...)`` on each; llvmlite's ``ffi.lib`` (numba's,
+    which the batch planner imports) answers any attribute, ``__dict__`` included, with a
+    function wrapper, and that scan then fails. Nothing of theirs runs during the start.
+    """
+    aside = []
+    if not torch.cuda.is_available():
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                try:
+                    odd = not hasattr(getattr(value, "__dict__", {}), "get")
+                except Exception:  # an attribute that raises on access: vLLM skips it too
+                    continue
+                if odd:
+                    aside.append((namespace, name, namespace.pop(name)))
+    try:
+        yield
+    finally:
+        for namespace, name, value in aside:
+            namespace[name] = value
 
 
 __all__ = ["INSTALL_HINT", "VLLMEngine", "require_vllm", "vllm_available"]

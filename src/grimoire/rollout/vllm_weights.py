@@ -16,9 +16,10 @@ LoRA pair) in full at a time:
   ``_orig_mod.``, activation checkpointing's ``_checkpoint_wrapped_module.``, peft's
   ``modules_to_save``) are dropped, so the names are those of the plain model's state dict.
 
-:func:`weights_version` tells whether the weights changed since a sync: the sum of the
-parameters' in-place version counters, which every optimizer step (and every load of a
-checkpoint) increments.
+:func:`weights_version` tells whether the weights changed since a sync: the number of optimizer
+steps taken in this process (torch's global step hook: fused AdamW writes its parameters without
+bumping their version counters) and the sum of the parameters' in-place version counters (a
+checkpoint load, any other in-place write).
 """
 
 from __future__ import annotations
@@ -28,15 +29,29 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 #: Name parts wrappers add around a model's own parameter names.
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "modules_to_save.default.")
 
 
-def weights_version(model: torch.nn.Module) -> int:
-    """Sum of every parameter's in-place version counter: grows whenever a weight is written
-    (optimizer steps, ``load_state_dict``), so equal values mean nothing was written since."""
-    return sum(int(p._version) for p in model.parameters())
+#: Optimizer steps taken in this process (any optimizer), counted once the hook is installed.
+_STEPS = [0]
+_HOOK: list[Any] = []
+
+
+def weights_version(model: torch.nn.Module) -> tuple[int, int]:
+    """``(optimizer steps so far, sum of the parameters' version counters)``: grows whenever a
+    weight may have been written, so an equal value means nothing was written since. The step
+    hook is installed on the first call (steps before it are not counted; the first sync after
+    it loads the weights anyway)."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_post_hook(_count_step))
+    return _STEPS[0], sum(int(p._version) for p in model.parameters())
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _STEPS[0] += 1
 
 
 def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
