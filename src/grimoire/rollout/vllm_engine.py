@@ -157,6 +157,7 @@ class VLLMEngine(RolloutEngine):
     ):
         """Attach the training model, then start vLLM for it (once) and check it can run it."""
         super().bind(model, pad_token_id, eos_token_id, autocast)
+        self._synced_version = None  # whatever vLLM holds, the next rollout loads this model's
         if self.seed is None:
             self.seed = torch.initial_seed() % (1 << 31)
         if self.llm is None:
