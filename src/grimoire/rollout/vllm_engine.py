@@ -221,6 +221,8 @@ class VLLMEngine(RolloutEngine):
         )
         if self.max_num_seqs is not None:
             kwargs["max_num_seqs"] = self.max_num_seqs
+        if cpu:  # a prompt prefilled in chunks rewinds its seeded CPU generator: unsupported
+            kwargs["enable_chunked_prefill"] = False
         kv_bytes = self.kv_cache_memory_bytes
         if kv_bytes is None and cpu and max_model_len:
             kv_bytes = min(
