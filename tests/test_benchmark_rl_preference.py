@@ -36,3 +36,13 @@ def test_rollout_benchmark_split_and_engine_checks(tmp_path):
     assert parts == ["part", "generation", "old_policy", "reference", "other_rollout", "train"]
     assert "KV cache on in every generate call: True" in out
     assert "every call holds all G completions of each of its prompts: True" in out
+
+
+def test_rollout_engines_table(tmp_path):
+    """--engines: both HF variants run, and one prefill per prompt samples what repeated
+    prefill samples (same seed); no timing asserted."""
+    out = _run("rollout_throughput.py", "--engines", tmp_path=tmp_path)
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| hf")]
+    assert [r[0].strip() for r in rows] == ["hf", "hf-prefill"]
+    assert all(r[-1].strip() == "True" for r in rows)
+    assert len({r[2].strip() for r in rows}) == 1  # the same number of generated tokens

@@ -5,13 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grimoire.rollout.engine import (
-    HFGenerateEngine,
-    RolloutEngine,
-    completion_logps,
-    position_ids_from_mask,
-)
+from grimoire.rollout.engine import RolloutEngine, completion_logps, position_ids_from_mask
 from grimoire.rollout.generation import generation_mode
+from grimoire.rollout.hf import HFGenerateEngine
 
 
 @pytest.fixture(autouse=True, scope="module")

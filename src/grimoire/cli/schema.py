@@ -27,6 +27,7 @@ from grimoire.cli.sections import section_problems, unknown_keys
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig, check_type
 from grimoire.errors import ConfigError
+from grimoire.rollout.backends import engine_problems
 from grimoire.rollout.rewards import resolve_reward_funcs
 from grimoire.rows.sources import source_problems
 
@@ -258,6 +259,8 @@ def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
         )
     if loss.get("ref_model") and not loss.get("cache_reference"):
         args["ref_model"] = None  # checked against the loss's signature like any argument
+    if args.get("engine") is not None:  # a name or {type, args}: vLLM installed, known arguments
+        p += engine_problems(args["engine"], "loss.args.engine")
     p += _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
     if "reward_funcs" in args:
         p += _reward_problems(args["reward_funcs"], args.get("reward_weights"))

@@ -168,6 +168,10 @@ class GRPOMethod(OnlineMethod):
                 kl = kl * torch.exp(logps - old)  # with gradient, as TRL
             per_token = per_token + self.beta * kl
             metrics["kl"] = masked_mean(kl, mask)
+        weights, is_metrics = self.importance_weights(batch, old)
+        if weights is not None:  # a separate sampler (vLLM): correct for its mismatch, as TRL
+            per_token = per_token * weights
+            metrics.update(is_metrics)
         loss = reduce_token_loss(per_token, mask, self.loss_type, self.max_new_tokens)
         low, high = info["clipped_low"], info["clipped_high"]
         metrics.update(

@@ -34,8 +34,10 @@ from grimoire.columns import column_values, columns_of, listed
 from grimoire.errors import DataError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
+from grimoire.losses.online_functional import truncated_importance_weights
+from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
-from grimoire.rollout.engine import HFGenerateEngine, RolloutEngine
+from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
 from grimoire.rollout.stage import SamplingConfig, ScoredGroup
 
@@ -56,8 +58,12 @@ class OnlineMethod(GrimoireLoss):
             ``"copy"`` (a frozen copy of the starting policy: twice the memory), or None (then
             only a LoRA policy has one: its base with adapters disabled).
         generation_batch_size: max sequences per sampling / scoring call (memory only).
-        engine: a custom :class:`RolloutEngine` (e.g. a vLLM backend) replacing the HF one; its
-            own ``temperature`` / ``max_new_tokens`` then override the arguments above.
+        engine: what samples (:func:`grimoire.rollout.backends.build_engine`): ``"hf"`` (the
+            default, ``model.generate`` on the policy), ``"vllm"`` (a colocated vLLM engine,
+            :class:`~grimoire.rollout.vllm_engine.VLLMEngine`), a mapping ``{"type": "vllm",
+            "args": {...}}`` with the engine's own settings (the sampling arguments above are
+            passed to it), or an engine object, whose own ``temperature`` /
+            ``max_new_tokens`` then override the arguments above.
         log_entropy: compute the policy's token entropy as a metric (one extra softmax).
 
     Subclasses list only their own arguments and end with ``**kwargs`` passed on to this
@@ -86,7 +92,7 @@ class OnlineMethod(GrimoireLoss):
         beta: float = 0.0,
         ref_model: torch.nn.Module | str | None = None,
         generation_batch_size: int | None = None,
-        engine: RolloutEngine | None = None,
+        engine: EngineSpec = None,
         log_entropy: bool = True,
     ):
         name = type(self).__name__
@@ -98,18 +104,12 @@ class OnlineMethod(GrimoireLoss):
         if beta < 0:
             raise ValueError(f"{name}: beta must be >= 0, got {beta}")
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
-        if engine is not None:  # the engine samples, so its settings are the ones that hold
+        if isinstance(engine, RolloutEngine):  # it samples, so its settings are the ones held
             temperature, max_new_tokens = engine.temperature, engine.max_new_tokens
         self.sampling = SamplingConfig(
             num_generations, temperature, top_p, top_k, max_new_tokens, generation_batch_size
         )
-        self.engine = engine or HFGenerateEngine(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            generation_batch_size=generation_batch_size,
-        )
+        self.engine: RolloutEngine = build_engine(engine, self.sampling)
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
@@ -293,6 +293,21 @@ class OnlineMethod(GrimoireLoss):
         with self.reference.model(ctx.unwrapped_model) as ref, ctx.accelerator.autocast():
             logps, _ = batch_completion_logps(ref, batch, self.logp_temperature)
         return logps
+
+    def importance_weights(
+        self, batch: dict[str, Any], old_logps: Tensor
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Truncated importance weights ``[N, C]`` for a sampler that is not the learner (vLLM:
+        :func:`~grimoire.losses.online_functional.truncated_importance_weights`) and their
+        metrics; ``(None, {})`` when the engine samples from the policy itself (HF), so nothing
+        changes there. A placeholder batch has no sampler log-probs: weight 1, and its metrics
+        still register (weight 0), so every rank logs the same keys."""
+        cap = self.engine.importance_sampling_cap
+        if cap is None:
+            return None, {}
+        sampler = batch.get("sampler_logps")
+        sampler = old_logps.detach() if sampler is None else sampler
+        return truncated_importance_weights(old_logps, sampler, batch["completion_mask"], cap)
 
     def policy_logps(
         self, model: torch.nn.Module, batch: dict[str, Any]

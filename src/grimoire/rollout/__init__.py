@@ -1,6 +1,7 @@
 """Generation for online methods: the rollout engine interface and reward functions."""
 
-from grimoire.rollout.engine import HFGenerateEngine, Rollout, RolloutEngine
+from grimoire.rollout.engine import Rollout, RolloutEngine
+from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.rewards import (
     RewardFunctionError,
     char_match_reward,

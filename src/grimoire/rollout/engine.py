@@ -9,8 +9,10 @@ returning a :class:`Rollout` of ``N = len(prompts) * n`` rows, **prompt-major** 
 
 Adding a backend (e.g. vLLM): subclass :class:`RolloutEngine` and implement
 
-- ``_sample(prompts, n, greedy) -> list[list[int]]``: the completion token ids per row (any
-  length up to ``max_new_tokens``; an EOS, if produced, ends the completion and is kept);
+- ``_sample(prompts, n, greedy) -> list[list[int]] | Samples``: the completion token ids per row
+  (any length up to ``max_new_tokens``; an EOS, if produced, ends the completion and is kept),
+  or :class:`Samples` with the sampler's own per-token log-probs too (they become
+  :attr:`Rollout.sampler_logps`, for the importance-sampling correction);
 - ``sync_weights()`` (optional): push the trained weights to the backend's copy. The methods
   call it once before every rollout batch. The HF backend samples from the training model
   itself, so it is a no-op there.
@@ -31,7 +33,6 @@ from torch import Tensor
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
-from grimoire.rollout.generation import generation_mode
 
 
 @dataclass
@@ -48,6 +49,10 @@ class Rollout:
             that sampled it (temperature-scaled), 0 on padding; ``None`` if not requested.
         group_size: ``G``, completions per prompt.
         truncated: ``[N]`` bool, True where no EOS was produced within ``max_new_tokens``.
+        sampler_logps: ``[N, C]`` float32 per-token log-probs the SAMPLER reported for its own
+            samples (e.g. vLLM's), 0 on padding; ``None`` for a backend that samples from the
+            training model itself (HF). With them the policy-gradient losses correct for the
+            sampler/learner mismatch (truncated importance sampling).
     """
 
     prompt_ids: Tensor
@@ -57,6 +62,7 @@ class Rollout:
     old_logps: Tensor | None
     group_size: int
     truncated: Tensor
+    sampler_logps: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:
@@ -71,6 +77,15 @@ class Rollout:
     @property
     def num_groups(self) -> int:
         return self.prompt_ids.shape[0] // self.group_size
+
+
+@dataclass
+class Samples:
+    """What ``_sample`` may return instead of bare ids: the completions and, per token, the
+    log-prob the sampler gave the token it drew (same lengths as ``ids``)."""
+
+    ids: list[list[int]]
+    logps: list[list[float]] | None = None
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -165,6 +180,13 @@ class RolloutEngine:
         self.temperature = temperature
         self.generation_batch_size = generation_batch_size
         self.max_tokens: int | None = None
+        #: The run's context limit (``TrainingConfig.max_length``; set by the rollout stage):
+        #: prompt + completion never exceed it (checked before training).
+        self.max_length: int | None = None
+        #: Cap of the truncated importance-sampling weight ``min(pi_old / pi_sampler, cap)`` the
+        #: policy-gradient losses apply when rollouts carry ``sampler_logps``; ``None``: the
+        #: engine samples from the training model itself, so there is no mismatch to correct.
+        self.importance_sampling_cap: float | None = None
         #: Set when the policy is sharded (FSDP2): every forward is a collective, so all ranks
         #: must run as many. ``agree(n)`` returns the largest ``n`` over ranks; the engine pads
         #: its sampling and scoring calls up to it, and sampling runs with ``synced_gpus``.
@@ -191,7 +213,10 @@ class RolloutEngine:
     def sync_weights(self) -> None:
         """Make the sampler use the current weights; no-op when it shares the training model."""
 
-    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
+    def close(self) -> None:
+        """Release what the backend holds (processes, memory); no-op when it holds nothing."""
+
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]] | Samples:
         raise NotImplementedError
 
     @property
@@ -216,8 +241,10 @@ class RolloutEngine:
             raise RuntimeError(f"{type(self).__name__}.bind(model, ...) must be called first")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs a non-empty list of non-empty prompts")
-        completions = self._sample(prompts, n, greedy)
-        rows = [self._cut_at_eos(c[: self.max_new_tokens]) for c in completions]
+        samples = self._sample(prompts, n, greedy)
+        if not isinstance(samples, Samples):
+            samples = Samples(samples)
+        rows = [self._cut_at_eos(c[: self.max_new_tokens]) for c in samples.ids]
         repeated = [p for p in prompts for _ in range(n)]
         if len(rows) != len(repeated):
             raise RuntimeError(
@@ -225,9 +252,11 @@ class RolloutEngine:
                 f"{len(prompts)} prompts x {n}"
             )
         device = self.device
-        prompt_ids, prompt_mask = _pad(repeated, self.pad_token_id, left=True)
+        prompt_ids, prompt_mask = pad_sequences(repeated, self.pad_token_id, left=True)
         # Empty completions (a sampler that stopped at once) still get one slot so C >= 1.
-        completion_ids, completion_mask = _pad(rows, self.pad_token_id, left=False, min_width=1)
+        completion_ids, completion_mask = pad_sequences(
+            rows, self.pad_token_id, left=False, min_width=1
+        )
         truncated = torch.tensor(
             [not (r and r[-1] in self.eos_token_ids) for r in rows], dtype=torch.bool
         )
@@ -240,6 +269,12 @@ class RolloutEngine:
             group_size=n,
             truncated=truncated.to(device),
         )
+        if samples.logps is not None:  # cut like the ids: a row's log-probs end with its tokens
+            width = completion_ids.shape[1]
+            logps = torch.zeros((len(rows), width), dtype=torch.float32)
+            for i, (row, lp) in enumerate(zip(rows, samples.logps)):
+                logps[i, : len(row)] = torch.tensor(lp[: len(row)], dtype=torch.float32)
+            rollout.sampler_logps = logps.to(device)
         if with_old_logps:
             rollout.old_logps = self.score(rollout.input_ids, rollout.attention_mask, rollout)
         return rollout
@@ -308,79 +343,9 @@ class RolloutEngine:
         return list(ids)
 
 
-class HFGenerateEngine(RolloutEngine):
-    """Samples with ``model.generate`` from the training model itself (no weight copy).
-
-    Sampling is exactly ``softmax(logits / temperature)`` restricted by ``top_k`` (0 = off) and
-    ``top_p`` (1.0 = off): a fresh ``GenerationConfig`` is used, so processors from the model's
-    own ``generation_config`` (repetition penalties, a default top-k of 50, ...) cannot make the
-    sampled distribution differ from the one the log-probs describe. Prompts are left-padded;
-    generation stops at EOS; eval mode + KV cache are set around it (:func:`generation_mode`),
-    which also keeps gradient checkpointing and dropout out of sampling.
-    """
-
-    def __init__(
-        self,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        generation_batch_size: int | None = None,
-    ):
-        super().__init__(max_new_tokens, temperature, generation_batch_size)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-        self.top_p = top_p
-        self.top_k = top_k
-
-    def _generation_config(self, greedy: bool):
-        from transformers import GenerationConfig
-
-        common = dict(
-            max_new_tokens=self.max_new_tokens,
-            pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_ids or None,
-        )
-        if greedy:
-            return GenerationConfig(do_sample=False, **common)
-        return GenerationConfig(
-            do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            **common,
-        )
-
-    @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
-        model = self.model
-        assert model is not None
-        config = self._generation_config(greedy)
-        device = self.device
-        out: list[list[int]] = []
-        chunks = self.prompt_chunks(prompts, n)
-        # Sharded: every rank makes as many generate calls (fillers: one pad token, output
-        # dropped), and synced_gpus keeps each call stepping until every rank's is done.
-        fillers = self.agree(len(chunks)) - len(chunks) if self.agree is not None else 0
-        synced = {"synced_gpus": True} if self.agree is not None else {}
-        with generation_mode(model):
-            for group in chunks + [[[self.pad_token_id]]] * fillers:
-                chunk = [p for p in group for _ in range(n)]
-                ids, mask = _pad(chunk, self.pad_token_id, left=True)
-                with self.autocast():
-                    gen = model.generate(
-                        input_ids=ids.to(device),
-                        attention_mask=mask.to(device),
-                        generation_config=config,
-                        **synced,
-                    )
-                out.extend(gen[:, ids.shape[1] :].tolist())
-        return out[: len(prompts) * n]
-
-
-def _pad(seqs: list[list[int]], pad: int, left: bool, min_width: int = 0) -> tuple[Tensor, Tensor]:
+def pad_sequences(
+    seqs: list[list[int]], pad: int, left: bool, min_width: int = 0
+) -> tuple[Tensor, Tensor]:
     width = max(min_width, max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -394,9 +359,10 @@ def _pad(seqs: list[list[int]], pad: int, left: bool, min_width: int = 0) -> tup
 
 
 __all__ = [
-    "HFGenerateEngine",
     "Rollout",
     "RolloutEngine",
+    "Samples",
     "completion_logps",
+    "pad_sequences",
     "position_ids_from_mask",
 ]

@@ -32,7 +32,7 @@ from torch import Tensor
 from grimoire.columns import pad_token_id_of
 from grimoire.config.registry import resolve
 from grimoire.errors import ConfigError
-from grimoire.rollout.engine import HFGenerateEngine
+from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rows.prompts import tokenize_grpo
 
 RewardFn = Callable[..., Sequence[float]]

@@ -262,6 +262,8 @@ class GrimoireTrainer:
         ``accelerate launch`` should call this last.
         """
         self.accelerator.wait_for_everyone()
+        if self.rollouts is not None:  # a sampler in process (vLLM) leaves the group as it was
+            self.rollouts.close()
         # The DDP wrapper's reducer keeps the group alive until interpreter teardown, where
         # gloo's threads can abort the process: keep the plain model only, then release.
         self.model = self.unwrapped_model

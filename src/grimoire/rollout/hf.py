@@ -1,0 +1,144 @@
+"""The HF ``generate`` backend: samples from the training model itself, one prefill per prompt.
+
+Stage: rollout (see docs/architecture.md). :class:`HFGenerateEngine` implements
+:meth:`~grimoire.rollout.engine.RolloutEngine._sample`; the base class pads the completions and
+scores the old log-probs.
+
+One prefill per prompt: a group's ``n`` completions share their prompt, so the prompt's KV cache
+is computed once for the unique prompts (``[P, L - 1]``: all but the last prompt token) and
+repeated ``n`` times along the batch (``DynamicCache.batch_repeat_interleave``); ``generate``
+then runs only the last prompt token and the decoding steps. The repeated cache holds the same
+values the ``n``-times-repeated prefill would have computed, so the logits, and with one seed the
+sampled tokens, are today's (``tests/rollout/test_prefill.py``); what is saved is ``(n - 1) / n``
+of the prefill compute.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from grimoire.rollout.engine import RolloutEngine, pad_sequences, position_ids_from_mask
+from grimoire.rollout.generation import generation_mode
+
+
+class HFGenerateEngine(RolloutEngine):
+    """Samples with ``model.generate`` from the training model itself (no weight copy).
+
+    Sampling is exactly ``softmax(logits / temperature)`` restricted by ``top_k`` (0 = off) and
+    ``top_p`` (1.0 = off): a fresh ``GenerationConfig`` is used, so processors from the model's
+    own ``generation_config`` (repetition penalties, a default top-k of 50, ...) cannot make the
+    sampled distribution differ from the one the log-probs describe. Prompts are left-padded;
+    generation stops at EOS; eval mode + KV cache are set around it (:func:`generation_mode`),
+    which also keeps gradient checkpointing and dropout out of sampling.
+
+    ``prefill_once`` (default on): each prompt's KV cache is computed once for its ``n``
+    completions (module docstring); off, the prompt is repeated ``n`` times and prefilled ``n``
+    times, as ``generate`` does by itself.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        generation_batch_size: int | None = None,
+        prefill_once: bool = True,
+    ):
+        super().__init__(max_new_tokens, temperature, generation_batch_size)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        self.top_p = top_p
+        self.top_k = top_k
+        self.prefill_once = prefill_once
+
+    def _generation_config(self, greedy: bool):
+        from transformers import GenerationConfig
+
+        common = dict(
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_ids or None,
+        )
+        if greedy:
+            return GenerationConfig(do_sample=False, **common)
+        return GenerationConfig(
+            do_sample=True,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            **common,
+        )
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
+        model = self.model
+        assert model is not None
+        config = self._generation_config(greedy)
+        out: list[list[int]] = []
+        chunks = self.prompt_chunks(prompts, n)
+        # Sharded: every rank makes as many generate calls (fillers: a pad-token prompt, output
+        # dropped), and synced_gpus keeps each call stepping until every rank's is done.
+        fillers = self.agree(len(chunks)) - len(chunks) if self.agree is not None else 0
+        synced = {"synced_gpus": True} if self.agree is not None else {}
+        with generation_mode(model):
+            for group in chunks + [[[self.pad_token_id]]] * fillers:
+                with self.autocast():
+                    gen, width = self._generate(group, n, config, synced)
+                out.extend(gen[:, width:].tolist())
+        return out[: len(prompts) * n]
+
+    def _generate(
+        self, group: list[list[int]], n: int, config: Any, synced: dict[str, bool]
+    ) -> tuple[Tensor, int]:
+        """``(generate's output [P * n, width + new], width)`` for the prompts of ``group``."""
+        device = self.device
+        # Width >= 2 so the shared prefill (all but the last token) is never empty: under
+        # sharding every rank must run it, fillers included (each forward is a collective).
+        ids, mask = pad_sequences(group, self.pad_token_id, left=True, min_width=2)
+        ids, mask = ids.to(device), mask.to(device)
+        kwargs: dict[str, Any] = {}
+        if self.prefill_once:
+            kwargs["past_key_values"] = _shared_prefill(self.model, ids, mask, n)
+        with warnings.catch_warnings():
+            # transformers >= 5.2x renames generate's past_key_values to cache (until 6.0 both
+            # work); the old name is the one every transformers 5.x accepts.
+            warnings.filterwarnings("ignore", message=".*past_key_values.* is deprecated")
+            gen = self.model.generate(
+                input_ids=ids.repeat_interleave(n, dim=0),
+                attention_mask=mask.repeat_interleave(n, dim=0),
+                generation_config=config,
+                **synced,
+                **kwargs,
+            )
+        return gen, ids.shape[1]
+
+
+def _shared_prefill(model: torch.nn.Module, ids: Tensor, mask: Tensor, n: int) -> Any:
+    """The KV cache of ``ids[:, :-1]`` (``[P, L - 1]``, left-padded) repeated ``n`` times along
+    the batch, for ``generate`` to continue from with the ``P * n`` repeated rows.
+
+    Positions are the ones ``generate`` gives left-padded rows (``cumsum(mask) - 1``), so the
+    cached keys are those its own prefill would have written; ``logits_to_keep=1`` keeps the
+    ``[P, L, V]`` logits from being built.
+    """
+    positions = position_ids_from_mask(mask)
+    out = model(
+        input_ids=ids[:, :-1],
+        attention_mask=mask[:, :-1],
+        position_ids=positions[:, :-1],
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)
+    return cache
+
+
+__all__ = ["HFGenerateEngine"]
