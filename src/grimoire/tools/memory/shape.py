@@ -178,7 +178,9 @@ def shape_from_config(config: Any, name: str = "model") -> ModelShape:
         config = _Attrs(config)
     get_text = getattr(config, "get_text_config", None)
     text = get_text() if callable(get_text) else config
-    experts = [getattr(text, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")]
+    experts = [
+        getattr(text, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+    ]
     if any(isinstance(e, int) and e > 1 for e in experts):
         raise ConfigError(
             [f"{name}: mixture-of-experts models are not modelled by estimate-memory"]
@@ -201,9 +203,12 @@ def shape_from_config(config: Any, name: str = "model") -> ModelShape:
         head_dim=getattr(text, "head_dim", None) or hidden // heads,
         intermediate=getattr(text, "intermediate_size", None) or 4 * hidden,
         vocab=text.vocab_size,
-        tied=bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))),
+        tied=bool(
+            getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False))
+        ),
         # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias.
-        qkv_bias=getattr(text, "model_type", "") == "qwen2" or bool(getattr(text, "attention_bias", False)),
+        qkv_bias=getattr(text, "model_type", "") == "qwen2"
+        or bool(getattr(text, "attention_bias", False)),
         dtype=dtype_name(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)),
         name=name,
     )
