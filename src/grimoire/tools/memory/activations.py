@@ -130,11 +130,14 @@ def checkpointed_layer_bytes_per_token(shape: ModelShape, num: Numerics) -> floa
 
 @dataclass(frozen=True)
 class HeadBytes:
-    """Peak bytes of the LM head's log-prob computation: forward and backward."""
+    """Peak bytes of the LM head's log-prob computation: forward and backward, and the part of
+    them that is reusable buffers (on CPU the fused head keeps them per thread between calls,
+    ``forward/head/workspace.py``; CUDA allocates them afresh)."""
 
     forward: float
     backward: float
     path: str
+    workspace: float = 0.0
 
 
 def head_bytes(
@@ -154,15 +157,17 @@ def head_bytes(
     gradient of those inputs, a cast-dtype gradient buffer for the weight, and a second
     ``V x H`` gradient while a later chunk's is summed into the first.
 
-    Full logits (FSDP2 today, or ``fused=False``): the model's ``[T, V]`` logits, their fp32 copy
-    kept by ``logsumexp``, and in backward about three more fp32 ``[T, V]`` tensors
-    (``exp(z - lse)``, the gathered one-hot, their sum) before the cast back.
+    Full logits (FSDP2 today, or ``fused=False``): the model's ``[T, V]`` logits and their fp32
+    copy kept by ``logsumexp``; in backward three fp32 ``[T, V]`` tensors at once (``logsumexp``'s
+    ``exp(z - lse)`` and its product with the incoming gradient next to the kept logits, then the
+    two gradients of the logits and their sum), and the cast back for bf16 logits.
     """
     v, h, a = shape.vocab, shape.hidden, num.compute
     if not fused:
         fp32 = 4 * tokens * v
         forward = a * tokens * v + (fp32 if a != 4 else 0)
-        return HeadBytes(forward, 4 * fp32, "full logits")
+        backward = 3 * fp32 + (a * tokens * v if a != 4 else 0)
+        return HeadBytes(forward, backward, "full logits")
     rows = min(chunk_rows, tokens)
     logits = a * rows * v
     if a != 4:
@@ -171,10 +176,12 @@ def head_bytes(
     weight_cast = a * v * h if num.autocast else 0
     forward = logits + inputs + weight_cast
     backward = forward + a * tokens * h  # d/d(inputs)
-    if head_trains:
-        backward += a * v * h if a != num.weight else 0  # the cast-dtype dW buffer
-        backward += num.weight * v * h if tokens > chunk_rows else 0  # a chunk's dW, then summed
-    return HeadBytes(forward, backward, f"fused, {rows}-row chunks")
+    dweight = a * v * h if head_trains and a != num.weight else 0  # the cast-dtype dW buffer
+    backward += dweight
+    if head_trains and tokens > chunk_rows:
+        backward += num.weight * v * h  # a later chunk's dW, before it is summed into the first
+    workspace = logits + weight_cast + dweight
+    return HeadBytes(forward, backward, f"fused, {rows}-row chunks", workspace)
 
 
 __all__ = [

@@ -216,8 +216,10 @@ def _optimizer_bytes(p: _Params, setup: Setup) -> tuple[float, float, str]:
     """``(states, step temporaries, note)`` for all ranks' share of one copy (not yet sharded)."""
     name = setup.optimizer
     if name in ADAM_LIKE:
-        # FSDP2's DTensors take the foreach kernels: sqrt(exp_avg_sq) is a whole temporary.
-        foreach = setup.sharded and setup.device == "cuda"
+        # FSDP2's DTensors on a GPU take the foreach kernels: sqrt(exp_avg_sq) is a whole
+        # temporary (plain tensors get the fused kernel; CPU tensors, offloaded ones too, the
+        # per-parameter loop).
+        foreach = setup.sharded and setup.device == "cuda" and not setup.cpu_offload
         return 2 * p.trained, (p.trained if foreach else 0.0), "AdamW: 2 states"
     if name in ("adamw_8bit", "paged_adamw_8bit"):
         states = sum(
@@ -269,6 +271,9 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
 
     g = 2 if mixed else w  # dtype of FSDP2's gathered copies (and of their gradients)
     adapters_per_layer = setup.lora.adapter_params(shape) // n if setup.lora else 0
+    # Gradients of the LM head (in backward's first step) and of everything else still waiting
+    # for FSDP2's reduce-scatter at the end of backward.
+    head_grad = (g if setup.sharded else w) * shape.head_params if p.head_trains else 0.0
     unsharded_grads = 0.0
     if setup.sharded:
         kept = 2 if setup.reshard_after_forward else n
@@ -284,6 +289,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         if setup.grad_accum > 1:
             acc = (4 if mixed else w) * p.trained_count
             unsharded_grads += acc
+            head_grad += acc
             notes.append(
                 "FSDP2 with gradient_accumulation_steps > 1 keeps unsharded gradients between "
                 "micro-batches (the reduce-scatter is skipped until the last)"
@@ -315,7 +321,6 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
             shape, num, t, fused=fused, chunk_rows=setup.chunk_rows, head_trains=p.head_trains
         )
     parts.append(Part("logits", max(head.forward, head.backward), 0.0, head.path))
-    head_grad = w * shape.head_params if p.head_trains and not setup.sharded else 0.0
 
     ref = 0.0
     if setup.reference == "model":
@@ -337,19 +342,24 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
 
     base = sum(dev(k) for k in ("weights", "weights (frozen base)", "weights (adapters)"))
     base += dev("optimizer states") + dev("DDP gradient buckets") + dev("reference model")
+    # On CPU the fused head's buffers stay allocated from the first step on.
+    buffers = head.workspace if setup.device == "cpu" else 0.0
+    base += buffers
     grads = dev("gradients")
-    accumulated = grads if setup.grad_accum > 1 else 0.0
+    accumulated = grads if setup.grad_accum > 1 and not setup.sharded else 0.0
     gathered = dev("gathered weights")
     phases = {
+        # The head's backward: every activation kept, the logits' gradients, the head's gradient.
         "backward start": base
         + gathered
         + dev("bf16 weight copies")
         + acts
         + flow
         + head.backward
+        - buffers
         + head_grad
-        + accumulated
-        + (unsharded_grads if setup.sharded else 0.0),
+        + accumulated,
+        # The first layer's backward: every gradient, one layer's activations.
         "backward end": base + gathered + grads + one_layer + flow + unsharded_grads,
         "optimizer step": base + grads + dev("optimizer step temporaries"),
     }

@@ -121,8 +121,11 @@ def plan_from_config(
         raise ConfigError([f"the config must be a mapping, got {type(raw).__name__}"])
     training = _section(raw, "training")
     config = TrainingConfig.from_dict(training)
-    source, dtype, trust = _model_source(_section(raw, "model"))
-    shape = load_shape(model or source, trust_remote_code=trust)
+    section = _section(raw, "model")
+    if model:
+        section["pretrained"] = model
+    source, dtype, trust = _model_source(section)
+    shape = load_shape(source, trust_remote_code=trust)
     method_name, method = _loss(raw)
     lora = lora_from_section(raw.get("peft"))
     if lora is not None and config.disable_dropout:
