@@ -3,7 +3,7 @@
 Each case is a ``grimoire train`` YAML config (a Llama built in code and saved, pre-tokenized or
 text rows written to JSONL). The same config goes to the estimator (``plan_from_config``, as the
 command reads it, with ``device="cpu"``) and to ``grimoire.cli.run.build_run``, whose trainer
-then trains ``STEPS`` optimizer steps while the peak is measured.
+then trains a few optimizer steps (``steps`` of the preset) while the peak is measured.
 
 Measured: bytes of live tensors, not RSS (which counts the interpreter, libraries and freed
 pages the allocator keeps). At the start of ``trainer.train()`` every tensor reachable from
@@ -41,10 +41,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 MIB = 2**20
-STEPS = 3
+#: Model, micro-batch and optimizer steps of each preset. Two steps already reach the peak: the
+#: second step's backward runs with the optimizer state the first step's update created.
 PRESETS: dict[str, dict[str, Any]] = {
-    "full": dict(hidden=512, layers=8, intermediate=1376, vocab=32000, rows=4, row_len=256),
-    "quick": dict(hidden=256, layers=4, intermediate=688, vocab=8192, rows=2, row_len=256),
+    "full": dict(
+        hidden=512, layers=8, intermediate=1376, vocab=32000, rows=4, row_len=256, steps=3
+    ),
+    "quick": dict(hidden=256, layers=4, intermediate=688, vocab=8192, rows=2, row_len=256, steps=2),
 }
 #: name -> (loss section, peft section, training overrides, processes).
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any], int]] = {
@@ -125,7 +128,7 @@ def write_case(name: str, preset: dict[str, Any], folder: Path) -> dict[str, Any
         max_position_embeddings=4 * preset["row_len"],
     )
     rng = random.Random(0)
-    n, length = preset["rows"] * STEPS, preset["row_len"]
+    n, length = preset["rows"] * preset["steps"], preset["row_len"]
     if loss["type"] == "sft":
         rows = []
         for _ in range(n):
@@ -149,7 +152,7 @@ def write_case(name: str, preset: dict[str, Any], folder: Path) -> dict[str, Any
     bench_data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train = {
         "output_dir": str(folder / "out"),
-        "max_steps": STEPS,
+        "max_steps": preset["steps"],
         "batch_size": preset["rows"],
         "max_length": max_length,
         "padding_free": False,
@@ -223,8 +226,9 @@ def run_case(name: str, preset_name: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         bench.run_or_exit(cmd, f"case {name!r}", env)
         ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
-        if len(ranks) != world or any(r["steps"] != STEPS for r in ranks):
-            sys.exit(f"case {name!r}: expected {world} ranks with {STEPS} steps, got {ranks}")
+        steps = PRESETS[preset_name]["steps"]
+        if len(ranks) != world or any(r["steps"] != steps for r in ranks):
+            sys.exit(f"case {name!r}: expected {world} ranks with {steps} steps, got {ranks}")
         est = estimated(raw, world)
     return {
         "case": name,
@@ -272,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         f"# model: Llama hidden {shape['hidden']}, {shape['layers']} layers, MLP "
         f"{shape['intermediate']}, vocab {shape['vocab']} (untied), fp32; {shape['rows']} rows x "
         f"{shape['row_len']} tokens per micro-batch (pairs: {shape['rows']} pairs); AdamW unless "
-        f"named; {STEPS} optimizer steps; peak of live CPU tensor bytes"
+        f"named; {shape['steps']} optimizer steps; peak of live CPU tensor bytes"
     )
     results = []
     for name in names:
