@@ -271,9 +271,9 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
 
     g = 2 if mixed else w  # dtype of FSDP2's gathered copies (and of their gradients)
     adapters_per_layer = setup.lora.adapter_params(shape) // n if setup.lora else 0
-    # Gradients of the LM head (in backward's first step) and of everything else still waiting
-    # for FSDP2's reduce-scatter at the end of backward.
-    head_grad = (g if setup.sharded else w) * shape.head_params if p.head_trains else 0.0
+    # Gradients already there when backward starts: the LM head's (its backward comes first),
+    # and under FSDP2 with accumulation the unsharded ones of earlier micro-batches.
+    start_grads = (g if setup.sharded else w) * shape.head_params if p.head_trains else 0.0
     unsharded_grads = 0.0
     if setup.sharded:
         kept = 2 if setup.reshard_after_forward else n
@@ -289,7 +289,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         if setup.grad_accum > 1:
             acc = (4 if mixed else w) * p.trained_count
             unsharded_grads += acc
-            head_grad += acc
+            start_grads += acc
             notes.append(
                 "FSDP2 with gradient_accumulation_steps > 1 keeps unsharded gradients between "
                 "micro-batches (the reduce-scatter is skipped until the last)"
@@ -322,7 +322,6 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         )
     parts.append(Part("logits", max(head.forward, head.backward), 0.0, head.path))
 
-    ref = 0.0
     if setup.reference == "model":
         ref = (p.frozen if setup.lora else p.trained) / s
         parts.append(placed("reference model", ref, f"frozen copy, {where}"))
@@ -357,7 +356,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         + flow
         + head.backward
         - buffers
-        + head_grad
+        + start_grads
         + accumulated,
         # The first layer's backward: every gradient, one layer's activations.
         "backward end": base + gathered + grads + one_layer + flow + unsharded_grads,
