@@ -53,6 +53,7 @@ TOOL_COMMANDS = {
     "plot": "grimoire.tools.plot.cli:main",
     "merge-lora": "grimoire.tools.merge_lora:main",
     "generate": "grimoire.tools.generate:main",
+    "estimate-memory": "grimoire.tools.memory.cli:main",
 }
 
 
