@@ -20,7 +20,14 @@ from tests.test_fsdp2 import _launch, _one, _result, _same_params
 CHUNK, VOCAB = 4, 80
 # lora: LoRA adapters with activation checkpointing; osft: OSFT's factored weights.
 SHARDED = ["sft", "sft_tied", "dpo", "orpo", "grpo", "lora", "osft"]
-ONE = ["sft", "sft_tied", "dpo", "grpo", "lora", "osft"]  # ORPO's loss depends on the split: against DDP
+ONE = [
+    "sft",
+    "sft_tied",
+    "dpo",
+    "grpo",
+    "lora",
+    "osft",
+]  # ORPO's loss depends on the split: against DDP
 
 
 @pytest.fixture(scope="module")
