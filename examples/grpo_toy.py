@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--prompts-per-step", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout sampler")
+    parser.add_argument("--heldout", type=int, default=128, help="held-out prompts scored")
     parser.add_argument("--out", default=None, help="output folder (default: a temp dir)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # tiny matmuls: threads only add contention
@@ -132,7 +133,7 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(warm)
     model = AutoModelForCausalLM.from_pretrained(warm)
-    held = reverse_rows(128, seed=123)  # disjoint seed from the training prompts
+    held = reverse_rows(args.heldout, seed=123)  # disjoint seed from the training prompts
     before = heldout(model, tok, held)
 
     prompts = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(1024, seed=7)]
@@ -157,7 +158,7 @@ def main() -> None:
     trainer.close()  # shuts a vLLM engine down
     after = heldout(model, tok, held)
     print(f"{args.method} ({args.engine}): {args.rl_steps} steps in {time.time() - t1:.0f}s")
-    print("held-out (128 prompts)        before   after")
+    print(f"held-out ({args.heldout} prompts)".ljust(30) + "before   after")
     for key in before:
         print(f"  {key:<26} {before[key]:7.3f} {after[key]:7.3f}")
     print(f"metrics log: {config.output_dir}/metrics.jsonl")

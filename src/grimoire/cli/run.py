@@ -31,7 +31,14 @@ from grimoire.losses.base import GrimoireLoss, as_method
 from grimoire.model.precision import decide
 from grimoire.model.tiny import save_tiny
 from grimoire.parallel.accelerate import has_accelerator
-from grimoire.rows.sources import LoadedSource, load_source, read_source, tokenize_dataset
+from grimoire.rows.sources import (
+    PACKAGE_PREFIX,
+    LoadedSource,
+    load_source,
+    read_source,
+    resolve_path,
+    tokenize_dataset,
+)
 from grimoire.training.trainer import GrimoireTrainer
 
 
@@ -197,7 +204,10 @@ def build_callbacks(
 
 
 def _materialize_model(name_or_path: str, output_dir: str) -> str:
-    """``tiny:<arch>`` -> build the tiny model into ``<output_dir>/tiny-model``; else as given."""
+    """``tiny:<arch>`` -> build the tiny model into ``<output_dir>/tiny-model``;
+    ``grimoire://REL`` -> the folder inside the package (a bundled model); else as given."""
+    if name_or_path.startswith(PACKAGE_PREFIX):
+        return str(resolve_path(name_or_path))
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
     # Saved and reloaded (not used in memory) so the run exercises the real from_pretrained path.

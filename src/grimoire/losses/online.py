@@ -31,9 +31,10 @@ from torch import Tensor
 
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.columns import column_values, columns_of, listed
-from grimoire.errors import DataError
+from grimoire.errors import ConfigError, DataError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
+from grimoire.losses.online_compat import accepts_peer_spelling, tokenizer_problem
 from grimoire.losses.online_functional import truncated_importance_weights
 from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
@@ -69,6 +70,10 @@ class OnlineMethod(GrimoireLoss):
     Subclasses list only their own arguments and end with ``**kwargs`` passed on to this
     constructor; their signature (for the YAML CLI's checks and ``help()``) is completed with
     this one's automatically.
+
+    grimoire-rl's spelling ``Method(reward_fn, tokenizer, ...)`` / ``reward_fn=`` /
+    ``tokenizer=`` is accepted by every online method (:mod:`grimoire.losses.online_compat`);
+    such a tokenizer must equal the trainer's (checked in :meth:`setup`).
     """
 
     needs_generation = True
@@ -80,6 +85,7 @@ class OnlineMethod(GrimoireLoss):
     #: Base arguments a subclass does not take (left out of its completed signature).
     hidden_args: tuple[str, ...] = ()
 
+    @accepts_peer_spelling
     def __init__(
         self,
         reward_funcs: RewardFn | str | Sequence[RewardFn | str],
@@ -116,10 +122,16 @@ class OnlineMethod(GrimoireLoss):
         #: Emit packed TRAINING micro-batches (padding-free run or token budget); set in setup.
         self.pack_training = False
         self._ctx: Any = None
+        #: A tokenizer given the grimoire-rl way (checked against the trainer's in setup).
+        self.peer_tokenizer: Any = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Complete a subclass's ``**kwargs`` signature with :class:`OnlineMethod`'s arguments."""
+        """Complete a subclass's ``**kwargs`` signature with :class:`OnlineMethod`'s arguments,
+        and let its own ``__init__`` take grimoire-rl's spelling too."""
         super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            init = accepts_peer_spelling(cls.__dict__["__init__"])
+            cls.__init__ = init  # type: ignore[method-assign]
         own = list(inspect.signature(cls.__init__).parameters.values())[1:]
         if not any(p.kind is p.VAR_KEYWORD for p in own):
             return
@@ -212,6 +224,9 @@ class OnlineMethod(GrimoireLoss):
     def setup(self, ctx: Any) -> None:
         """Check prompt lengths, place the reference."""
         self._ctx = ctx
+        problem = tokenizer_problem(type(self).__name__, self.peer_tokenizer, ctx.tokenizer)
+        if problem is not None:
+            raise ConfigError([problem])
         self._check_lengths(ctx)
         self.pack_training = ctx.packed
         if self.needs_reference_model:
