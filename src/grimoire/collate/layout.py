@@ -18,8 +18,9 @@ layout included, through as it is.
 
 A layout may also carry what the collator counted on the host while it still held the rows as
 lists: the trained targets (``targets``: the LM head's row count, so the forward can size it
-without a ``nonzero`` on the device) and, for a packed row whose ``position_ids`` restart inside
-a sample (pretrain blocks), the attention segments. These are facts about the same tensors, so
+without a ``nonzero`` on the device), the real tokens and whether rows are right-padded
+(``Padded``), and, for a packed row whose ``position_ids`` restart inside a sample (pretrain
+blocks), the attention segments. These are facts about the same tensors, so
 they are left out of equality (``compare=False``): a layout built by hand without them equals
 the collator's.
 """
@@ -32,6 +33,8 @@ from itertools import accumulate
 from typing import Any
 
 import torch
+
+from grimoire.columns import IGNORE_INDEX
 
 #: The batch key under which a collator (or the rollout) states its batch's layout.
 LAYOUT_KEY = "layout"
@@ -177,7 +180,7 @@ def shifted_targets(labels: torch.Tensor, position_ids: torch.Tensor | None = No
     and (packed rows) any position where ``position_ids`` restart, exactly the targets
     :func:`grimoire.forward.logprobs.shift_labels` keeps, indexed by the target token. Shapes:
     ``[B, T]`` -> ``[B, T]`` bool. The collators run it on host tensors."""
-    keep = labels != -100
+    keep = labels != IGNORE_INDEX
     keep[:, 0] = False
     if position_ids is not None:
         keep &= position_ids != 0
