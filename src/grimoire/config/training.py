@@ -80,6 +80,9 @@ class TrainingConfig:
     # None (auto): packed whenever the method can pack and the model's attention keeps packed
     # samples apart (decided and logged at start; docs/packing.md); True / False force it.
     padding_free: bool | None = None
+    # Padded micro-batches' width rounded up to a multiple of this (exact: extra padding), so a
+    # run meets few shapes. None: 64 on a CUDA GPU, 1 (off) elsewhere.
+    pad_to_multiple_of: int | None = None
     max_tokens_per_device: int | None = None
     max_tokens: int | None = None
     truncate_long_samples: bool = False
@@ -189,6 +192,7 @@ class TrainingConfig:
             "save_total_limit",
             "max_tokens_per_device",
             "max_tokens",
+            "pad_to_multiple_of",
         ):
             positive(name, allow_none=True)
         if self.learning_rate < 0:

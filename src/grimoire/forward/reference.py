@@ -260,10 +260,10 @@ class Reference:
             yield policy
 
     def compute(self, policy: torch.nn.Module, *, fused: bool, chunk_size: int) -> Any:
-        """``compute(ids, labels, mask, position_ids) -> TokenLogps`` for the reference, the
+        """``compute(ids, labels, mask, position_ids, layout) -> TokenLogps`` for the reference, the
         no-grad twin of :func:`grimoire.losses.preference.policy_compute`."""
 
-        def compute(ids, labels, mask, position_ids):
+        def compute(ids, labels, mask, position_ids, layout=None):
             return self.token_logps(
                 policy,
                 ids,
@@ -272,6 +272,7 @@ class Reference:
                 fused=fused,
                 chunk_size=chunk_size,
                 position_ids=position_ids,
+                layout=layout,
             )
 
         return compute
@@ -287,6 +288,7 @@ class Reference:
         fused: bool,
         chunk_size: int,
         position_ids: Tensor | None = None,
+        layout: Any = None,
     ) -> TokenLogps:
         """Reference per-token log-probs of ``labels`` (no gradient)."""
         with self.model(policy) as ref:
@@ -298,6 +300,7 @@ class Reference:
                 position_ids=position_ids,
                 fused=fused,
                 chunk_size=chunk_size,
+                layout=layout,
             )
 
 

@@ -20,6 +20,7 @@ from accelerate.utils import set_seed
 from grimoire.batching.budget import TokenBudget
 from grimoire.batching.loader import StepLoader, packing_decision
 from grimoire.batching.validation import validate_training_data
+from grimoire.collate.buckets import WidthBuckets, bucket_multiple
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError
@@ -29,7 +30,7 @@ from grimoire.losses.base import GrimoireLoss
 from grimoire.model.liger import apply_liger
 from grimoire.model.neftune import attach_neftune
 from grimoire.model.osft import attach_osft
-from grimoire.model.packed_attention import enable_packed_attention
+from grimoire.model.packed_attention import enable_packed_attention, unsupported_reason
 from grimoire.model.precision import resolve_mixed_precision
 from grimoire.model.prepare import (
     disable_dropout,
@@ -37,6 +38,7 @@ from grimoire.model.prepare import (
     prepare_kbit_model,
     resolve_checkpointing,
 )
+from grimoire.model.varlen_attention import cuda_route
 from grimoire.optim.optimizers import build_optimizer, build_scheduler
 from grimoire.parallel.accelerate import (
     check_world_size,
@@ -86,12 +88,30 @@ def decide_packing(
     accelerator: Accelerator,
 ) -> bool:
     """Whether micro-batches are packed rows (``padding_free``: auto / forced); the reason is
-    logged."""
+    logged. On CUDA, auto packs only where packed rows would take a varlen kernel."""
+    device_type = accelerator.device.type
+    varlen = cuda_varlen(model, config, accelerator) if device_type == "cuda" else None
     packed, why = packing_decision(
-        method, config, pad_id, data_collator, model, dataset, accelerator.device.type
+        method, config, pad_id, data_collator, model, dataset, device_type, varlen
     )
     logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
     return packed
+
+
+def cuda_varlen(model: torch.nn.Module, config: TrainingConfig, accelerator: Accelerator) -> str:
+    """Why packed rows would (``"varlen: ..."``) or would not take one varlen kernel call per
+    layer on this CUDA device, for ``padding_free`` auto: grimoire's attention must serve the
+    model and the kernel take its head size, dtype (the run's autocast) and dropout."""
+    reason = unsupported_reason(model, config.torch_compile)
+    if reason is not None:
+        return f"no varlen kernel: {reason}"
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        str(accelerator.mixed_precision), next(model.parameters()).dtype
+    )
+    route, why = cuda_route(dtype, head_dim, float(getattr(cfg, "attention_dropout", 0.0) or 0))
+    return f"{route}: {why}" if route != "per_sample" else f"no varlen kernel: {why}"
 
 
 def prepare_model(
@@ -132,9 +152,12 @@ def prepare_model(
         model.config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
-    if packed:
-        # Packed rows then attend per sample instead of through a dense L x L mask; exact, and
-        # every other call (padded, generation, eval) stays transformers' sdpa.
+    if packed or _on_cuda(accelerator):
+        # grimoire's attention where it is exact: packed rows attend within their samples (one
+        # varlen call per layer on CUDA, per-sample sdpa elsewhere) instead of through a dense
+        # L x L mask; on CUDA also right-padded rows, causally without a mask. The forward hands
+        # it the collator's host-side lengths, so no mask is built or read back (a host sync
+        # per forward on a GPU). Every other call is transformers' sdpa.
         enable_packed_attention(model, torch_compile=config.torch_compile)
     if config.neftune_noise_alpha is not None:
         attach_neftune(model, config.neftune_noise_alpha)
@@ -144,13 +167,17 @@ def prepare_model(
     return model, hooks
 
 
-def frozen_preparer(config: TrainingConfig, packed: bool) -> Any:
-    """How a frozen model kept beside the policy (a reference) is prepared: the policy's packed
-    attention, so both run the same kernels (policy == reference then gives exact ties, and the
+def _on_cuda(accelerator: Accelerator | None) -> bool:
+    return accelerator is not None and accelerator.device.type == "cuda"
+
+
+def frozen_preparer(config: TrainingConfig, packed: bool, on_cuda: bool = False) -> Any:
+    """How a frozen model kept beside the policy (a reference) is prepared: the policy's
+    attention (:func:`prepare_model`), so both run the same kernels (policy == reference then gives exact ties, and the
     reference passes are as fast), and the policy's FSDP2 sharding."""
 
     def prepare(model: torch.nn.Module) -> torch.nn.Module:
-        if packed:
+        if packed or on_cuda:
             enable_packed_attention(model, torch_compile=config.torch_compile)
         if config.distributed == "fsdp2":
             return shard_model(model, config)
@@ -201,18 +228,32 @@ def setup_method(
     before DDP wraps the policy (the context holds the unwrapped model).
     """
     context = TrainingContext(config, accelerator, tokenizer, model, *datasets, packed=packed)
-    context.prepare_frozen = frozen_preparer(config, packed)
+    context.prepare_frozen = frozen_preparer(config, packed, _on_cuda(accelerator))
     method.setup(context)
     return context
 
 
-def build_collator(method: GrimoireLoss, data_collator: Any, packed: bool, pad_id: int) -> Any:
-    """The user's collator, else the method's packed or padded one."""
+def build_collator(
+    method: GrimoireLoss,
+    data_collator: Any,
+    packed: bool,
+    pad_id: int,
+    config: TrainingConfig | None = None,
+    device_type: str = "cpu",
+) -> Any:
+    """The user's collator, else the method's packed or padded one; padded batches' widths
+    rounded up to ``pad_to_multiple_of`` (64 on CUDA by default: few shapes, no per-shape cost;
+    :mod:`grimoire.collate.buckets`), within the token budget."""
     if data_collator is not None:
         return data_collator
     if packed:
         return method.create_packed_collator(pad_id)
-    return method.create_collator(pad_id)
+    collator = method.create_collator(pad_id)
+    multiple = bucket_multiple(config.pad_to_multiple_of if config else None, device_type)
+    if multiple > 1:
+        budget = config.max_tokens_per_device if config else None
+        collator = WidthBuckets(collator, multiple, pad_id, budget)
+    return collator
 
 
 def precompute_reference_columns(
@@ -327,6 +368,7 @@ __all__ = [
     "build_loader",
     "build_optimization",
     "check_config",
+    "cuda_varlen",
     "decide_packing",
     "frozen_preparer",
     "log_reference",
