@@ -38,11 +38,12 @@ from grimoire.model.prepare import (
     resolve_checkpointing,
 )
 from grimoire.optim.optimizers import build_optimizer, build_scheduler
-from grimoire.parallel.accelerate import (
-    check_world_size,
+from grimoire.parallel.accelerate import check_world_size, has_accelerator, reset_accelerate_state
+from grimoire.parallel.deepspeed import (
+    check_deepspeed,
     configure_deepspeed,
-    has_accelerator,
-    reset_accelerate_state,
+    partition_frozen,
+    start_deepspeed_on_cpu,
 )
 from grimoire.parallel.fsdp import is_sharded, shard_model
 from grimoire.rollout.stage import RolloutStage
@@ -64,13 +65,15 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
     reset_accelerate_state()
     accelerator = Accelerator(
         # On a machine with no accelerator, torchrun/accelerate-launched processes must be told
-        # to form a CPU (gloo) group; otherwise each would silently train alone.
-        cpu=not has_accelerator(),
+        # to form a CPU (gloo) group; otherwise each would silently train alone. DeepSpeed forms
+        # that group itself first (accelerate turns DeepSpeed off for cpu=True).
+        cpu=not has_accelerator() and not start_deepspeed_on_cpu(),
         mixed_precision=resolve_mixed_precision(config),
         log_with=config.log_with,
         project_dir=config.output_dir,
     )
     check_world_size(accelerator.num_processes)
+    check_deepspeed(accelerator, config)
     set_seed(config.seed)
     return accelerator
 
@@ -143,17 +146,17 @@ def prepare_model(
     return model, hooks
 
 
-def frozen_preparer(config: TrainingConfig, packed: bool) -> Any:
+def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerator) -> Any:
     """How a frozen model kept beside the policy (a reference) is prepared: the policy's packed
     attention, so both run the same kernels (policy == reference then gives exact ties, and the
-    reference passes are as fast), and the policy's FSDP2 sharding."""
+    reference passes are as fast), and the policy's FSDP2 sharding or ZeRO-3 partitioning."""
 
     def prepare(model: torch.nn.Module) -> torch.nn.Module:
         if packed:
             enable_packed_attention(model, torch_compile=config.torch_compile)
         if config.distributed == "fsdp2":
             return shard_model(model, config)
-        return model
+        return partition_frozen(model, accelerator)  # as it is unless under ZeRO-3
 
     return prepare
 
@@ -200,7 +203,7 @@ def setup_method(
     before DDP wraps the policy (the context holds the unwrapped model).
     """
     context = TrainingContext(config, accelerator, tokenizer, model, *datasets, packed=packed)
-    context.prepare_frozen = frozen_preparer(config, packed)
+    context.prepare_frozen = frozen_preparer(config, packed, accelerator)
     method.setup(context)
     return context
 
