@@ -5,7 +5,7 @@ Usage: ``deepspeed_parity.py TINY_DIR OUT_DIR FAMILIES [resume]``, launched on 2
 ``FAMILIES``: comma-separated ``sft`` / ``dpo`` (DPO with a frozen reference model).
 
 Each run checkpoints at step 2 and goes on to step 3, writing into ``OUT_DIR/FAMILY/``:
-``result.rank<r>.json`` (losses and grad norms per step, the wrapper types, how much of each
+``result.rank<r>.json`` (losses and grad norms per step, the final evaluation, the wrapper types, how much of each
 weight this process holds), and from rank 0 ``params.pt`` (the full trained weights, read back
 from the trainer's own ``save_model`` export in ``export/``). ``resume``: a fresh run resumes
 from ``OUT_DIR/FAMILY/checkpoint-2`` to step 3 and writes the same files into
@@ -37,10 +37,14 @@ class Record(TrainerCallback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        self.eval: dict[str, float] = {}
 
     def on_step_end(self, trainer, step, loss, metrics):
         self.losses.append(loss)
         self.grad_norms.append(trainer._last_grad_norm)
+
+    def on_evaluate(self, trainer, metrics):
+        self.eval = dict(metrics)
 
 
 def held(module: torch.nn.Module | None) -> float | None:
@@ -65,25 +69,31 @@ def load(tiny_dir: str, family: str) -> tuple[Any, Any, list[dict]]:
 
 def train(tiny_dir: str, out: Path, model: Any, loss: Any, rows: list, resume: bool) -> Any:
     # AdamW: its state (moments, step count) must survive the checkpoint for an exact resume.
-    # A linear decay: the schedule must too. max_grad_norm 0.5 clips these steps, so DeepSpeed's
+    # Its epsilon at 1e-6: with 1e-8 an element whose gradient is ~1e-9 moves by lr x
+    # (rounding noise / 1e-8), and DDP and ZeRO sum gradients in different orders (seen: 1.4e-5
+    # on single elements of a DPO run whose losses agree to 1e-7).
+    # A linear decay: the schedule must too. max_grad_norm 0.2 clips every step, so DeepSpeed's
     # clipping is compared with torch's; 2 micro-batches per step accumulate across backwards.
     config = TrainingConfig(
         output_dir=str(out / "resumed" if resume else out), max_steps=TOTAL, batch_size=2,
         gradient_accumulation_steps=2, optimizer="adamw", learning_rate=1e-3, weight_decay=0.01,
-        max_grad_norm=0.5, lr_scheduler="linear", warmup_ratio=0.0, save_steps=SAVE_AT,
+        adam_epsilon=1e-6,
+        max_grad_norm=0.2, lr_scheduler="linear", warmup_ratio=0.0, save_steps=SAVE_AT,
         progress_bar=False, save_on_epoch_end=False, logging_steps=1, disable_dropout=True,
         gradient_checkpointing=False, mixed_precision="no",
         resume_from_checkpoint=str(out / f"checkpoint-{SAVE_AT}") if resume else None,
     )  # fmt: skip
     record = Record()
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    trainer = GrimoireTrainer(model, tok, config, loss, rows, callbacks=[record])
+    # 7 evaluation rows: the ranks get unequal shares, and ZeRO-3's forwards stay collective.
+    trainer = GrimoireTrainer(model, tok, config, loss, rows, rows[:7], callbacks=[record])
     trainer.train()
     folder = Path(config.output_dir)
     ref = getattr(getattr(loss, "reference", None), "ref_model", None)
     result = {
         "losses": record.losses,
         "grad_norms": record.grad_norms,
+        "eval": record.eval,
         "steps": trainer.global_step,
         "wrapper": type(trainer.model).__name__,
         "reference_wrapper": None if ref is None else type(ref).__name__,

@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 
 from grimoire.parallel.deepspeed import is_engine, load_engine, save_engine
-from grimoire.parallel.fsdp import full_state_dict, is_sharded, load_dcp, save_dcp
+from grimoire.parallel.fsdp import full_state_dict, is_sharded, load_dcp, save_dcp, tie_shared
 from grimoire.training.report import note_saved_model, write_model_card
 
 
@@ -29,8 +29,8 @@ def save_hf(
     its own factors beside them so they are restored exactly.
     """
     # Every rank takes part in gathering FSDP2 / ZeRO-3 shards; only the main process writes.
-    # (ZeRO-3: DeepSpeed gathers layer by layer onto rank 0, a parameter shared by several
-    # modules once, under each of its names; accelerate's ZeRO-2 path is the module's own.)
+    # (ZeRO-3: DeepSpeed gathers layer by layer onto rank 0; ZeRO-1/2: accelerate clones each
+    # tensor out of DeepSpeed's flat buffers, which unties tied weights: tied back here.)
     if is_sharded(wrapped):
         state_dict = full_state_dict(wrapped)
     else:
@@ -40,6 +40,8 @@ def save_hf(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = accelerator.unwrap_model(wrapped)
+    if is_engine(wrapped):
+        state_dict = tie_shared(state_dict, model)
     for hook in hooks:
         if hasattr(hook, "export_state_dict"):
             state_dict = hook.export_state_dict(state_dict)

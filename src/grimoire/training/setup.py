@@ -44,6 +44,7 @@ from grimoire.parallel.deepspeed import (
     configure_deepspeed,
     partition_frozen,
     start_deepspeed_on_cpu,
+    zero_stage,
 )
 from grimoire.parallel.fsdp import is_sharded, shard_model
 from grimoire.rollout.stage import RolloutStage
@@ -249,6 +250,12 @@ def build_rollouts(method: GrimoireLoss, context: TrainingContext) -> RolloutSta
     log-probs when it has a reference) and bound to the run's policy. None for other methods."""
     if not method.needs_generation:
         return None
+    if zero_stage(context.accelerator) == 3:
+        # Every forward of a ZeRO-3 policy is a collective and sampling lengths differ by rank;
+        # keeping ranks in step (as under FSDP2) has not been run under DeepSpeed.
+        raise ConfigError(
+            [f"{method.method_name} generates: not supported under DeepSpeed ZeRO-3 (use FSDP2)"]
+        )
     stage = RolloutStage(
         method.engine,
         method.reward_funcs,
