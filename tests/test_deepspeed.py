@@ -26,7 +26,12 @@ from tests.test_distributed import LAUNCH, _env
 
 from grimoire import TrainingConfig
 from grimoire.errors import ConfigError
-from grimoire.parallel.deepspeed import check_deepspeed, configure_deepspeed
+from grimoire.parallel.deepspeed import (
+    check_deepspeed,
+    configure_deepspeed,
+    start_deepspeed_on_cpu,
+)
+from grimoire.training.setup import build_rollouts
 
 SCRIPT = Path(deepspeed_parity.__file__)
 FAMILIES = ["sft", "dpo"]
@@ -196,3 +201,21 @@ def test_deepspeed_refuses_what_cannot_run_under_an_engine(tmp_path):
     with pytest.raises(ConfigError, match="fsdp2"):
         check_deepspeed(accelerator, TrainingConfig(distributed="fsdp2"))
     check_deepspeed(_Accelerator(None), TrainingConfig(osft=True))  # not DeepSpeed: no say
+
+
+def test_deepspeed_refuses_generation_under_zero3():
+    method = type("Online", (), {"needs_generation": True, "method_name": "grpo"})()
+    context = type(
+        "Context", (), {"accelerator": _Accelerator({"zero_optimization": {"stage": 3}})}
+    )
+    with pytest.raises(ConfigError, match="ZeRO-3"):
+        build_rollouts(method, context())
+
+
+def test_deepspeed_is_started_only_when_launched_for_it(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert start_deepspeed_on_cpu() is False  # a plain launch: accelerate's own gloo group
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert start_deepspeed_on_cpu() is False  # no launcher: nothing to form a group with

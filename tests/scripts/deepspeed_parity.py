@@ -121,5 +121,7 @@ if __name__ == "__main__":
     trainer = None
     for family, (model, loss, rows) in runs.items():
         trainer = train(tiny, root / family, model, loss, rows, resume)
-    if trainer is not None:
+    # The resumed runs end without close(): the process group is then released by the trainer's
+    # atexit hook (parallel/deepspeed.py), without which ZeRO-3 could abort at interpreter exit.
+    if trainer is not None and not resume:
         trainer.close()
