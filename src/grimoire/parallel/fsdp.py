@@ -167,7 +167,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    return tie_shared(get_model_state_dict(model, options=options), model)
+
+
+def tie_shared(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Point every name of a parameter shared by several modules (tied embeddings) at one tensor
+    of ``state`` (in place; returned), as in ``model.state_dict()``: gathers and clones (FSDP2's
+    full state dict, accelerate's ZeRO-1/2 state dict) copy it once per name, and
+    ``save_pretrained`` finds ties by shared storage only."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if name in state:
@@ -275,4 +282,5 @@ __all__ = [
     "save_dcp",
     "shard_mesh",
     "shard_model",
+    "tie_shared",
 ]

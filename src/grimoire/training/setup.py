@@ -40,11 +40,13 @@ from grimoire.model.prepare import (
 )
 from grimoire.model.varlen_attention import cuda_route
 from grimoire.optim.optimizers import build_optimizer, build_scheduler
-from grimoire.parallel.accelerate import (
-    check_world_size,
+from grimoire.parallel.accelerate import check_world_size, has_accelerator, reset_accelerate_state
+from grimoire.parallel.deepspeed import (
+    check_deepspeed,
     configure_deepspeed,
-    has_accelerator,
-    reset_accelerate_state,
+    partition_frozen,
+    start_deepspeed_on_cpu,
+    zero_stage,
 )
 from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
 from grimoire.rollout.stage import RolloutStage
@@ -66,14 +68,16 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
     reset_accelerate_state()
     accelerator = Accelerator(
         # On a machine with no accelerator, torchrun/accelerate-launched processes must be told
-        # to form a CPU (gloo) group; otherwise each would silently train alone.
-        cpu=not has_accelerator(),
+        # to form a CPU (gloo) group; otherwise each would silently train alone. DeepSpeed forms
+        # that group itself first (accelerate turns DeepSpeed off for cpu=True).
+        cpu=not has_accelerator() and not start_deepspeed_on_cpu(),
         mixed_precision=resolve_mixed_precision(config),
         log_with=config.log_with,
         project_dir=config.output_dir,
     )
     check_world_size(accelerator.num_processes)
     check_shard_group(config.fsdp_shard_group_size, accelerator.num_processes)
+    check_deepspeed(accelerator, config)
     set_seed(config.seed)
     return accelerator
 
@@ -171,17 +175,19 @@ def _on_cuda(accelerator: Accelerator | None) -> bool:
     return accelerator is not None and accelerator.device.type == "cuda"
 
 
-def frozen_preparer(config: TrainingConfig, packed: bool, on_cuda: bool = False) -> Any:
+def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerator | None) -> Any:
     """How a frozen model kept beside the policy (a reference) is prepared: the policy's
-    attention (:func:`prepare_model`), so both run the same kernels (policy == reference then gives exact ties, and the
-    reference passes are as fast), and the policy's FSDP2 sharding."""
+    attention (:func:`prepare_model`), so both run the same kernels (policy == reference then
+    gives exact ties, and the reference passes are as fast), and the policy's FSDP2 sharding or
+    ZeRO-3 partitioning."""
+    on_cuda = _on_cuda(accelerator)
 
     def prepare(model: torch.nn.Module) -> torch.nn.Module:
         if packed or on_cuda:
             enable_packed_attention(model, torch_compile=config.torch_compile)
         if config.distributed == "fsdp2":
             return shard_model(model, config)
-        return model
+        return partition_frozen(model, accelerator)  # as it is unless under ZeRO-3
 
     return prepare
 
@@ -228,7 +234,7 @@ def setup_method(
     before DDP wraps the policy (the context holds the unwrapped model).
     """
     context = TrainingContext(config, accelerator, tokenizer, model, *datasets, packed=packed)
-    context.prepare_frozen = frozen_preparer(config, packed, _on_cuda(accelerator))
+    context.prepare_frozen = frozen_preparer(config, packed, accelerator)
     method.setup(context)
     return context
 
@@ -288,6 +294,12 @@ def build_rollouts(method: GrimoireLoss, context: TrainingContext) -> RolloutSta
     log-probs when it has a reference) and bound to the run's policy. None for other methods."""
     if not method.needs_generation:
         return None
+    if zero_stage(context.accelerator) == 3:
+        # Every forward of a ZeRO-3 policy is a collective and sampling lengths differ by rank;
+        # keeping ranks in step (as under FSDP2) has not been run under DeepSpeed.
+        raise ConfigError(
+            [f"{method.method_name} generates: not supported under DeepSpeed ZeRO-3 (use FSDP2)"]
+        )
     stage = RolloutStage(
         method.engine,
         method.reward_funcs,

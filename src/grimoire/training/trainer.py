@@ -31,17 +31,12 @@ from grimoire.model.compiling import maybe_compile
 from grimoire.model.prepare import resolve_checkpointing
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
 from grimoire.normalise.units import backward_norm, backward_scale, loss_units
-from grimoire.parallel.accelerate import uses_deepspeed
-from grimoire.parallel.fsdp import (
-    gradient_sync,
-    load_dcp,
-    preemption_signals,
-    release_process_group,
-)
+from grimoire.parallel.deepspeed import uses_deepspeed
+from grimoire.parallel.fsdp import gradient_sync, preemption_signals, release_process_group
 from grimoire.training import checkpoint as ckpt
 from grimoire.training import setup
 from grimoire.training.callbacks import TrainerCallback
-from grimoire.training.export import export_model, write_checkpoint_model
+from grimoire.training.export import export_model, read_checkpoint_model, write_checkpoint_model
 from grimoire.training.metrics import RunLog
 from grimoire.training.report import write_run_summary
 from grimoire.training.step import finish_step, host_units
@@ -388,7 +383,7 @@ class GrimoireTrainer:
         state = ckpt.resume_if_any(
             self.config.resume_from_checkpoint,
             self.config.output_dir,
-            lambda folder: load_dcp(folder, self.model, self.optimizer),
+            lambda folder: read_checkpoint_model(self, folder),
             self.scheduler,
             self.accelerator.process_index,
         )
