@@ -81,7 +81,7 @@ def test_sharding_offload_and_hsdp_by_hand():
     assert fsdp.part("optimizer states").device == 2 * 2 * TOTAL / 8
     # Gathered in bf16: the root unit (embedding, head, final norm) and two layers.
     assert fsdp.part("gathered weights").device == 2 * (SMALL.root_params + 2 * LAYER)
-    assert fsdp.part("logits").note == "full logits"  # FSDP2's head is sharded
+    assert fsdp.part("logits").note.startswith("fused")  # FSDP2 gathers the head: fused chunks
     hsdp = estimate(SMALL, full.with_(distributed="fsdp2", shard_group=4))
     assert hsdp.part("weights").device == 2 * TOTAL / 4
     off = estimate(SMALL, full.with_(distributed="fsdp2", cpu_offload=True))

@@ -157,7 +157,7 @@ def head_bytes(
     gradient of those inputs, a cast-dtype gradient buffer for the weight, and a second
     ``V x H`` gradient while a later chunk's is summed into the first.
 
-    Full logits (FSDP2 today, or ``fused=False``): the model's ``[T, V]`` logits and their fp32
+    Full logits (``fused=False``): the model's ``[T, V]`` logits and their fp32
     copy kept by ``logsumexp``; in backward three fp32 ``[T, V]`` tensors at once (``logsumexp``'s
     ``exp(z - lse)`` and its product with the incoming gradient next to the kept logits, then the
     two gradients of the logits and their sum), and the cast back for bf16 logits.

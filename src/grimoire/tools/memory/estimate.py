@@ -20,9 +20,10 @@ What the model assumes, so that its limits are visible:
   forward and backward, plus two decoder layers (the one computing and the one prefetched), or
   every layer with ``fsdp_reshard_after_forward=false``; the root's gradients stay unsharded
   until its reduce-scatter at the end of backward, and with gradient accumulation the skipped
-  reduce-scatters leave unsharded gradients behind. Its LM head is sharded, so log-probs come
-  from full ``[tokens, vocab]`` logits (``forward/fused_head.py`` falls back). Its AdamW runs the
-  foreach kernels on DTensors: one temporary the size of the states' shard.
+  reduce-scatters leave unsharded gradients behind. The fused head gathers its (root) unit around
+  the chunk loop (``forward/head/sharded.py``), so log-probs come in ``fused_chunk_size`` chunks
+  as on one process. Its AdamW runs the foreach kernels on DTensors: one temporary the size of
+  the states' shard.
 * **CPU offload** moves the sharded weights, gradients and optimizer state (and its step) to
   host memory; the device keeps the gathered units, activations and logits.
 * **Activations**: :mod:`~grimoire.tools.memory.activations` (every position of a micro-batch of
@@ -311,9 +312,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     # Backward's gradient of the hidden states: the one flowing and the one being formed.
     flow = 2 * num.residual * shape.hidden * t
     parts.append(Part("activations", acts + flow, 0.0, acts_note))
-    fused = setup.fused and not setup.sharded
-    if setup.sharded and setup.fused:
-        notes.append("FSDP2 shards the LM head: log-probs from full logits (no fused chunks)")
+    fused = setup.fused
     if setup.score_head:
         head = head_bytes(shape, num, 0, fused=True, chunk_rows=1, head_trains=False)
     else:
