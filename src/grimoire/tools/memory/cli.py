@@ -32,6 +32,11 @@ def build_parser() -> ToolParser:
         "gradients, optimizer states, activations, logits, reference model, rollout KV cache), "
         "read from the model's config.json without loading weights. Assumes CUDA GPUs; 'auto' "
         "settings resolve as on a bf16 GPU. See docs/multi-gpu.md.",
+        example=[
+            "grimoire estimate-memory --config run.yaml --world-size 8",
+            "grimoire estimate-memory --config run.yaml --world-size 16 --nodes 2 --hsdp",
+            "grimoire estimate-memory --model docs/memory/llama-3-8b.json --world-size 8 --grid",
+        ],
     )
     p.add_argument("--config", help="the grimoire train YAML config")
     p.add_argument(
