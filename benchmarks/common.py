@@ -145,10 +145,14 @@ def machine_line(cores_note: str = "", *, cpu_capability: bool = False, tail: st
     return "# machine: " + "; ".join(parts)
 
 
-def tiny_llama(vocab: int, hidden: int, layers: int, max_positions: int) -> Any:
-    """A Llama built in code (seed 0, untied embeddings, fp32)."""
+def tiny_llama(
+    vocab: int, hidden: int, layers: int, max_positions: int, heads: int | None = None
+) -> Any:
+    """A Llama built in code (seed 0, untied embeddings, fp32); ``heads`` attention heads (and
+    as many key/value heads) instead of the tiny default."""
     from grimoire.model.tiny import build_model
 
+    extra = {} if heads is None else {"num_attention_heads": heads, "num_key_value_heads": heads}
     return build_model(
         "llama",
         seed=0,
@@ -157,6 +161,7 @@ def tiny_llama(vocab: int, hidden: int, layers: int, max_positions: int) -> Any:
         num_layers=layers,
         tie_word_embeddings=False,
         max_position_embeddings=max_positions,
+        **extra,
     )
 
 

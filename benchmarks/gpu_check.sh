@@ -1,34 +1,47 @@
 #!/usr/bin/env bash
-# GPU sanity check for a session that is lent a CUDA machine (written for one H200). It records:
-#   $OUT/env.log            nvidia-smi, torch / CUDA versions, whether grimoire and its deps import
+# GPU check for a session that is lent a CUDA machine (written for one H200). It records, most
+# important first (issue #25, "the GPU step", then the earlier checks):
+#   $OUT/env.log            nvidia-smi, torch / CUDA versions, whether grimoire and its deps import,
+#                           which varlen kernels this torch has
+#   $OUT/checks.log         benchmarks/gpu_checks.py: varlen-parity (packed rows through
+#                           varlen_attn against per-sample sdpa, bf16), step-syncs (host reads per
+#                           SFT / DPO step, also through torch's CUDA sync detector), sdpa-shapes,
+#                           head-parity, use_liger=True, mixed_precision auto
+#   $OUT/throughput.log     benchmarks/throughput.py --device cuda: SFT tok/s and MFU, ours packed
+#                           (varlen) / ours padded (width buckets of 64) / grimoire-rl (where its
+#                           wheel is carried), bf16, a 1024 x 8 model; TRL in its own section
+#   $OUT/profile.log        benchmarks/profile_sft.py --device cuda: where the step's time goes,
+#                           padded and packed, with and without cuDNN attention
+#   $OUT/mfu_1b.log         throughput.py --model 1b: ours packed on a 1.04B Llama at ~16k tokens
+#                           per step (MFU of a measured bf16 GEMM peak)
+#   $OUT/cpu_bf16.log       the host CPU's AMX / AVX512-BF16 flags and throughput.py on that CPU
+#                           (CUDA hidden), fp32 against bf16
 #   $OUT/fsdp2_step.log     two FSDP2 training steps in bf16 on CUDA (SFT, fused log-probs asked
 #                           for): one plain process, `torchrun --nproc-per-node 1`, and one
 #                           process with fsdp_cpu_offload (it cannot run on a CPU-only machine)
 #   $OUT/fused_logprobs.log benchmarks/fused_logprobs.py --device cuda (fused vs full logits)
-#   $OUT/checks.log         benchmarks/gpu_checks.py: the fused head's eager and recompute routes
-#                           against full logits on CUDA; per-sample sdpa with and without cuDNN;
-#                           use_liger=True; mixed_precision auto
-#   $OUT/throughput.log     benchmarks/throughput.py --device cuda: SFT tok/s, ours packed /
-#                           padded / grimoire-rl (where its wheel is carried), bf16, a 1024 x 8
-#                           model
-#   $OUT/cpu_bf16.log       the host CPU's AMX / AVX512-BF16 flags and throughput.py on that CPU
-#                           (CUDA hidden), fp32 against bf16
 #   $OUT/summary.txt        one line per section: its exit code and seconds
 # Nothing in CI runs or depends on this script. It runs grimoire from src/ (PYTHONPATH) and
-# installs only what a `.whl/` folder next to it carries (liger-kernel, datasets; grimoire-rl
+# installs only what a `.whl/` folder next to it carries (liger-kernel, datasets, trl; grimoire-rl
 # into its own folder, since both packages are named grimoire); torch with CUDA, transformers,
 # accelerate and peft must already be there. A failing section is recorded and the next runs.
 #
 # Sections run most important first, each under its own time limit, and the whole script stays
-# inside BUDGET_S seconds (default 480): a section that would start past it is skipped and
-# recorded as such, so one call of a leased machine always returns its files.
+# inside BUDGET_S seconds (default 540, under a device call's 600): a section that would start
+# past it is skipped and recorded as such, so one call of a leased machine always returns its
+# files. The issue #25 sections (through throughput-trl) take about 8 minutes on one H200
+# (estimated from their limits: nothing of this version has run on a GPU yet); the rest runs in
+# what is left of the budget, or is recorded as skipped.
 #
-#   OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh      # about 5 minutes on one H200
+#   OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh      # about 9 minutes on one H200
+#   DRY_RUN=1 bash benchmarks/gpu_check.sh               # on any machine: list the sections and
+#                                                        # check every Python file they run compiles
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-check}"
-BUDGET_S="${BUDGET_S:-480}"
+BUDGET_S="${BUDGET_S:-540}"
+DRY_RUN="${DRY_RUN:-0}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONUNBUFFERED=1
@@ -50,6 +63,14 @@ section() {
   fi
   ((limit > left)) && limit=$left
   echo "=== $name: $*" | tee -a "$OUT/$log"
+  if [[ $DRY_RUN == 1 ]]; then  # compile the Python files the command runs; run nothing
+    local arg ok=1
+    for arg in "$@"; do
+      if [[ $arg == *.py && -f $arg ]]; then python -m py_compile "$arg" || ok=0; fi
+    done
+    echo "$name dry-run (limit ${limit} s; python files compile: $ok)" | tee -a "$OUT/summary.txt"
+    return
+  fi
   if timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$log"; then rc=0; else rc=$?; fi
   echo "$name rc=$rc ($((SECONDS - start)) s)" | tee -a "$OUT/summary.txt" "$OUT/$log"
 }
@@ -64,6 +85,11 @@ print('bf16', torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 print('nccl', torch.distributed.is_nccl_available())
 import transformers, accelerate, peft
 print('transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__)
+try:
+    from torch.nn.attention.varlen import varlen_attn
+    print('torch varlen_attn: yes')
+except ImportError:
+    print('torch varlen_attn: no')
 "
 if ls .whl/*.whl >/dev/null 2>&1; then
   mkdir -p /tmp/site /tmp/peer
@@ -76,18 +102,34 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 section grimoire env.log 60 python -c "import grimoire, sys; print('grimoire from', grimoire.__file__)"
 
-# ---------------------------------------------------------------- correctness on CUDA
-section head-parity checks.log 90 python benchmarks/gpu_checks.py head-parity
-section sdpa-shapes checks.log 90 python benchmarks/gpu_checks.py sdpa-shapes
+section routes env.log 60 python -c "
+import logging; logging.basicConfig(level=logging.INFO)
+from grimoire.model import varlen_attention as va
+import torch
+print('kernels', va.describe())
+print('packed rows, bf16, head_dim 128:', va.cuda_route(torch.bfloat16, 128, 0.0))
+"
 
-# ---------------------------------------------------------------- SFT throughput on CUDA
+# ---------------------------------------------------------------- issue #25: the GPU step
+section varlen-parity checks.log 90 python benchmarks/gpu_checks.py varlen-parity
+
 # The peer runs under the same python with only its own folder in front (run_impl drops our
 # PYTHONPATH for it): a two-line wrapper stands in for a venv's interpreter.
 printf '#!/bin/sh\nPYTHONPATH=/tmp/peer:/tmp/site exec python "$@"\n' >"$WORK/peer-python"
 chmod +x "$WORK/peer-python"
-section throughput throughput.log 180 python benchmarks/throughput.py --device cuda \
-  --precisions bf16 --impls "ours packed" "ours padded" grimoire-rl --peer-python "$WORK/peer-python" \
-  --batch 32 --max-len 2048 --max-tokens 16384 --steps 16 --warmup 4
+GPU_SFT=(--device cuda --precisions bf16 --batch 32 --max-len 2048 --max-tokens 16384 --steps 16 --warmup 4)
+section throughput throughput.log 180 python benchmarks/throughput.py "${GPU_SFT[@]}" \
+  --impls "ours packed" "ours padded" grimoire-rl --peer-python "$WORK/peer-python" \
+  --json "$OUT/throughput.json"
+section step-syncs checks.log 90 python benchmarks/gpu_checks.py step-syncs
+PROFILE=(--device cuda --precision bf16 --batch 32 --max-len 2048 --max-tokens 16384 --steps 6 --warmup 2 --top 12)
+section profile profile.log 60 python benchmarks/profile_sft.py "${PROFILE[@]}"
+section profile-cudnn profile.log 60 python benchmarks/profile_sft.py "${PROFILE[@]}" --cudnn
+# ~88 long-tailed rows (mean ~184 tokens) per step: ~16k tokens per step, one packed micro-batch.
+section mfu-1b mfu_1b.log 120 python benchmarks/throughput.py --device cuda --model 1b \
+  --precisions bf16 --impls "ours packed" --batch 88 --max-len 2048 --max-tokens 16384 \
+  --steps 8 --warmup 3 --json "$OUT/mfu_1b.json"
+section throughput-trl throughput.log 90 python benchmarks/throughput.py "${GPU_SFT[@]}" --impls trl
 
 # ---------------------------------------------------------------- bf16 on the host's CPU
 # Issue #16's AMX goal (bf16 >= 2x fp32 on a CPU with AMX) cannot be measured on the CPU-only
@@ -95,6 +137,10 @@ section throughput throughput.log 180 python benchmarks/throughput.py --device c
 section cpu-flags cpu_bf16.log 10 sh -c 'grep -o -w -E "amx_bf16|amx_tile|avx512_bf16" /proc/cpuinfo | sort | uniq -c'
 section cpu-bf16 cpu_bf16.log 150 env CUDA_VISIBLE_DEVICES= python benchmarks/throughput.py \
   --precisions no bf16 --impls "ours packed" "ours padded" --threads 8 --steps 8 --warmup 2
+
+# ---------------------------------------------------------------- earlier checks on CUDA
+section sdpa-shapes checks.log 90 python benchmarks/gpu_checks.py sdpa-shapes
+section head-parity checks.log 90 python benchmarks/gpu_checks.py head-parity
 
 # ---------------------------------------------------------------- FSDP2, bf16, CUDA
 cat >"$WORK/fsdp2_step.py" <<'PY'

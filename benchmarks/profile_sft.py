@@ -55,6 +55,7 @@ def _instrument(clock: dict[str, float], live: list[bool]) -> None:
 
     import grimoire.batching.loader as loader
     import grimoire.forward.head.function as head
+    import grimoire.training.step as step
     import grimoire.training.trainer as trainer
 
     for owner, name, label in (
@@ -64,7 +65,7 @@ def _instrument(clock: dict[str, float], live: list[bool]) -> None:
         (head._HeadLogps, "forward", "head forward"),
         (head._HeadLogps, "backward", "head backward"),
         (accelerate.Accelerator, "backward", "backward"),
-        (trainer, "clip_gradients", "clip"),
+        (step, "clip_gradients", "clip"),
         (torch.optim.AdamW, "step", "optimizer"),
     ):
         _wrap(owner, name, label, clock, live)
@@ -166,9 +167,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=0, help="also list the N ops with most self time")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--cprofile", type=int, default=0, help="print the N hottest Python functions")
+    p.add_argument(
+        "--cudnn",
+        action="store_true",
+        help="let grimoire's sdpa calls on CUDA use cuDNN attention (off by default: no per-shape "
+        "plans); run with and without to compare",
+    )
     args = p.parse_args(argv)
     import torch
 
+    from grimoire.model.packed_attention import allow_cudnn_attention
+
+    allow_cudnn_attention(args.cudnn)
     torch.set_num_threads(args.threads)
     print(bench.machine_line(f", torch threads {args.threads}", cpu_capability=True))
     _instrument(CLOCK, LIVE)
@@ -179,7 +189,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         for impl in ("ours padded", "ours packed"):
             results[impl] = profile(impl, args, model)
-    print(f"# s/step over {args.steps - args.warmup} steps, precision {args.precision}")
+    cudnn = "allowed" if args.cudnn else "excluded"
+    print(
+        f"# s/step over {args.steps - args.warmup} steps, precision {args.precision}, "
+        f"cuDNN attention {cudnn} (grimoire's sdpa calls on CUDA)"
+    )
     print(f"{'stage':<28} {'padded':>8} {'packed':>8}")
     for key in ORDER:
         a, b = (results[i].get(key, 0.0) for i in ("ours padded", "ours packed"))

@@ -15,8 +15,12 @@ log-probs, every completion ``max_new_tokens`` long: no EOS), at a mid-size mode
 long as the completions: HF ``generate`` prefilling each completion's copy of its prompt (``hf``,
 ``prefill_once=False``, what ``generate`` does by itself) against one prefill per prompt
 (``hf-prefill``, the default). With one seed both sample the same tokens (checked here too).
+Where ``vllm`` is importable a third row times :class:`~grimoire.rollout.vllm_engine.VLLMEngine`
+(colocated, its weights synced from the same model; its samples come from its own RNG, so they
+are not compared), and a line gives the time of one weight sync of that model.
 
     python benchmarks/rollout_throughput.py --engines          # 64 prompts x 8 x 128 tokens
+    python benchmarks/rollout_throughput.py --engines --mid    # the same model, 16 x 8 x 64
     python benchmarks/rollout_throughput.py --engines --tiny
 """
 
@@ -38,51 +42,73 @@ SIZES = {
 
 
 #: ``--engines``: hidden 512, 8 layers, 64 prompts x G=8 x 128 new tokens, 128-token prompts.
+#: Heads of 128 (full) and 32 (tiny): vLLM's CPU attention has no kernel below 32.
 ENGINE_SIZES = {
-    "full": dict(vocab=32_000, hidden=512, layers=8, prompts=64, G=8, new=128, prompt_len=128),
-    "tiny": dict(vocab=64, hidden=32, layers=1, prompts=4, G=4, new=8, prompt_len=8),
+    "full": dict(
+        vocab=32_000, hidden=512, heads=4, layers=8, prompts=64, G=8, new=128, prompt_len=128
+    ),
+    # The full model on a quarter of the rollout (16 prompts x 8 x 64, 64-token prompts): what a
+    # shared 2-core machine finishes (the full size did not within 50 minutes there).
+    "mid": dict(
+        vocab=32_000, hidden=512, heads=4, layers=8, prompts=16, G=8, new=64, prompt_len=64
+    ),
+    "tiny": dict(vocab=64, hidden=64, heads=2, layers=1, prompts=4, G=4, new=8, prompt_len=8),
 }
-ENGINES = {"hf": {"prefill_once": False}, "hf-prefill": {"prefill_once": True}}
+ENGINES = {"hf": {"prefill_once": False}, "hf-prefill": {"prefill_once": True}, "vllm": {}}
+
+
+def _engine(name: str, new: int) -> Any:
+    from grimoire.rollout.hf import HFGenerateEngine
+    from grimoire.rollout.vllm_engine import VLLMEngine
+
+    if name == "vllm":  # sampler log-probs on, as in training (the correction needs them)
+        return VLLMEngine(max_new_tokens=new)
+    return HFGenerateEngine(max_new_tokens=new, **ENGINES[name])
 
 
 def engines(size: str, repeats: int = 1) -> list[dict[str, Any]]:
-    """Each engine's best of ``repeats`` timed ``generate`` calls on the same prompts and seed."""
+    """Each engine's best of ``repeats`` timed ``generate`` calls on the same prompts and seed
+    (``vllm`` only where it is importable), plus one timed vLLM weight sync."""
     import random
 
     import torch
 
-    from grimoire.rollout.hf import HFGenerateEngine
+    from grimoire.rollout.vllm_engine import vllm_available
 
     s = ENGINE_SIZES[size]
-    model = bench.tiny_llama(s["vocab"], s["hidden"], s["layers"], s["prompt_len"] + s["new"])
+    positions = s["prompt_len"] + s["new"]
+    model = bench.tiny_llama(s["vocab"], s["hidden"], s["layers"], positions, heads=s["heads"])
     model.eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(4, s["vocab"]) for _ in range(s["prompt_len"])]
                for _ in range(s["prompts"])]  # fmt: skip
-    built = {}
-    for name, kw in ENGINES.items():
-        engine = HFGenerateEngine(max_new_tokens=s["new"], **kw)
+    rows, samples = [], {}
+    names = [n for n in ENGINES if n != "vllm" or vllm_available()]
+    for name in names:
+        engine = _engine(name, s["new"])
         engine.bind(model, pad_token_id=0, eos_token_id=None)  # no EOS: full-length completions
-        engine.generate(prompts[:2], 2, with_old_logps=False)  # warm-up: first-call costs
-        built[name] = engine
-    best = dict.fromkeys(built, float("inf"))
-    samples: dict[str, Any] = {}
-    for _ in range(repeats):  # engines alternate, so a busy spell on the machine hits both
-        for name, engine in built.items():
+        engine.generate(prompts[:2], 2, with_old_logps=False)  # warm-up (vLLM: the first sync)
+        best = float("inf")
+        for _ in range(repeats):
             torch.manual_seed(0)
             start = time.perf_counter()
             rollout = engine.generate(prompts, s["G"], with_old_logps=False)
-            best[name] = min(best[name], time.perf_counter() - start)
-            samples[name] = rollout.completion_ids.tolist()
-    rows = []
-    for name, seconds in best.items():
-        tokens = sum(len(r) for r in samples[name])
-        rows.append(
-            {"engine": name, "seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
-        )
+            best = min(best, time.perf_counter() - start)
+        samples[name] = rollout.completion_ids.tolist()
+        tokens = int(rollout.completion_mask.sum())
+        rows.append({"engine": name, "seconds": best, "tokens": tokens, "tok_s": tokens / best})
+        if name == "vllm":
+            with torch.no_grad():  # an in-place write, as an optimizer step: the next call syncs
+                next(model.parameters()).add_(0.0)
+            start = time.perf_counter()
+            engine.sync_weights()
+            rows[-1]["sync_s"] = time.perf_counter() - start
+            engine.close()
     for r in rows:
         r["ratio"] = r["tok_s"] / rows[0]["tok_s"]
-        r["same_samples"] = samples[r["engine"]] == samples[rows[0]["engine"]]
+        r["same_samples"] = (
+            "n/a (own RNG)" if r["engine"] == "vllm" else samples[r["engine"]] == samples["hf"]
+        )
     return rows
 
 
@@ -90,7 +116,8 @@ def engines_table(rows: list[dict[str, Any]], size: str) -> list[str]:
     s = ENGINE_SIZES[size]
     lines = [
         bench.machine_line(),
-        f"# rollout only: Llama vocab {s['vocab']}, hidden {s['hidden']}, {s['layers']} layers, "
+        f"# rollout only: Llama vocab {s['vocab']}, hidden {s['hidden']} ({s['heads']} heads), "
+        f"{s['layers']} layers, "
         f"fp32; {s['prompts']} prompts of {s['prompt_len']} tokens x G={s['G']} x "
         f"{s['new']} new tokens, one generate call; best of the repeats",
         "| engine | seconds | generated tokens | rollout tok/s | vs hf | same samples as hf |",
@@ -101,6 +128,14 @@ def engines_table(rows: list[dict[str, Any]], size: str) -> list[str]:
             f"| {r['engine']} | {r['seconds']:.2f} | {r['tokens']} | {r['tok_s']:.0f} "
             f"| {r['ratio']:.2f}x | {r['same_samples']} |"
         )
+    lines += [
+        f"vllm: one weight sync of the whole model (policy -> vLLM, in process): "
+        f"{r['sync_s']:.2f} s"
+        for r in rows
+        if "sync_s" in r
+    ]
+    if not any(r["engine"] == "vllm" for r in rows):
+        lines.append("vllm: not installed here (pip install 'grimoire[vllm]'); no row")
     return lines
 
 
@@ -207,9 +242,10 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run")
     parser.add_argument("--out", default="/tmp/rollout-throughput")
     parser.add_argument("--engines", action="store_true", help="compare the sampling backends")
-    parser.add_argument("--repeats", type=int, default=3, help="--engines: timed calls each")
+    parser.add_argument("--repeats", type=int, default=1, help="--engines: timed calls each")
+    parser.add_argument("--mid", action="store_true", help="--engines: a quarter of the rollout")
     args = parser.parse_args(argv)
-    size = "tiny" if args.tiny else "full"
+    size = "tiny" if args.tiny else "mid" if args.mid and args.engines else "full"
     if args.engines:
         lines = engines_table(engines(size, args.repeats), size)
     else:

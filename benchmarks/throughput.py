@@ -58,6 +58,12 @@ MODEL = dict(vocab_size=32000, hidden_size=256, num_layers=4, max_position_embed
 TINY_MODEL = dict(vocab_size=512, hidden_size=32, num_layers=1, max_position_embeddings=64)
 #: ``--device cuda``: a model big enough that a GPU step is not all launch overhead.
 GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=8, max_position_embeddings=2048)
+#: ``--model 1b``: 1.04B parameters (24 x 2048, GQA 16/8 heads of 128, MLP 4096, untied 32k
+#: vocabulary), for MFU at a realistic size (issue #25: >= 1B at 16k tokens per step).
+MODEL_1B = dict(
+    vocab_size=32000, hidden_size=2048, num_layers=24, max_position_embeddings=2048,
+    num_attention_heads=16, num_key_value_heads=8,
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- data and model
@@ -166,6 +172,10 @@ def _grimoire_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: _C
 
     keep = ("input_ids", "attention_mask", "labels")
     rows = [{k: r[k] for k in keep} for r in rows]
+    if spec.get("cudnn") and not spec["impl"].startswith("grimoire-rl"):
+        from grimoire.model.packed_attention import allow_cudnn_attention
+
+        allow_cudnn_attention(True)
     model = AutoModelForCausalLM.from_pretrained(spec["model"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     common = dict(
@@ -191,7 +201,7 @@ def _grimoire_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: _C
             if spec["impl"].endswith("+ckpt"):
                 extra.update(gradient_checkpointing=True)
         else:  # the padded baseline (the default, auto, would pack these long-tailed rows)
-            extra.update(padding_free=False)
+            extra.update(padding_free=False, pad_to_multiple_of=spec.get("pad_multiple"))
         config = TrainingConfig(**common, **extra)
     trainer = GrimoireTrainer(
         model=model,
@@ -280,6 +290,8 @@ def run_impl(impl: str, precision: str, args: argparse.Namespace, model: Path) -
         "warmup": args.warmup,
         "threads": args.threads,
         "device": args.device,
+        "cudnn": args.cudnn,
+        "pad_multiple": args.pad_multiple,
     }
     script = str(Path(__file__).resolve())
     if impl.startswith("grimoire-rl"):
@@ -300,9 +312,8 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
     from grimoire.model.tiny import build_model
 
     spec = args.spec
-    probe = build_model(
-        "llama", seed=0, tie_word_embeddings=False, **{**spec, "vocab_size": spec["vocab_size"]}
-    )
+    with torch.device("meta"):  # counted, not built: no memory, no init (a 1B model is 4 GB)
+        probe = build_model("llama", seed=0, tie_word_embeddings=False, **spec)
     params = (
         sum(p.numel() for p in probe.parameters()) - probe.get_input_embeddings().weight.numel()
     )
@@ -411,10 +422,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["cpu", "cuda"],
         help="cuda: every run trains on the GPU (accelerate places it), a 1024 x 8 model",
     )
+    p.add_argument(
+        "--model",
+        default="auto",
+        choices=["auto", "1b"],
+        help="auto: 4 x 256 on a CPU, 1024 x 8 with --device cuda; 1b: a 1.04B Llama",
+    )
+    p.add_argument(
+        "--pad-multiple",
+        type=int,
+        default=None,
+        help="ours padded: pad_to_multiple_of (default: the library's, 64 on CUDA, off on a CPU)",
+    )
+    p.add_argument(
+        "--cudnn",
+        action="store_true",
+        help="let grimoire's sdpa calls on CUDA use cuDNN attention (off by default)",
+    )
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.spec = dict(TINY_MODEL if args.tiny else GPU_MODEL if args.device == "cuda" else MODEL)
+    if args.model == "1b":
+        args.spec = dict(MODEL_1B)
     if args.tiny:
         args.max_len = min(args.max_len, TINY_MODEL["max_position_embeddings"])
     if args.warmup >= args.steps:

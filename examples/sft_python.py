@@ -3,6 +3,7 @@
     python examples/sft_python.py                 # tiny Llama built in code + bundled toy data
     python examples/sft_python.py MODEL           # a local folder or a hub name
     python examples/sft_python.py MODEL train.jsonl eval.jsonl
+    python examples/sft_python.py --max-steps 30  # a shorter run
 
 Data: JSON lines with ``prompt`` and ``response`` (``messages`` or ``text`` rows work too). By
 default the bundled string-reversal task is used (``reverse abc=`` -> ``cba``). Without a MODEL a
@@ -13,7 +14,7 @@ default run takes a few minutes and ends with a held-out exact-match score.
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -25,15 +26,20 @@ from grimoire.training.records import read_records
 OUT = "./output/sft-example"
 
 
-def main(argv: list[str]) -> None:
-    if argv:
-        model_path = argv[0]
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", help="model folder or hub name (default: tiny Llama)")
+    parser.add_argument("train_file", nargs="?", default="grimoire://assets/reverse_train.jsonl")
+    parser.add_argument("eval_file", nargs="?", default="grimoire://assets/reverse_eval.jsonl")
+    parser.add_argument("--max-steps", type=int, default=300)
+    args = parser.parse_args()
+    if args.model:
+        model_path = args.model
     else:
         from grimoire.model.tiny import save_tiny
 
         model_path = str(save_tiny(f"{OUT}/tiny-model"))
-    train_file = argv[1] if len(argv) > 1 else "grimoire://assets/reverse_train.jsonl"
-    eval_file = argv[2] if len(argv) > 2 else "grimoire://assets/reverse_eval.jsonl"
+    train_file, eval_file = args.train_file, args.eval_file
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path)
@@ -54,7 +60,7 @@ def main(argv: list[str]) -> None:
         tokenizer=tokenizer,
         config=TrainingConfig(
             output_dir=OUT,
-            max_steps=300,
+            max_steps=args.max_steps,
             batch_size=32,
             learning_rate=3e-3,
             warmup_steps=30,
@@ -83,4 +89,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

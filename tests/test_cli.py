@@ -371,7 +371,7 @@ def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monk
     monkeypatch.setattr(
         train_cli,
         "load_model",
-        lambda cfg, path, kind="causal_lm", quant=None: loaded.append(path) or path,
+        lambda cfg, path, kind="causal_lm", quant=None, **_: loaded.append(path) or path,
     )
     monkeypatch.setattr(train_cli, "GrimoireTrainer", lambda **kwargs: kwargs)
     if cache:

@@ -276,6 +276,14 @@ def test_shipped_grimoire_configs_validate(path, monkeypatch):
 
     monkeypatch.chdir(ROOT)
     problems = validate_config(load_config(path))
+    # A config may start from the model another shipped config saves (grpo_toy.yaml from the
+    # quickstart's save_to): validation rightly says that folder is missing until that one ran.
+    saved = {load_config(other).get("save_to") for other in _grimoire_yamls() if other != path}
+    problems = [
+        p
+        for p in problems
+        if not any(p.startswith(f"model.pretrained: folder not found: {s} (") for s in saved if s)
+    ]
     if importlib.util.find_spec("bitsandbytes") is None:
         # A config with a quantization: section is valid where bitsandbytes (CUDA) exists.
         problems = [p for p in problems if not p.startswith("quantization: needs bitsandbytes")]

@@ -33,6 +33,24 @@ class DataError(_ProblemsError):
     title = "invalid data"
 
 
+class GrimoireWarning(UserWarning):
+    """A warning from Grimoire itself (not from a library it uses).
+
+    The ``grimoire`` command prints these on one line each, once, on a normal run; other
+    libraries' warnings only with ``--log-level INFO`` or ``DEBUG``. Python code sees them as
+    ordinary warnings.
+    """
+
+
+class GrimoireDeprecationWarning(GrimoireWarning, FutureWarning):
+    """An earlier spelling that still works for this release (a ``FutureWarning``, so it is shown
+    to Python users by default)."""
+
+
+class GrimoireRuntimeWarning(GrimoireWarning, RuntimeWarning):
+    """Grimoire fell back to a slower path at run time (e.g. the fused log-prob head)."""
+
+
 def raise_if(problems: list[str], error: type[_ProblemsError], title: str | None = None) -> None:
     """Raise ``error`` listing ``problems`` when there are any."""
     if problems:

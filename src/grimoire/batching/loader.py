@@ -111,12 +111,13 @@ PACKING_ATTENTION = (
 #: positions: on rows of nearly equal length the packed path's per-sample work costs more than
 #: the padding it saves (measured on the quickstart: padded ~1.3x faster at a ratio of ~1.1).
 AUTO_PACKING_MIN_RATIO = 1.25
-#: Why ``padding_free=None`` does not pack on a CUDA GPU: the one GPU measurement so far (an
-#: H200, SFT on long-tailed rows; docs/performance.md, "On a GPU") had the packed path 6.6x
-#: slower than padded, cause not yet found. Packing stays one switch away, and exact.
+#: Why ``padding_free=None`` does not pack on a CUDA GPU where packed rows would not take a
+#: varlen kernel: the one GPU measurement (an H200, SFT on long-tailed rows; docs/performance.md,
+#: "On a GPU") had the per-sample packed path 6.6x slower than padded. Packing stays one switch
+#: away, and exact.
 AUTO_PACKING_CUDA_NOTE = (
-    "auto: on a CUDA GPU the packed path measured 6.6x slower than padded (docs/performance.md, "
-    "'On a GPU'); set padding_free=True to pack anyway"
+    "auto: on a CUDA GPU without a varlen kernel packed rows attend per sample, measured 6.6x "
+    "slower than padded (docs/performance.md, 'On a GPU'); set padding_free=True to pack anyway"
 )
 
 
@@ -128,6 +129,7 @@ def packing_decision(
     model: Any = None,
     dataset: Any = None,
     device_type: str = "cpu",
+    cuda_varlen: str | None = None,
 ) -> tuple[bool, str]:
     """Whether micro-batches are packed rows, and why (logged at start).
 
@@ -139,7 +141,9 @@ def packing_decision(
     parity tests), with less work on rows of different lengths. A budget with a
     method that cannot pack (reward modelling) bins padded micro-batches instead. A user's
     ``data_collator`` counts as padded unless it has ``packed = True``. On a CUDA device
-    (``device_type``) auto stays padded: see :data:`AUTO_PACKING_CUDA_NOTE`.
+    (``device_type``) auto packs only where packed rows take a varlen kernel: ``cuda_varlen``
+    says which and why (``"varlen: ..."`` / ``"flash_attn: ..."``) or why not (then padded, see
+    :data:`AUTO_PACKING_CUDA_NOTE`); that kernel is unmeasured on a GPU (docs/performance.md).
 
     ``method`` is a :class:`~grimoire.losses.base.GrimoireLoss` (a duck-typed loss goes through
     :func:`~grimoire.losses.base.as_method` first).
@@ -155,8 +159,13 @@ def packing_decision(
         reason = _attention_cannot_pack(model)
         if reason is not None:
             return False, reason
+        gpu = ""
         if device_type == "cuda":
-            return False, AUTO_PACKING_CUDA_NOTE
+            if cuda_varlen is None:  # (not probed: the caller did not say)
+                return False, AUTO_PACKING_CUDA_NOTE
+            if not cuda_varlen.startswith(("varlen:", "flash_attn:")):
+                return False, f"{AUTO_PACKING_CUDA_NOTE} ({cuda_varlen})"
+            gpu = f"; on CUDA packed rows take {cuda_varlen} (unmeasured on a GPU)"
         if dataset is not None and not method.needs_generation:
             # (Online methods pack their sampled completions, whose lengths the prompts do not
             # tell: they always pack.)
@@ -166,8 +175,8 @@ def packing_decision(
                     f"auto: padding would add only {ratio - 1:.0%} positions on this data "
                     f"(packing pays from {AUTO_PACKING_MIN_RATIO - 1:.0%})"
                 )
-            return True, f"auto: padding would add {ratio - 1:.0%} positions on this data"
-        return True, "auto: the method packs and the model's attention keeps samples apart"
+            return True, f"auto: padding would add {ratio - 1:.0%} positions on this data{gpu}"
+        return True, f"auto: the method packs and the model's attention keeps samples apart{gpu}"
     if not asked:
         return False, "padding_free=False"
     if can_pack:

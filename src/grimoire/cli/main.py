@@ -12,16 +12,22 @@ The schema (see ``docs/cli.md``) mirrors the Python API: ``model`` -> ``from_pre
 :func:`~grimoire.rows.sources.tokenize_dataset`, ``loss`` -> ``registry.LOSSES``, ``peft`` ->
 ``LoraConfig``, ``training`` -> :class:`TrainingConfig`, ``callbacks`` -> ``registry.CALLBACKS``.
 
-Order of failure: every config problem is reported at once before anything is loaded; then
-every data problem (all rows of both datasets) before the model is loaded or a step is run.
+Order of failure: every config problem (paths and hub names included) is reported at once
+before anything is loaded; then every data problem (all rows of both datasets) before the model
+is loaded or a step is run. Any failure ends in one message (``--log-level DEBUG`` adds the
+traceback). The tools (``plot``, ``generate``, ``merge-lora``, ...) are dispatched from
+:data:`TOOL_COMMANDS`; ``grimoire --help`` lists them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import logging
 import math
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from grimoire.cli.flags import MINI_TRAINER_DESTS, add_mini_trainer_flags
+from grimoire.cli.output import command_output
 from grimoire.cli.schema import (
     check_config,
     load_config,
@@ -37,12 +44,16 @@ from grimoire.errors import GrimoireError
 from grimoire.training.records import metrics_path, read_records
 from grimoire.training.report import SUMMARY_FILE
 
+logger = logging.getLogger(__name__)
+
 COMMANDS = ("train", "validate")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: Commands with their own module and argument parser: name -> "module:function(argv) -> int".
 TOOL_COMMANDS = {
     "plot": "grimoire.tools.plot.cli:main",
     "merge-lora": "grimoire.tools.merge_lora:main",
     "generate": "grimoire.tools.generate:main",
+    "estimate-memory": "grimoire.tools.memory.cli:main",
 }
 
 
@@ -100,13 +111,74 @@ def summarize(output_dir: str | Path, save_to: str | None) -> str:
 
 # --------------------------------------------------------------------------- argument parsing
 
+#: One line per command for ``grimoire --help``. A command in :data:`TOOL_COMMANDS` that is not
+#: here is listed with the first line of its module's docstring, so new commands show up anyway.
+COMMAND_SUMMARIES = {
+    "train": "train from a YAML config and/or flags (the default command)",
+    "validate": "check a config: every problem at once, before anything is loaded",
+    "plot": "plot the loss and metrics of one or more runs (PNG or HTML)",
+    "generate": "complete a prompt with a saved model or LoRA adapter",
+    "merge-lora": "fold a saved LoRA adapter into its base and save a plain model",
+}
+#: What each parser's help ends with.
+EXAMPLES = {
+    None: (
+        "grimoire train --config examples/quickstart.yaml --set training.max_steps=100",
+        "grimoire validate --config run.yaml",
+    ),
+    "train": ("grimoire train --config run.yaml --set training.learning_rate=1e-4",),
+    "validate": ("grimoire validate --config run.yaml --set training.max_steps=10",),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser shared by ``train`` and ``validate`` (mini_trainer flags included)."""
+
+def command_summary(name: str) -> str:
+    """The one-line description of ``name`` (read without importing its module)."""
+    if name in COMMAND_SUMMARIES:
+        return COMMAND_SUMMARIES[name]
+    module = TOOL_COMMANDS[name].partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module)
+        source = Path(spec.origin).read_text(encoding="utf-8") if spec and spec.origin else ""
+        doc = ast.get_docstring(ast.parse(source)) or ""
+    except (ImportError, OSError, SyntaxError, ValueError):
+        doc = ""
+    # "``grimoire x``: does y." -> "does y."
+    first = re.sub(r"^``[^`]*``\s*:?\s*", "", doc.strip().split("\n")[0]).rstrip(".")
+    return first or f"see grimoire {name} --help"
+
+
+def commands_text() -> str:
+    """The command list of ``grimoire --help``: every command with its one line."""
+    names = [*COMMANDS, *TOOL_COMMANDS]
+    width = max(map(len, names)) + 3
+    return "\n".join(f"  {n:<{width}}{command_summary(n)}" for n in names)
+
+
+def examples_text(lines: Sequence[str]) -> str:
+    return ("example:\n" if len(lines) == 1 else "examples:\n") + "\n".join(
+        f"  {line}" for line in lines
+    )
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``train``/``validate`` (mini_trainer flags included); ``None``: the
+    top-level ``grimoire`` (which trains), whose help lists every command."""
+    if command is None:
+        description = (
+            f"Post-training for LLMs from a YAML config. Commands:\n\n{commands_text()}\n\n"
+            "grimoire COMMAND --help shows a command's options. Without a command, grimoire\n"
+            "trains: the options below are train's. See docs/cli.md."
+        )
+    else:
+        description = f"grimoire {command}: {COMMAND_SUMMARIES[command]}. See docs/cli.md."
     p = argparse.ArgumentParser(
-        prog="grimoire",
-        description="Train (or validate) a Grimoire run from a YAML config and/or flags. "
-        "Commands: train (default), validate. See docs/cli.md.",
+        prog="grimoire" if command is None else f"grimoire {command}",
+        usage="%(prog)s [--config YAML] [--set KEY=VALUE ...] [options]"
+        if command
+        else "%(prog)s [COMMAND] [--config YAML] [--set KEY=VALUE ...] [options]",
+        description=description,
+        epilog=examples_text(EXAMPLES[command]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", help="YAML config; default: the embedded quickstart")
     p.add_argument(
@@ -128,10 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-level",
         default=None,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        choices=LOG_LEVELS,
         type=str.upper,
-        help="show grimoire's log messages from this level on (grimoire-rl's flag); default: "
-        "warnings only",
+        help="show grimoire's log messages from this level on; INFO or DEBUG also let the "
+        "libraries print their progress bars and warnings, and DEBUG shows an error's traceback "
+        "(default: warnings only, libraries quiet)",
     )
     add_mini_trainer_flags(p)
     return p
@@ -140,10 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[str, argparse.Namespace]:
     """``(command, args)``; the command word (``train``/``validate``) is optional."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
-    args = build_parser().parse_args(argv)
-    if args.dry_run:
-        command = "validate"
+    word = argv.pop(0) if argv and argv[0] in COMMANDS else None
+    args = build_parser(word).parse_args(argv)
+    command = "validate" if args.dry_run else word or "train"
     return command, args
 
 
@@ -153,50 +225,86 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return load_config(args.config, args.overrides, flags)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point (``grimoire``); returns the process exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in TOOL_COMMANDS:
-        # The tool's module is imported only when its command is given.
-        module, _, function = TOOL_COMMANDS[argv[0]].partition(":")
-        return getattr(importlib.import_module(module), function)(argv[1:])
-    command, args = parse_args(argv)
-    if args.log_level:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        logging.getLogger("grimoire").setLevel(args.log_level)
-    try:
-        raw = config_from_args(args)
-        if command == "validate":
-            check_config(raw)
-            print(f"OK: {args.config or 'embedded default config'} is valid")
-            return 0
-        # Imported when a run starts: `grimoire --help` and `validate` never load the model stack.
-        from grimoire.cli.run import build_run
+def log_level_of(argv: Sequence[str]) -> str | None:
+    """``--log-level X`` / ``--log-level=X`` anywhere in ``argv`` (every command takes it), read
+    before the command parses its arguments; ``None`` when absent or not a level."""
+    for i, arg in enumerate(argv):
+        value = None
+        if arg == "--log-level" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--log-level="):
+            value = arg.partition("=")[2]
+        if value is not None and value.upper() in LOG_LEVELS:
+            return value.upper()
+    return None
 
-        run = build_run(raw)
-        # For the model card: how to reproduce this run.
-        run.trainer.launch = {"command": shlex.join(["grimoire", *argv]), "config": raw}
-        run.trainer.train()
-        if run.trainer.preempted_by is not None:  # checkpointed; the final model comes later
-            if getattr(run.trainer.accelerator, "is_main_process", True):
-                print(
-                    f"grimoire {command}: stopped by {run.trainer.preempted_by} after step "
-                    f"{run.trainer.global_step} with a checkpoint in {run.config.output_dir}; "
-                    "resume with the same command plus "
-                    "--set training.resume_from_checkpoint=latest",
-                    file=sys.stderr,
-                )
-            run.trainer.close()
-            return 0
-        if run.save_to:
-            run.trainer.save_model(run.save_to)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (``grimoire``); returns the process exit code.
+
+    Every failure ends in one message, ``grimoire <command>: <what to fix>``, and exit code 1:
+    Grimoire's own errors as they are, any other exception with its type (a user mistake that
+    slipped past validation surfaces as a library's error); ``--log-level DEBUG`` logs the
+    traceback first.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    level = log_level_of(argv)
+    if level:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("grimoire").setLevel(level)
+    if argv and argv[0] in TOOL_COMMANDS:
+        command, args = argv[0], None
+    else:
+        command, args = parse_args(argv)  # --help and usage errors exit here, argparse's way
+    with command_output(level, uses_datasets=command == "train"):
+        try:
+            if args is None:  # the tool's module is imported only when its command is given
+                module, _, function = TOOL_COMMANDS[command].partition(":")
+                return getattr(importlib.import_module(module), function)(argv[1:])
+            return _train_or_validate(command, args, argv)
+        except GrimoireError as exc:
+            return _fail(command, exc, str(exc))
+        except Exception as exc:  # a library's error for a mistake validation missed: one message
+            hint = "" if level == "DEBUG" else "\n(rerun with --log-level DEBUG for the traceback)"
+            return _fail(command, exc, f"{type(exc).__name__}: {exc}{hint}")
+
+
+def _fail(command: str, exc: BaseException, message: str) -> int:
+    logger.debug("grimoire %s failed; the traceback:", command, exc_info=exc)
+    print(f"grimoire {command}: {message}", file=sys.stderr)
+    return 1
+
+
+def _train_or_validate(command: str, args: argparse.Namespace, argv: Sequence[str]) -> int:
+    raw = config_from_args(args)
+    if command == "validate":
+        check_config(raw)
+        print(f"OK: {args.config or 'embedded default config'} is valid")
+        return 0
+    # Imported when a run starts: `grimoire --help` and `validate` never load the model stack.
+    from grimoire.cli.run import build_run
+
+    run = build_run(raw)
+    # For the model card: how to reproduce this run.
+    run.trainer.launch = {"command": shlex.join(["grimoire", *argv]), "config": raw}
+    run.trainer.train()
+    if run.trainer.preempted_by is not None:  # checkpointed; the final model comes later
         if getattr(run.trainer.accelerator, "is_main_process", True):
-            print(summarize(run.config.output_dir, run.save_to))
+            print(
+                f"grimoire {command}: stopped by {run.trainer.preempted_by} after step "
+                f"{run.trainer.global_step} with a checkpoint in {run.config.output_dir}; "
+                "resume with the same command plus "
+                "--set training.resume_from_checkpoint=latest",
+                file=sys.stderr,
+            )
         run.trainer.close()
         return 0
-    except GrimoireError as exc:
-        print(f"grimoire {command}: {exc}", file=sys.stderr)
-        return 1
+    if run.save_to:
+        run.trainer.save_model(run.save_to)
+    if getattr(run.trainer.accelerator, "is_main_process", True):
+        print(summarize(run.config.output_dir, run.save_to))
+    run.trainer.close()
+    return 0
 
 
 if __name__ == "__main__":

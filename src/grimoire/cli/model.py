@@ -16,7 +16,8 @@ The schema is grimoire-rl's (its README documents it, so a grimoire-rl config ru
 
 Grimoire's own earlier spellings (``model.name_or_path``, ``model.dtype``,
 ``model.attn_implementation``, ``model.trust_remote_code``, ``model.quantization``) still work for
-one release: :func:`canonical_model` moves them to their new place with a ``FutureWarning``.
+one release: :func:`canonical_model` moves them to their new place with a
+:class:`~grimoire.errors.GrimoireDeprecationWarning` (a ``FutureWarning``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 from grimoire.cli.sections import section_problems
 from grimoire.config.training import check_type
-from grimoire.errors import ConfigError, did_you_mean
+from grimoire.errors import ConfigError, GrimoireDeprecationWarning, did_you_mean
 
 MODEL_KEYS: dict[str, Any] = {
     "pretrained": str,
@@ -71,13 +72,17 @@ RESERVED_MODEL_KWARGS = {
     "num_labels": "set by the loss (reward modelling uses 1)",
 }
 TINY_PREFIX = "tiny:"
+#: ``loss.ref_model`` value that asks the loss for a frozen copy of the starting policy: passed
+#: through as the string ``ref_model="copy"`` instead of loading a model from that path.
+REF_MODEL_COPY = "copy"
 TINY_ARCHS = ("llama", "qwen2", "gemma2")
 
 
 def canonical_model(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """A copy of ``raw`` with earlier spellings moved to their new place, and the problems found.
 
-    Each move emits a ``FutureWarning`` naming the new key. Giving both spellings of one setting
+    Each move emits a :class:`GrimoireDeprecationWarning` (a ``FutureWarning``) naming the new key
+    (the ``grimoire`` command prints it as one line, once). Giving both spellings of one setting
     is a problem (which would win is not obvious), reported with the others by the validator.
     """
     out = dict(raw)
@@ -105,7 +110,7 @@ def canonical_model(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         warnings.warn(
             f"model.{old} is deprecated (grimoire-rl's schema is canonical): write "
             f"{' and '.join(targets)} instead; the old spelling goes away in the next release",
-            FutureWarning,
+            GrimoireDeprecationWarning,
             stacklevel=3,
         )
     return out, problems
@@ -237,7 +242,17 @@ def load_tokenizer(model_cfg: Mapping[str, Any], model_path: str):
     from transformers import AutoTokenizer
 
     kwargs = {"trust_remote_code": False, **(model_cfg.get("tokenizer_kwargs") or {})}
-    return AutoTokenizer.from_pretrained(model_cfg.get("tokenizer") or model_path, **kwargs)
+    name, where = (
+        (model_cfg["tokenizer"], "model.tokenizer")
+        if model_cfg.get("tokenizer")
+        else (model_path, "model.pretrained")
+    )
+    try:
+        return AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as exc:
+        # Validation checked that the folder or hub name exists; what is left is its contents
+        # (no tokenizer files, an unknown model type, an unreachable hub): name the key.
+        raise ConfigError([f"{where}: cannot load a tokenizer from {name!r}: {exc}"]) from exc
 
 
 def load_model(
@@ -245,11 +260,13 @@ def load_model(
     model_path: str,
     kind: str = "causal_lm",
     quantization: Mapping[str, Any] | None = None,
+    where: str = "model.pretrained",
 ):
     """``from_pretrained`` with ``model_kwargs`` and the ``quantization`` section.
 
     ``kind`` comes from the loss class (``model_kind``): ``"causal_lm"``, or
-    ``"sequence_classification"`` (a one-score head, for reward modelling).
+    ``"sequence_classification"`` (a one-score head, for reward modelling). ``where`` is the
+    config key named when loading fails.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -262,12 +279,15 @@ def load_model(
         return AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     except TypeError as exc:  # an unknown model_kwargs key surfaces here, from the model class
         raise ConfigError([f"model.model_kwargs: {exc}"]) from exc
+    except (OSError, ValueError) as exc:  # the folder's contents, or the hub (see load_tokenizer)
+        raise ConfigError([f"{where}: cannot load a model from {model_path!r}: {exc}"]) from exc
 
 
 __all__ = [
     "DTYPE_ALIASES",
     "LEGACY_MODEL_KEYS",
     "MODEL_KEYS",
+    "REF_MODEL_COPY",
     "TINY_ARCHS",
     "TINY_PREFIX",
     "build_quantization",

@@ -22,6 +22,7 @@ from grimoire.cli.schema import (
     is_dataset_ref,
     tokenize_section,
 )
+from grimoire.columns import listed
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError, DataError
@@ -30,7 +31,14 @@ from grimoire.losses.base import GrimoireLoss, as_method
 from grimoire.model.precision import decide
 from grimoire.model.tiny import save_tiny
 from grimoire.parallel.accelerate import has_accelerator
-from grimoire.rows.sources import load_source, tokenize_dataset
+from grimoire.rows.sources import (
+    PACKAGE_PREFIX,
+    LoadedSource,
+    load_source,
+    read_source,
+    resolve_path,
+    tokenize_dataset,
+)
 from grimoire.training.trainer import GrimoireTrainer
 
 
@@ -64,11 +72,11 @@ def build_run(raw: Mapping[str, Any]) -> Run:
         if where not in raw:
             continue
         try:
-            source = {k: v for k, v in raw[where].items() if k != "tokenize"}
-            rows = load_source(source, where)
+            section = {k: v for k, v in raw[where].items() if k != "tokenize"}
+            source = read_source(section, where)
             if where == "eval_dataset":
-                raw_eval_rows = [dict(r) for r in rows]
-            datasets[where] = tokenize(rows, raw, where, tokenizer, config.max_length)
+                raw_eval_rows = [dict(r) for r in source.dataset]
+            datasets[where] = tokenize(source, raw, where, tokenizer, config.max_length)
         except DataError as exc:
             problems += exc.problems
     callbacks = build_callbacks(raw.get("callbacks") or [], raw_eval_rows, problems)
@@ -85,7 +93,8 @@ def build_run(raw: Mapping[str, Any]) -> Run:
         # Default reference for caching: the starting policy itself (the usual DPO reference,
         # and what "copy" means).
         ref_path = _materialize_model(ref_path or model_path, config.output_dir)
-        ref_model = load_model(model_cfg, ref_path, model_kind, quantization)
+        where = "loss.ref_model" if ref_spec and ref_spec != REF_MODEL_COPY else "model.pretrained"
+        ref_model = load_model(model_cfg, ref_path, model_kind, quantization, where=where)
     args = dict(loss_cfg.get("args") or {})
     if ref_spec == REF_MODEL_COPY and not cache:
         args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
@@ -125,8 +134,13 @@ def save_path(raw: Mapping[str, Any], config: TrainingConfig) -> str | None:
     return save_to or str(Path(config.output_dir) / "final")
 
 
-def tokenize(rows: Any, raw: Mapping[str, Any], where: str, tokenizer: Any, max_length: int):
-    """Tokenize a loaded source with its ``tokenize`` section (default: the loss's tokenizer)."""
+def tokenize(
+    source: LoadedSource, raw: Mapping[str, Any], where: str, tokenizer: Any, max_length: int
+):
+    """Tokenize a read source with its ``tokenize`` section (default: the loss's tokenizer).
+
+    The source's unreadable lines are reported with the rows' own problems, in one error.
+    """
     tok = dict(tokenize_section(raw, where) or {})
     loss_type = (raw.get("loss") or {"type": "sft"})["type"]
     name = tok.pop("type", loss_type)
@@ -134,8 +148,17 @@ def tokenize(rows: Any, raw: Mapping[str, Any], where: str, tokenizer: Any, max_
     tok.setdefault("max_length", max_length)
     kwargs = {"tokenizer": tokenizer, **tok}
     if getattr(fn, "dataset_level", False):  # e.g. pretrain blocks: rows are regrouped
-        return fn(list(rows), **_accepted(fn, kwargs))
-    return tokenize_dataset(rows, fn, source_name=where, **_accepted(fn, kwargs))
+        if source.problems:
+            raise DataError(listed(source.problems), title=f"invalid data in {where}")
+        return fn(list(source.dataset), **_accepted(fn, kwargs))
+    return tokenize_dataset(
+        source.dataset,
+        fn,
+        source_name=where,
+        locations=source.locations,
+        problems=source.problems,
+        **_accepted(fn, kwargs),
+    )
 
 
 def _accepted(fn: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -181,7 +204,10 @@ def build_callbacks(
 
 
 def _materialize_model(name_or_path: str, output_dir: str) -> str:
-    """``tiny:<arch>`` -> build the tiny model into ``<output_dir>/tiny-model``; else as given."""
+    """``tiny:<arch>`` -> build the tiny model into ``<output_dir>/tiny-model``;
+    ``grimoire://REL`` -> the folder inside the package (a bundled model); else as given."""
+    if name_or_path.startswith(PACKAGE_PREFIX):
+        return str(resolve_path(name_or_path))
     if not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
     # Saved and reloaded (not used in memory) so the run exercises the real from_pretrained path.

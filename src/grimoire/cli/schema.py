@@ -12,20 +12,26 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from grimoire.cli.flags import MINI_TRAINER_BASE, apply_mini_trainer_flags
-from grimoire.cli.model import TINY_PREFIX, canonical_model, model_problems
+from grimoire.cli.model import REF_MODEL_COPY, TINY_PREFIX, canonical_model, model_problems
+from grimoire.cli.paths import reference_problems
 from grimoire.cli.sections import section_problems, unknown_keys
 from grimoire.config import registry
+from grimoire.config.loading import (
+    ConfigLoader,
+    apply_overrides,
+    parse_override,
+    parse_yaml,
+    read_yaml_file,
+)
 from grimoire.config.training import TrainingConfig, check_type
 from grimoire.errors import ConfigError
+from grimoire.rollout.backends import engine_problems
+from grimoire.rollout.rewards import resolve_reward_funcs
 from grimoire.rows.sources import source_problems
 
 #: The embedded default run (``python -m grimoire.cli.main`` with no ``--config``).
@@ -48,67 +54,10 @@ WANDB_KEYS: dict[str, Any] = {"project": str | None, "entity": str | None}
 PEFT_TYPES = ("lora",)
 #: Arguments the CLI supplies itself to every tokenize function.
 TOKENIZE_RESERVED = ("tokenizer",)
-#: ``loss.ref_model`` value that asks the loss for a frozen copy of the starting policy: passed
-#: through as the string ``ref_model="copy"`` instead of loading a model from that path.
-REF_MODEL_COPY = "copy"
 
 
-# --------------------------------------------------------------------------- YAML
-
-
-class ConfigLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that reads ``2e-5`` as a float and rejects duplicate keys.
-
-    PyYAML implements YAML 1.1, whose float pattern requires a dot (``2.0e-5``), so ``2e-5``
-    would silently become the string ``"2e-5"``; learning rates are written that way all the time.
-    """
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        # A repeated key silently keeps the last value in plain PyYAML, hiding typos in
-        # long configs; flag it instead.
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-                seen.add(key)
-            except TypeError:  # unhashable key: let the base class report it
-                continue
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping",
-                    node.start_mark,
-                    f"found duplicate key {key!r}",
-                    key_node.start_mark,
-                )
-        return super().construct_mapping(node, deep=deep)
-
-
-ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def parse_yaml(text: str, source: str = "<string>") -> dict[str, Any]:
-    """Parse a config document with :class:`ConfigLoader`; the top level must be a mapping."""
-    try:
-        data = yaml.load(text, Loader=ConfigLoader)
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{source}: invalid YAML: {exc}"]) from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError([f"{source}: the top level must be a mapping, got {type(data).__name__}"])
-    return data
+# --------------------------------------------------------------------------- loading
+# The YAML loader and --set live in grimoire.config.loading (the tools read configs too).
 
 
 def load_config(
@@ -124,70 +73,10 @@ def load_config(
     if path is None and flags:
         raw = copy.deepcopy(MINI_TRAINER_BASE)
     else:
-        path = Path(path) if path is not None else DEFAULT_CONFIG
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError([f"cannot read config {path}: {exc}"]) from exc
-        raw = parse_yaml(text, str(path))
+        raw = read_yaml_file(path if path is not None else DEFAULT_CONFIG)
     if flags:
         raw = apply_mini_trainer_flags(raw, flags)
     return apply_overrides(raw, overrides)
-
-
-# --------------------------------------------------------------------------- --set
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``"a.b=VALUE"`` -> ``(["a", "b"], value)``; VALUE is JSON, else kept as the raw string."""
-    key, sep, text = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not all(parts):
-        raise ConfigError([f"--set {item!r}: expected dotted.key=VALUE (VALUE is JSON)"])
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        if text.strip()[:1] in "[{":
-            # Meant as a list/mapping (e.g. [q_proj,v_proj]); as a string it would fail much
-            # later, deep inside the library that reads it.
-            raise ConfigError(
-                [
-                    f"--set {item!r}: the value looks like a JSON list/mapping but is not valid "
-                    f"JSON ({exc.msg}); quote the strings, e.g. "
-                    f'--set \'{key.strip()}=["q_proj","v_proj"]\''
-                ]
-            ) from exc
-        value = text  # not JSON: a bare string such as --set training.run_name=my-run
-    return parts, value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of ``raw`` with each ``--set`` applied in order (creating nested mappings)."""
-    raw = copy.deepcopy(raw)
-    problems = []
-    for item in overrides:
-        try:
-            parts, value = parse_override(item)
-        except ConfigError as exc:
-            problems += exc.problems
-            continue
-        node = raw
-        for depth, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                dotted = ".".join(parts[: depth + 1])
-                problems.append(
-                    f"--set {item!r}: {dotted} is a {type(child).__name__}, not a mapping"
-                )
-                break
-            node = child
-        else:
-            node[parts[-1]] = value
-    if problems:
-        raise ConfigError(problems, title="invalid --set")
-    return raw
 
 
 # --------------------------------------------------------------------------- validation
@@ -200,6 +89,9 @@ def validate_config(raw: Any) -> list[str]:
     raw, p = canonical_model(raw)
     p += unknown_keys(raw, TOP_KEYS, "")
     p += model_problems(raw.get("model"), raw.get("quantization"))
+    # The folders and hub names the config points at (model, tokenizer, reference, checkpoint):
+    # a mistyped path is one more line here, not a traceback from the loader later.
+    p += reference_problems(raw)
     # An empty YAML section (``training:``) parses as None: treat it as absent.
     p += _training_problems(raw.get("training") or {})
     loss_type, loss_problems = _loss_problems(raw.get("loss") or {"type": "sft"})
@@ -208,7 +100,7 @@ def validate_config(raw: Any) -> list[str]:
         p.append("dataset: required (e.g. dataset: {jsonl: train.jsonl, tokenize: {type: sft}})")
     for where in ("dataset", "eval_dataset"):
         if where in raw:
-            p += source_problems(raw[where], where, extra_keys=("tokenize",))
+            p += source_problems(raw[where], where, extra_keys=("tokenize",), check_hub=True)
             inherited = where == "eval_dataset" and "tokenize" not in (raw[where] or {})
             if isinstance(raw[where], Mapping) and not (inherited and "dataset" in raw):
                 # An eval_dataset without its own tokenize reuses dataset's (checked once).
@@ -256,8 +148,26 @@ def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
         )
     if loss.get("ref_model") and not loss.get("cache_reference"):
         args["ref_model"] = None  # checked against the loss's signature like any argument
+    if args.get("engine") is not None:  # a name or {type, args}: vLLM installed, known arguments
+        p += engine_problems(args["engine"], "loss.args.engine")
     p += _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
+    if "reward_funcs" in args:
+        p += _reward_problems(args["reward_funcs"], args.get("reward_weights"))
     return loss["type"], p
+
+
+def _reward_problems(funcs: Any, weights: Any) -> list[str]:
+    """Short names and ``package.module:function`` specs resolved now (importing a spec runs its
+    module, as for ``loss.type``), with the weights, as the online methods will at set-up."""
+    if weights is not None and not isinstance(weights, list):
+        return [f"loss.args.reward_weights: expected a list of numbers, got {weights!r}"]
+    if not isinstance(funcs, str | list):
+        return [f"loss.args.reward_funcs: expected a name or a list of names, got {funcs!r}"]
+    try:
+        resolve_reward_funcs(funcs, weights)
+    except ConfigError as exc:
+        return [f"loss.args.{m}" for m in exc.problems]
+    return []
 
 
 def _tokenize_problems(tok: Any, where: str, loss_type: str | None) -> list[str]:
@@ -314,7 +224,9 @@ def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
         args = dict(cb.get("args") or {})
         for key, value in args.items():
             if is_dataset_ref(value):
-                p += source_problems(value["dataset"], f"{where}.args.{key}.dataset")
+                p += source_problems(
+                    value["dataset"], f"{where}.args.{key}.dataset", check_hub=True
+                )
         if cb["type"] == "exact_match" and "rows" not in args:
             if not has_eval:
                 p.append(

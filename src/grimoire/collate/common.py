@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from grimoire.collate.layout import LAYOUT_KEY, Padded
+from grimoire.collate.layout import LAYOUT_KEY, Padded, shifted_targets
 from grimoire.columns import IGNORE_INDEX
 
 
@@ -30,9 +30,11 @@ def collate_prefixed(
     """Right-pad ``{prefix}input_ids`` / ``labels`` / ``attention_mask`` for each prefix.
 
     Other numeric columns (e.g. cached reference log-probs) are stacked as tensors; strings are
-    passed through as lists. The batch states its layout: :class:`~grimoire.collate.layout.Padded`.
+    passed through as lists. The batch states its layout: :class:`~grimoire.collate.layout.Padded`,
+    right-padded, with each prefix's trained targets counted here on the host.
     """
     batch: dict[str, Any] = {}
+    targets = []
     for p in prefixes:
         ids = [f[f"{p}input_ids"] for f in features]
         batch[f"{p}input_ids"] = pad_sequences(ids, pad_token_id)
@@ -49,6 +51,8 @@ def collate_prefixed(
             )
         else:
             batch[f"{p}attention_mask"] = pad_sequences([[1] * len(s) for s in ids], 0)
+        keep = shifted_targets(batch[f"{p}labels"], batch.get(f"{p}position_ids"))
+        targets.append((p, int(keep.sum())))
     handled = {
         f"{p}{k}"
         for p in prefixes
@@ -62,7 +66,11 @@ def collate_prefixed(
             batch[key] = torch.tensor(values)
         else:
             batch[key] = values
-    batch[LAYOUT_KEY] = Padded()
+    # Right-padded unless a prefix carries its own position_ids (pretrain blocks: attention then
+    # follows their restarts, so a plain causal pass would not be exact).
+    own_positions = any(f"{p}position_ids" in batch for p in prefixes)
+    tokens = sum(len(f[f"{p}input_ids"]) for p in prefixes for f in features)
+    batch[LAYOUT_KEY] = Padded(tuple(targets), right_padded=not own_positions, tokens=tokens)
     return batch
 
 

@@ -11,7 +11,7 @@ import torch
 
 from grimoire.collate.common import collate_prefixed
 from grimoire.collate.packing import pack_row_sides
-from grimoire.rows.kto import mismatched_pair
+from grimoire.rows.kto import mismatched_pair, with_label
 
 #: A KTO row's two sequences, by column prefix: its own completion, then its mismatched KL pair.
 KTO_SIDES: tuple[str, str] = ("", "kl_")
@@ -35,12 +35,14 @@ class KTOCollator:
     def with_kl_pairs(self, features: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """The rows with their mismatched pair as ``kl_input_ids/kl_attention_mask/kl_labels``.
 
-        Shared by the padded and the packed collator so both train on the very same pairs.
+        Shared by the padded and the packed collator so both train on the very same pairs. Rows
+        tokenized by grimoire-rl carry their label as ``kto_label``: it becomes ``label`` here.
         """
         if not features:
             raise ValueError(f"{type(self).__name__} got an empty batch")
+        features = [with_label(f) for f in features]
         if "kl_input_ids" in features[0]:
-            rows = [dict(f) for f in features]
+            rows = features
             for r in rows:
                 r.setdefault("kl_attention_mask", [1] * len(r["kl_input_ids"]))
             return rows

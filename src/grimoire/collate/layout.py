@@ -15,14 +15,26 @@ Layouts are frozen, hashable and picklable (DataLoader workers collate in anothe
 send the batch back), and hold only host-side Python values: reading them never waits for a
 device. The trainer moves a batch's tensors to the device and passes every other value, the
 layout included, through as it is.
+
+A layout may also carry what the collator counted on the host while it still held the rows as
+lists: the trained targets (``targets``: the LM head's row count, so the forward can size it
+without a ``nonzero`` on the device), the real tokens and whether rows are right-padded
+(``Padded``), and, for a packed row whose ``position_ids`` restart inside a sample (pretrain
+blocks), the attention segments. These are facts about the same tensors, so
+they are left out of equality (``compare=False``): a layout built by hand without them equals
+the collator's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
+
+import torch
+
+from grimoire.columns import IGNORE_INDEX
 
 #: The batch key under which a collator (or the rollout) states its batch's layout.
 LAYOUT_KEY = "layout"
@@ -32,7 +44,33 @@ LAYOUT_KEY = "layout"
 class Padded:
     """``[B, T]`` rows, one sample per row, right-padded (left-padded prompts for generation),
     with an ``attention_mask`` (or, for pretrain blocks, ``position_ids`` marking document
-    boundaries inside each row). A forward's result is already one row per sample."""
+    boundaries inside each row). A forward's result is already one row per sample.
+
+    Attributes:
+        targets: per column prefix (``""``, ``"chosen_"``, ...), the trained targets of its rows
+            after the shift (``labels[:, 1:] != -100``), counted on the host by the collator;
+            None when unknown (a user collator).
+        right_padded: every row's padding is at its end and ``position_ids`` (if any) count up
+            without restarts, so plain causal attention without a mask is exact for every real
+            token (a real token never sees a later position). Set by grimoire's own collators.
+        tokens: the real (unpadded) input tokens over every prefix, counted on the host.
+    """
+
+    targets: tuple[tuple[str, int], ...] | None = field(default=None, compare=False)
+    right_padded: bool = field(default=False, compare=False)
+    tokens: int | None = field(default=None, compare=False)
+
+    @property
+    def num_targets(self) -> int | None:
+        """Trained targets over every prefix (None when not counted)."""
+        return None if self.targets is None else sum(n for _, n in self.targets)
+
+    def sides(self, prefixes: tuple[str, ...]) -> Padded:
+        """The layout of ``prefixes``' rows alone (or stacked), as un-prefixed rows."""
+        counts = dict(self.targets) if self.targets is not None else None
+        if counts is None or any(p not in counts for p in prefixes):
+            return Padded(None, self.right_padded)
+        return Padded((("", sum(counts[p] for p in prefixes)),), self.right_padded)  # no tokens
 
 
 @dataclass(frozen=True)
@@ -46,15 +84,27 @@ class Packed:
             ``max_seqlen``, without a device-to-host copy (which would stall the stream). Padding
             appended by ``pad_to_multiple_of`` is not a sample and is not counted: the row may be
             longer than ``sum(seq_lens)``.
+        targets: per sample, its trained targets after the shift (a target is attributed to the
+            sample holding the target token), counted on the host; None when unknown.
+        segments: the attention segments (where ``position_ids`` restart) when they differ from
+            the samples, i.e. pretrain blocks holding several documents; None: one per sample.
     """
 
     seq_lens: tuple[int, ...]
+    targets: tuple[int, ...] | None = field(default=None, compare=False)
+    segments: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         lens = tuple(int(n) for n in self.seq_lens)  # also accepts a list or numpy ints
         if not lens or min(lens) < 1:
             raise ValueError(f"Packed needs at least one sample, each of >= 1 token: {lens}")
         object.__setattr__(self, "seq_lens", lens)
+        if self.targets is not None:
+            object.__setattr__(self, "targets", tuple(int(n) for n in self.targets))
+            if len(self.targets) != len(lens):
+                raise ValueError(f"Packed: {len(self.targets)} target counts for {len(lens)}")
+        if self.segments is not None:
+            object.__setattr__(self, "segments", tuple(int(n) for n in self.segments))
 
     @property
     def num_samples(self) -> int:
@@ -76,12 +126,31 @@ class Packed:
         """The samples' tokens, without any end padding."""
         return sum(self.seq_lens)
 
+    @property
+    def num_targets(self) -> int | None:
+        """Trained targets in the row (None when not counted)."""
+        return None if self.targets is None else sum(self.targets)
+
+    def attention_segments(self, row_len: int) -> tuple[int, ...]:
+        """The lengths attention runs causally within, covering all ``row_len`` positions: the
+        samples (or documents, see ``segments``), then any end padding as a segment of its own
+        (its ``position_ids`` restart at 0 too, so no real token attends to it)."""
+        segments = self.segments or self.seq_lens
+        tail = row_len - sum(segments)
+        if tail < 0:
+            raise ValueError(f"a packed row of {row_len} positions holds {sum(segments)} tokens")
+        return (*segments, tail) if tail else segments
+
     def split(self, n: int) -> tuple[Packed, Packed]:
         """The first ``n`` samples and the rest, as two packed rows (the row cut at
         ``cu_seqlens[n]``: positions restart at every sample, so each part is a valid row)."""
         if not 0 < n < self.num_samples:
             raise ValueError(f"cannot split {self.num_samples} packed samples after {n}")
-        return Packed(self.seq_lens[:n]), Packed(self.seq_lens[n:])
+        if self.segments is not None:
+            raise ValueError("a packed row of documents (pretrain blocks) is not split")
+        t = self.targets
+        first = Packed(self.seq_lens[:n], None if t is None else t[:n])
+        return first, Packed(self.seq_lens[n:], None if t is None else t[n:])
 
 
 #: What a batch's :data:`LAYOUT_KEY` holds.
@@ -106,4 +175,38 @@ def layout_of(batch: Mapping[str, Any]) -> BatchLayout:
     return layout
 
 
-__all__ = ["LAYOUT_KEY", "BatchLayout", "Packed", "Padded", "layout_of"]
+def shifted_targets(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Which positions hold a trained TARGET token: ``labels != -100`` except the first column
+    and (packed rows) any position where ``position_ids`` restart, exactly the targets
+    :func:`grimoire.forward.logprobs.shift_labels` keeps, indexed by the target token. Shapes:
+    ``[B, T]`` -> ``[B, T]`` bool. The collators run it on host tensors."""
+    keep = labels != IGNORE_INDEX
+    keep[:, 0] = False
+    if position_ids is not None:
+        keep &= position_ids != 0
+    return keep
+
+
+def to_device(batch: Mapping[str, Any], device: Any) -> dict[str, Any]:
+    """A batch's tensors on ``device``, every other value (the layout included) as it is.
+
+    The copies are ``non_blocking``: a blocking host-to-device copy waits for every kernel
+    already queued on the stream (a host sync per tensor); the layout carries what the step
+    needs to know on the host, so nothing here has to wait."""
+    device = torch.device(device)
+    blocking = device.type == "cpu"
+    return {
+        k: v.to(device, non_blocking=not blocking) if isinstance(v, torch.Tensor) else v
+        for k, v in batch.items()
+    }
+
+
+__all__ = [
+    "LAYOUT_KEY",
+    "BatchLayout",
+    "Packed",
+    "Padded",
+    "layout_of",
+    "shifted_targets",
+    "to_device",
+]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import LAYOUT_KEY, Packed
+from grimoire.collate.layout import LAYOUT_KEY, Packed, shifted_targets
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
 
@@ -115,12 +115,28 @@ def pack_samples(
         position_ids = torch.cat(
             [torch.as_tensor(s[own], dtype=torch.long).reshape(-1) for s in samples]
         )
+    segments = None
+    if all(own in s for s in samples):
+        # Attention segments where position_ids restart (transformers' rule: a position that is
+        # not the previous + 1), counted here on the host so no forward reads them back.
+        starts = torch.ones(total, dtype=torch.bool)
+        starts[1:] = position_ids[1:] != position_ids[:-1] + 1
+        bounds = [*starts.nonzero().flatten().tolist(), total]
+        segments = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    targets = None
+    if "labels" in out:
+        # Each sample's trained targets (the LM head's rows), counted while on the host.
+        keep = shifted_targets(out["labels"][:, :total], position_ids.unsqueeze(0))[0]
+        targets = torch.zeros(len(seq_lens), dtype=torch.long).index_add_(
+            0, sample_index, keep.long()
+        )
     if pad:
         sample_index = torch.cat([sample_index, sample_index.new_full((pad,), -1)])
         position_ids = torch.cat([position_ids, torch.arange(pad)])
     out["position_ids"] = position_ids.unsqueeze(0)
     out["sample_index"] = sample_index.unsqueeze(0)
-    out[LAYOUT_KEY] = Packed(tuple(seq_lens))
+    counts = None if targets is None else tuple(targets.tolist())
+    out[LAYOUT_KEY] = Packed(tuple(seq_lens), counts, segments)
     return out
 
 

@@ -80,11 +80,17 @@ class TrainingConfig:
     # None (auto): packed whenever the method can pack and the model's attention keeps packed
     # samples apart (decided and logged at start; docs/packing.md); True / False force it.
     padding_free: bool | None = None
+    # Padded micro-batches' width rounded up to a multiple of this (exact: extra padding), so a
+    # run meets few shapes. None: 64 on a CUDA GPU, 1 (off) elsewhere.
+    pad_to_multiple_of: int | None = None
     max_tokens_per_device: int | None = None
     max_tokens: int | None = None
     truncate_long_samples: bool = False
     # NEFTune (Jain et al., 2023): uniform noise on the input embeddings while training only.
     neftune_noise_alpha: float | None = None
+    # grimoire-rl's name for neftune_noise_alpha (TRL's, above, is the one the run reads): moved
+    # there at construction, then None, so a config holds the setting once.
+    neftune_alpha: float | None = None
     # Quantized (k-bit) bases under LoRA, via peft's prepare_model_for_kbit_training: which
     # non-quantized layers are upcast to fp32, and its gradient checkpointing (None: follow
     # gradient_checkpointing).
@@ -117,6 +123,8 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         problems = _type_problems(self)
+        if not any(m.startswith("neftune_alpha ") for m in problems):
+            problems += self._move_peer_names()
         # Value checks run on a copy where wrongly-typed fields hold their defaults, so one error
         # reports type and value problems together without tripping over a bad type.
         shadow = object.__new__(type(self))
@@ -146,6 +154,22 @@ class TrainingConfig:
             raise ConfigError(unknown, title="invalid TrainingConfig")
         return cls(**values)
 
+    def _move_peer_names(self) -> list[str]:
+        """grimoire-rl's ``neftune_alpha`` onto ``neftune_noise_alpha`` (a problem if both are
+        given and differ)."""
+        alias, value = self.neftune_alpha, self.neftune_noise_alpha
+        if alias is None:
+            return []
+        if alias <= 0:
+            return [f"neftune_alpha (neftune_noise_alpha's other name) must be > 0, got {alias}"]
+        if value is not None and value != alias:
+            return [
+                f"neftune_alpha={alias} and neftune_noise_alpha={value} are the same setting "
+                "(grimoire-rl's name and TRL's): give one"
+            ]
+        self.neftune_noise_alpha, self.neftune_alpha = alias, None
+        return []
+
     def _value_problems(self) -> list[str]:
         p: list[str] = []
 
@@ -168,6 +192,7 @@ class TrainingConfig:
             "save_total_limit",
             "max_tokens_per_device",
             "max_tokens",
+            "pad_to_multiple_of",
         ):
             positive(name, allow_none=True)
         if self.learning_rate < 0:

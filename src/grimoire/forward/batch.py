@@ -16,9 +16,10 @@ asks which layout it got. Batches whose rows hold several sequences (a preferenc
 :func:`side_rows` (each side on its own, e.g. with and without gradient) and
 :func:`sides_token_logps` (all sides in ONE forward, split per side).
 
-``compute(input_ids, labels, attention_mask, position_ids) -> TokenLogps`` is the model call
-(:func:`grimoire.losses.preference.policy_compute`,
-:meth:`grimoire.forward.reference.Reference.compute`).
+``compute(input_ids, labels, attention_mask, position_ids, layout) -> TokenLogps`` is the model
+call (:func:`grimoire.losses.preference.policy_compute`,
+:meth:`grimoire.forward.reference.Reference.compute`); ``layout`` is the rows' own (a side's,
+or all sides stacked), with the host-side counts that let the forward skip its device reads.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from grimoire.collate.preference import pad_right
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import TokenLogps
 
-#: ``compute(input_ids, labels, attention_mask, position_ids) -> TokenLogps``.
-TokenLogpsFn = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None"], TokenLogps]
+#: ``compute(input_ids, labels, attention_mask, position_ids, layout) -> TokenLogps``.
+TokenLogpsFn = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None", BatchLayout], TokenLogps]
 
 
 def unpack_rows(out: TokenLogps, layout: Packed) -> TokenLogps:
@@ -87,8 +88,8 @@ def sample_token_logps(
             raise ValueError(
                 "a packed row is scored with its position_ids and without an attention_mask"
             )
-        return unpack_rows(compute(input_ids, labels, None, position_ids), layout)
-    return compute(input_ids, labels, attention_mask, position_ids)
+        return unpack_rows(compute(input_ids, labels, None, position_ids, layout), layout)
+    return compute(input_ids, labels, attention_mask, position_ids, layout)
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,12 @@ def side_rows(batch: Mapping[str, Any], sides: Sequence[str]) -> list[LayoutRows
         parts = []
         for j in range(len(sides)):
             a, b = cu[j * n], cu[(j + 1) * n]
-            part = Packed(layout.seq_lens[j * n : (j + 1) * n])
+            t = layout.targets
+            part = Packed(layout.seq_lens[j * n : (j + 1) * n], t and t[j * n : (j + 1) * n])
             parts.append(LayoutRows(ids[:, a:b], labels[:, a:b], part, None, pos[:, a:b]))
         return parts
     parts = []
+    padded = layout if isinstance(layout, Padded) else Padded()
     for side in sides:
         ids = batch[f"{side}input_ids"]
         mask = batch.get(f"{side}attention_mask")
@@ -151,7 +154,7 @@ def side_rows(batch: Mapping[str, Any], sides: Sequence[str]) -> list[LayoutRows
             LayoutRows(
                 ids,
                 labels if labels is not None else ids,
-                Padded(),
+                padded.sides((side,)) if labels is not None else Padded(),
                 mask if mask is not None else torch.ones_like(ids),
             )
         )
@@ -192,7 +195,7 @@ def joint_rows(batch: Mapping[str, Any], sides: Sequence[str]) -> LayoutRows:
     if isinstance(layout, Packed):
         return LayoutRows(batch["input_ids"], batch["labels"], layout, None, batch["position_ids"])
     ids, mask, labels = stacked_sides(batch, sides)
-    return LayoutRows(ids, labels, layout, mask)
+    return LayoutRows(ids, labels, layout.sides(tuple(sides)), mask)
 
 
 def sides_token_logps(

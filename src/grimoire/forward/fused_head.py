@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.errors import ConfigError
+from grimoire.errors import ConfigError, GrimoireRuntimeWarning
 from grimoire.forward.head.function import _head_logits, _HeadLogps, _HeadSpec
 from grimoire.forward.head.sharded import (
     gathered,
@@ -228,10 +228,13 @@ def fused_token_logps(
     chunk_size: int,
     return_entropy: bool,
     uniform_grad: bool = False,
+    num_targets: int | None = None,
 ) -> tuple[Tensor, Tensor | None] | None:
     """The fused path: ``(logps, entropy)``, both ``[B, T]`` fp32 and 0 where ``mask`` is False
     (``entropy`` None unless asked), or ``None`` when the path turned itself off for this model
     (the caller then runs the full path). ``transforms`` are replayed after the head, in order.
+    ``num_targets``: ``mask``'s True count when the caller knows it on the host (the collator
+    counted it), so the head's rows are gathered without a ``nonzero`` (a host sync).
     """
     captured: list[tuple[Tensor, bool, torch.dtype]] = []
 
@@ -268,7 +271,7 @@ def fused_token_logps(
             return None
         del out  # the [B, 1, V] logits: only needed for the self-check
         logps = _apply_head(parts, transforms, autocast, hidden, targets, mask, chunk_size,
-                            return_entropy, uniform_grad)  # fmt: skip
+                            return_entropy, uniform_grad, num_targets)  # fmt: skip
     return logps
 
 
@@ -285,7 +288,7 @@ def _checked(parts: _Parts, transforms: list, autocast: Any, hidden: Tensor, out
             "(grimoire.forward.logprobs.POST_HEAD_TRANSFORMS); it must transform logits in a way the "
             "fused path can't replay. Using the full-logits path for this model from now on."
         )
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warnings.warn(msg, GrimoireRuntimeWarning, stacklevel=4)
         _disable(parts.state, parts.base, "self-check mismatch")
         return False
     parts.state.checked = ok is True
@@ -302,13 +305,17 @@ def _apply_head(
     chunk_size: int,
     return_entropy: bool,
     uniform_grad: bool,
+    num_targets: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The head on the rows that have a target, ``chunk_size`` rows at a time: ``(logps,
     entropy)`` scattered back to ``[B, T]`` (0 elsewhere)."""
     batch, seq = targets.shape
     head = parts.head
     flat_targets = targets.reshape(-1)
-    index = mask.reshape(-1).nonzero().squeeze(-1)
+    if num_targets is None:
+        index = mask.reshape(-1).nonzero().squeeze(-1)  # reads the count back: a host sync
+    else:
+        index = target_index(mask.reshape(-1), num_targets)
     scale = 1.0
     if index.numel() == 0:
         # No targets at all: still route one row through the head (times 0) so the result has a
@@ -342,4 +349,18 @@ def _apply_head(
     return scatter(0), scatter(1) if return_entropy else None
 
 
-__all__ = ["fused_parts", "fused_token_logps"]
+def target_index(flat_mask: Tensor, count: int) -> Tensor:
+    """``flat_mask.nonzero().squeeze(-1)`` given its length ``count`` from the host: the same
+    ``[count]`` positions, in order, from a cumulative sum and a scatter of fixed shapes, so
+    nothing is read back from the device. Every True position ``i`` writes ``i`` to slot
+    ``cumsum(mask)[i] - 1``; the others write to a spare last slot, dropped. A ``count`` that
+    is not the mask's (a layout that does not belong to these rows) fails a device-side assert.
+    """
+    torch._assert_async(flat_mask.sum() == count, "the layout's target count is not the mask's")
+    slot = torch.where(flat_mask, flat_mask.cumsum(0) - 1, count).clamp(max=count)
+    positions = torch.arange(flat_mask.numel(), device=flat_mask.device)
+    out = torch.zeros(count + 1, dtype=torch.long, device=flat_mask.device)
+    return out.scatter_(0, slot, positions)[:count]
+
+
+__all__ = ["fused_parts", "fused_token_logps", "target_index"]

@@ -28,7 +28,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from grimoire.collate.layout import BatchLayout
 from grimoire.columns import IGNORE_INDEX
+from grimoire.forward.attention_hints import attention_hint
 from grimoire.forward.fused_head import fused_parts, fused_token_logps
 from grimoire.forward.head.workspace import release_workspace
 
@@ -179,6 +181,7 @@ def compute_token_logps(
     chunk_size: int = 1024,
     return_entropy: bool = False,
     uniform_grad: bool = False,
+    layout: BatchLayout | None = None,
 ) -> TokenLogps:
     """Run ``model`` and return the log-probs of ``labels`` (HF convention: labels aligned with
     ``input_ids``, ``-100`` = not trained; the shift happens here).
@@ -199,6 +202,12 @@ def compute_token_logps(
             gradients during the forward (one head matmul fewer, no logits recompute). Backward
             checks the promise and recomputes if it does not hold, so results are exact either
             way; a loss that mostly breaks it only loses time.
+        layout: the rows' :class:`~grimoire.collate.layout.Packed` / ``Padded`` layout as the
+            collator built it, with what it counted on the host: then the forward reads nothing
+            back from the device (no host sync) to build the attention mask
+            (:mod:`grimoire.forward.attention_hints`, on a model with grimoire's attention) or to
+            size the LM head's rows (the layout's target count). Without it, both are read from
+            the device tensors, as before.
 
     Call it inside the caller's autocast context: the head chunks run in the same context as the
     model (and are recomputed in it during backward).
@@ -208,6 +217,9 @@ def compute_token_logps(
     targets = shift_labels(labels, position_ids)
     mask = targets != IGNORE_INDEX
     kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
+    hint = attention_hint(model, layout, input_ids, attention_mask, position_ids)
+    if hint is not None:
+        attention_mask = hint  # a 4-D marker: transformers builds (and reads) no mask
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
@@ -226,6 +238,7 @@ def compute_token_logps(
                 chunk_size,
                 return_entropy,
                 uniform_grad,
+                None if layout is None else layout.num_targets,
             )
             if out is not None:
                 return TokenLogps(logps=out[0], mask=mask, entropy=out[1])

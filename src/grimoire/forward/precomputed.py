@@ -40,7 +40,7 @@ from grimoire.columns import columns_of, pad_token_id_of
 from grimoire.errors import ConfigError, DataError
 from grimoire.forward.logprobs import compute_token_logps
 from grimoire.forward.reference import REDUCTION_COLUMN, Reference, eval_mode, is_quantized
-from grimoire.rows.kto import mismatched_pair
+from grimoire.rows.kto import label_column, mismatched_pair
 from grimoire.rows.sources import rows_to_dataset
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ def cache_reference_log_probs(
         pad_token_id = pad_token_id_of(model=ref_model)
     if {"chosen_input_ids", "rejected_input_ids"} <= cols:
         sides, collator = PAIR_COLUMNS, PreferenceCollator(pad_token_id)
-    elif {"input_ids", "labels", "label"} <= cols:
+    elif {"input_ids", "labels", label_column(cols)} <= cols:
         sides, collator = KTO_COLUMNS, KTOCollator(pad_token_id)
         ds = with_kl_pairs(ds, max_length)  # the KTOCollator keeps a row's own pair
     else:

@@ -9,8 +9,9 @@ this order of precedence:
    completions are new every step;
 2. **an explicit ``ref_model``**: cast to the policy's dtype (unless quantized), moved to its
    device, frozen, eval mode; never wrapped by DDP/FSDP (it has no gradients to sync);
-3. **the policy's own base weights** when the policy is a peft (LoRA) model: adapters disabled,
-   eval mode; no second copy of the weights;
+3. **the policy's own base weights** when the policy is a peft (LoRA) model, or any model with
+   a ``disable_adapter()`` context manager (grimoire-rl's duck-typed contract: the model without
+   its adapters is the reference): adapters disabled, eval mode; no second copy of the weights;
 4. ``ref_model="copy"``: a frozen copy of the policy as it is when training starts. Opt-in,
    because it doubles the model's memory; nothing copies the policy silently.
 
@@ -61,6 +62,14 @@ def is_peft_model(model: torch.nn.Module) -> bool:
     except ImportError:  # pragma: no cover - peft is a dependency
         return False
     return isinstance(model, PeftModel)
+
+
+def has_adapter_switch(model: torch.nn.Module) -> bool:
+    """True for a peft model, or any model exposing ``disable_adapter()`` (a context manager
+    under which it runs without its adapters; grimoire-rl's contract for "the base is the
+    reference"). transformers' own ``disable_adapters()`` (plural, not a context manager) is not
+    one."""
+    return is_peft_model(model) or callable(getattr(model, "disable_adapter", None))
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
@@ -139,7 +148,7 @@ class Reference:
             ref = self._freeze(self._match_policy(self.ref_model, policy), device)
             self.ref_model = prepare(ref)
             self.source = "model"
-        elif is_peft_model(unwrap(policy)):
+        elif has_adapter_switch(unwrap(policy)):
             self._peft_model, self.source = unwrap(policy), "adapters"
         elif use_policy:
             logger.info("%s: reference = the starting policy (precomputed)", self.owner)
@@ -180,7 +189,8 @@ class Reference:
             f"{self.owner} needs reference log-probs for the {split} dataset and has no source: "
             "pass ref_model=<a frozen copy of the starting model>, ref_model='copy' (copies the "
             "policy when training starts: twice the model's memory), or train with "
-            f"peft_config=LoraConfig(...) (the base model with adapters disabled){cache}"
+            "peft_config=LoraConfig(...) or a policy with a disable_adapter() context manager "
+            f"(the model with adapters disabled){cache}"
         )
 
     def _match_policy(self, ref: torch.nn.Module, policy: torch.nn.Module) -> torch.nn.Module:
@@ -241,7 +251,7 @@ class Reference:
                 yield policy
             return
         peft_model = self._peft_model
-        if peft_model is None and is_peft_model(unwrap(policy)):
+        if peft_model is None and has_adapter_switch(unwrap(policy)):
             peft_model = unwrap(policy)  # used without setup (e.g. directly in tests)
         if peft_model is None:
             raise ConfigError([self._missing("train")])
@@ -250,10 +260,10 @@ class Reference:
             yield policy
 
     def compute(self, policy: torch.nn.Module, *, fused: bool, chunk_size: int) -> Any:
-        """``compute(ids, labels, mask, position_ids) -> TokenLogps`` for the reference, the
+        """``compute(ids, labels, mask, position_ids, layout) -> TokenLogps`` for the reference, the
         no-grad twin of :func:`grimoire.losses.preference.policy_compute`."""
 
-        def compute(ids, labels, mask, position_ids):
+        def compute(ids, labels, mask, position_ids, layout=None):
             return self.token_logps(
                 policy,
                 ids,
@@ -262,6 +272,7 @@ class Reference:
                 fused=fused,
                 chunk_size=chunk_size,
                 position_ids=position_ids,
+                layout=layout,
             )
 
         return compute
@@ -277,6 +288,7 @@ class Reference:
         fused: bool,
         chunk_size: int,
         position_ids: Tensor | None = None,
+        layout: Any = None,
     ) -> TokenLogps:
         """Reference per-token log-probs of ``labels`` (no gradient)."""
         with self.model(policy) as ref:
@@ -288,6 +300,7 @@ class Reference:
                 position_ids=position_ids,
                 fused=fused,
                 chunk_size=chunk_size,
+                layout=layout,
             )
 
 
@@ -296,6 +309,7 @@ __all__ = [
     "REDUCTION_COLUMN",
     "Reference",
     "eval_mode",
+    "has_adapter_switch",
     "is_peft_model",
     "is_quantized",
     "model_dtype",

@@ -146,13 +146,18 @@ class GrimoireLoss(abc.ABC):
         """Problems with the tokenized ``dataset``, named by row, collected before training;
         default: missing :attr:`required_columns`."""
         names = set(columns_of(dataset))
-        missing = [c for c in self.required_columns if c not in names]
+        missing = self._missing_columns(names)
         if missing:
             return [
                 f"{split} dataset: missing column(s) {missing} needed by {self.method_name}; "
                 f"it has {sorted(names)} (tokenize it with the matching grimoire.data function)"
             ]
         return []
+
+    def _missing_columns(self, names: set[str]) -> list[str]:
+        """The :attr:`required_columns` not among ``names`` (a method that reads a column under
+        another name too overrides this)."""
+        return [c for c in self.required_columns if c not in names]
 
     def cache_rows(self, dataset: Any) -> Any:
         """The rows as a reference cache holds them (KTO fixes its KL pairs); default: as is."""

@@ -63,7 +63,8 @@ class GRPOMethod(OnlineMethod):
             same as ``epsilon``).
         num_iterations: optimizer steps per rollout batch (mu); sets ``steps_per_batch``.
         loss_type: ``"dapo"`` | ``"grpo"`` | ``"bnpo"`` | ``"dr_grpo"`` (normalisation).
-        scale_rewards: ``"group"`` | ``"batch"`` | ``"none"``.
+        scale_rewards: ``"group"`` | ``"batch"`` | ``"none"``; grimoire-rl's (and older TRL's)
+            booleans are read as ``True`` -> ``"group"``, ``False`` -> ``"none"``.
         dynamic_sampling: drop groups whose rewards are all equal (zero advantage; DAPO). Drop
             only: the batch is not refilled, so it shrinks; the dropped fraction is logged as
             ``dynamic_sampling/dropped_frac``.
@@ -85,11 +86,13 @@ class GRPOMethod(OnlineMethod):
         epsilon_high: float | None = None,
         num_iterations: int = 1,
         loss_type: str = "dapo",
-        scale_rewards: str = "group",
+        scale_rewards: str | bool = "group",
         dynamic_sampling: bool = False,
         use_bias_correction_kl: bool = False,
         **kwargs: Any,
     ):
+        if isinstance(scale_rewards, bool):  # grimoire-rl's spelling: std-scaled or not
+            scale_rewards = "group" if scale_rewards else "none"
         problems = []
         if loss_type not in LOSS_TYPES:
             problems.append(f"loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
@@ -168,6 +171,10 @@ class GRPOMethod(OnlineMethod):
                 kl = kl * torch.exp(logps - old)  # with gradient, as TRL
             per_token = per_token + self.beta * kl
             metrics["kl"] = masked_mean(kl, mask)
+        weights, is_metrics = self.importance_weights(batch, old)
+        if weights is not None:  # a separate sampler (vLLM): correct for its mismatch, as TRL
+            per_token = per_token * weights
+            metrics.update(is_metrics)
         loss = reduce_token_loss(per_token, mask, self.loss_type, self.max_new_tokens)
         low, high = info["clipped_low"], info["clipped_high"]
         metrics.update(

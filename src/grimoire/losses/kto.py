@@ -41,7 +41,7 @@ from grimoire.losses.preference import (
     policy_compute,
     reduce_logps,
 )
-from grimoire.rows.kto import KTO_COLUMNS
+from grimoire.rows.kto import KTO_COLUMNS, PEER_LABEL_COLUMN, label_column
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def joint_logps(
 
 
 def _label_counts(dataset: Any) -> tuple[int, int]:
-    labels = column_values(dataset, "label")
+    labels = column_values(dataset, label_column(columns_of(dataset)))
     desirable = sum(bool(x) for x in labels)
     return desirable, len(labels) - desirable
 
@@ -199,6 +199,12 @@ class KTOLoss(ReferenceLoss):
                     "grimoire.forward.precomputed.cache_reference_log_probs"
                 ]
             )
+
+    def _missing_columns(self, names: set[str]) -> list[str]:
+        # Rows tokenized by grimoire-rl hold the label as kto_label; the collators read it.
+        if label_column(names) == PEER_LABEL_COLUMN:
+            names = names | {"label"}
+        return super()._missing_columns(names)
 
     def validate_dataset(self, dataset: Any, split: str = "train") -> list[str]:
         """Missing columns, and a dataset holding only one class (KTO needs both)."""

@@ -31,12 +31,14 @@ from torch import Tensor
 
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.columns import column_values, columns_of, listed
-from grimoire.errors import DataError
+from grimoire.errors import ConfigError, DataError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
+from grimoire.losses.online_compat import accepts_peer_spelling, tokenizer_problem
+from grimoire.losses.online_functional import truncated_importance_weights
+from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
 from grimoire.rollout.engine import RolloutEngine
-from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
 from grimoire.rollout.stage import SamplingConfig, ScoredGroup
 
@@ -57,13 +59,21 @@ class OnlineMethod(GrimoireLoss):
             ``"copy"`` (a frozen copy of the starting policy: twice the memory), or None (then
             only a LoRA policy has one: its base with adapters disabled).
         generation_batch_size: max sequences per sampling / scoring call (memory only).
-        engine: a custom :class:`RolloutEngine` (e.g. a vLLM backend) replacing the HF one; its
-            own ``temperature`` / ``max_new_tokens`` then override the arguments above.
+        engine: what samples (:func:`grimoire.rollout.backends.build_engine`): ``"hf"`` (the
+            default, ``model.generate`` on the policy), ``"vllm"`` (a colocated vLLM engine,
+            :class:`~grimoire.rollout.vllm_engine.VLLMEngine`), a mapping ``{"type": "vllm",
+            "args": {...}}`` with the engine's own settings (the sampling arguments above are
+            passed to it), or an engine object, whose own ``temperature`` /
+            ``max_new_tokens`` then override the arguments above.
         log_entropy: compute the policy's token entropy as a metric (one extra softmax).
 
     Subclasses list only their own arguments and end with ``**kwargs`` passed on to this
     constructor; their signature (for the YAML CLI's checks and ``help()``) is completed with
     this one's automatically.
+
+    grimoire-rl's spelling ``Method(reward_fn, tokenizer, ...)`` / ``reward_fn=`` /
+    ``tokenizer=`` is accepted by every online method (:mod:`grimoire.losses.online_compat`);
+    such a tokenizer must equal the trainer's (checked in :meth:`setup`).
     """
 
     needs_generation = True
@@ -75,6 +85,7 @@ class OnlineMethod(GrimoireLoss):
     #: Base arguments a subclass does not take (left out of its completed signature).
     hidden_args: tuple[str, ...] = ()
 
+    @accepts_peer_spelling
     def __init__(
         self,
         reward_funcs: RewardFn | str | Sequence[RewardFn | str],
@@ -87,7 +98,7 @@ class OnlineMethod(GrimoireLoss):
         beta: float = 0.0,
         ref_model: torch.nn.Module | str | None = None,
         generation_batch_size: int | None = None,
-        engine: RolloutEngine | None = None,
+        engine: EngineSpec = None,
         log_entropy: bool = True,
     ):
         name = type(self).__name__
@@ -99,28 +110,28 @@ class OnlineMethod(GrimoireLoss):
         if beta < 0:
             raise ValueError(f"{name}: beta must be >= 0, got {beta}")
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
-        if engine is not None:  # the engine samples, so its settings are the ones that hold
+        if isinstance(engine, RolloutEngine):  # it samples, so its settings are the ones held
             temperature, max_new_tokens = engine.temperature, engine.max_new_tokens
         self.sampling = SamplingConfig(
             num_generations, temperature, top_p, top_k, max_new_tokens, generation_batch_size
         )
-        self.engine = engine or HFGenerateEngine(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            generation_batch_size=generation_batch_size,
-        )
+        self.engine: RolloutEngine = build_engine(engine, self.sampling)
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
         #: Emit packed TRAINING micro-batches (padding-free run or token budget); set in setup.
         self.pack_training = False
         self._ctx: Any = None
+        #: A tokenizer given the grimoire-rl way (checked against the trainer's in setup).
+        self.peer_tokenizer: Any = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Complete a subclass's ``**kwargs`` signature with :class:`OnlineMethod`'s arguments."""
+        """Complete a subclass's ``**kwargs`` signature with :class:`OnlineMethod`'s arguments,
+        and let its own ``__init__`` take grimoire-rl's spelling too."""
         super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            init = accepts_peer_spelling(cls.__dict__["__init__"])
+            cls.__init__ = init  # type: ignore[method-assign]
         own = list(inspect.signature(cls.__init__).parameters.values())[1:]
         if not any(p.kind is p.VAR_KEYWORD for p in own):
             return
@@ -213,6 +224,9 @@ class OnlineMethod(GrimoireLoss):
     def setup(self, ctx: Any) -> None:
         """Check prompt lengths, place the reference."""
         self._ctx = ctx
+        problem = tokenizer_problem(type(self).__name__, self.peer_tokenizer, ctx.tokenizer)
+        if problem is not None:
+            raise ConfigError([problem])
         self._check_lengths(ctx)
         self.pack_training = ctx.packed
         if self.needs_reference_model:
@@ -294,6 +308,21 @@ class OnlineMethod(GrimoireLoss):
         with self.reference.model(ctx.unwrapped_model) as ref, ctx.accelerator.autocast():
             logps, _ = batch_completion_logps(ref, batch, self.logp_temperature)
         return logps
+
+    def importance_weights(
+        self, batch: dict[str, Any], old_logps: Tensor
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Truncated importance weights ``[N, C]`` for a sampler that is not the learner (vLLM:
+        :func:`~grimoire.losses.online_functional.truncated_importance_weights`) and their
+        metrics; ``(None, {})`` when the engine samples from the policy itself (HF), so nothing
+        changes there. A placeholder batch has no sampler log-probs: weight 1, and its metrics
+        still register (weight 0), so every rank logs the same keys."""
+        cap = self.engine.importance_sampling_cap
+        if cap is None:
+            return None, {}
+        sampler = batch.get("sampler_logps")
+        sampler = old_logps.detach() if sampler is None else sampler
+        return truncated_importance_weights(old_logps, sampler, batch["completion_mask"], cap)
 
     def policy_logps(
         self, model: torch.nn.Module, batch: dict[str, Any]

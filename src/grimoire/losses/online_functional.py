@@ -114,6 +114,34 @@ def clipped_surrogate(
     return loss, info
 
 
+def truncated_importance_weights(
+    old_logps: Tensor, sampler_logps: Tensor, mask: Tensor, cap: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""Truncated importance sampling (TIS) for samples drawn by a sampler that is not the learner.
+
+    Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog,
+    2025); TRL's ``vllm_importance_sampling_correction`` in its ``token_truncate`` mode. A
+    separate sampler (vLLM: other kernels, maybe another precision) draws from ``pi_sampler``,
+    while the loss assumes ``pi_old``; each token's loss is weighted by::
+
+        w_t = min(exp(old_logp_t - sampler_logp_t), cap)         (no gradient)
+
+    The cap bounds the variance a rare token the sampler under-weights would bring.
+
+    Shapes: ``[N, C]`` -> detached weights ``[N, C]`` (1 on padding) and metrics: the mean
+    weight, the fraction of tokens at the cap, the mean ``|old - sampler|`` log-prob gap.
+    """
+    diff = (old_logps.detach().float() - sampler_logps.float()) * mask
+    ratio = torch.exp(diff)
+    weights = torch.clamp(ratio, max=cap)
+    metrics = {
+        "sampling/importance_sampling_ratio/mean": masked_mean(weights, mask),
+        "sampling/importance_sampling_ratio/clipped_frac": masked_mean((ratio > cap).float(), mask),
+        "sampling/sampling_logp_difference/mean": masked_mean(diff.abs(), mask),
+    }
+    return weights, metrics
+
+
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
     r"""Per-token ``KL(pi || pi_ref)`` estimator "k3" (unbiased, always >= 0).
 
@@ -235,4 +263,5 @@ __all__ = [
     "reduce_token_loss",
     "reward_std",
     "rloo_advantages",
+    "truncated_importance_weights",
 ]

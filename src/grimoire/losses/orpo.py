@@ -24,7 +24,9 @@ class ORPOLoss(PairwiseLoss):
     mean anything), so there is no ``logp_reduction`` option. ``beta`` is the paper's lambda.
 
     Metrics (scalar means): ``rewards/*`` (``beta * A``), ``logps/*`` (averages), ``nll_loss``,
-    ``log_odds_ratio`` (``log sigma(LOR)``, TRL's name), ``log_odds_chosen`` (``LOR``).
+    ``or_loss`` (the odds-ratio term ``-beta * mean log sigma(LOR)``, so ``loss = nll_loss +
+    or_loss``; grimoire-rl's name), ``log_odds_ratio`` (``log sigma(LOR)``, TRL's name),
+    ``log_odds_chosen`` (``LOR``).
     ``loss_weight`` = pairs.
     """
 
@@ -39,9 +41,11 @@ class ORPOLoss(PairwiseLoss):
         chosen, rejected = self.policy_logps(model, batch)
         odds_losses, metrics = orpo_loss(chosen.mean(), rejected.mean(), beta=self.beta)
         nll = chosen_nll(chosen)
-        loss = nll.float() + odds_losses.mean()
+        or_loss = odds_losses.mean()
+        loss = nll.float() + or_loss
         out = scalar_metrics(metrics)
         out["nll_loss"] = nll.detach()  # TRL's ORPOTrainer name
+        out["or_loss"] = or_loss.detach()  # the odds-ratio term; grimoire-rl's name
         return loss, out
 
 

@@ -92,10 +92,10 @@ def num_pairs(batch: dict[str, Any]) -> int:
 
 
 def policy_compute(model: torch.nn.Module, *, fused: bool, chunk_size: int) -> TokenLogpsFn:
-    """``compute(ids, labels, mask, position_ids)`` for :func:`pair_forward` and the KTO parts:
-    the model's per-token log-probs, with gradient."""
+    """``compute(ids, labels, mask, position_ids, layout)`` for :func:`pair_forward` and the KTO
+    parts: the model's per-token log-probs, with gradient."""
 
-    def compute(ids, labels, mask, position_ids):
+    def compute(ids, labels, mask, position_ids, layout=None):
         return compute_token_logps(
             model,
             ids,
@@ -104,6 +104,7 @@ def policy_compute(model: torch.nn.Module, *, fused: bool, chunk_size: int) -> T
             position_ids=position_ids,
             fused=fused,
             chunk_size=chunk_size,
+            layout=layout,
         )
 
     return compute

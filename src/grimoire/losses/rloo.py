@@ -89,14 +89,18 @@ class RLOOMethod(OnlineMethod):
     ) -> tuple[Tensor, dict[str, Any]]:
         mask = batch["completion_mask"]
         logps, entropy = self.policy_logps(model, batch)
+        # One update per rollout: the sampling policy's log-probs are the current ones, detached.
+        weights, is_metrics = self.importance_weights(batch, logps.detach())
         seq_logps = logps.sum(-1)
+        weighted = seq_logps if weights is None else (logps * weights).sum(-1)
         valid = (mask.sum(-1) > 0).float()
         adv = batch["advantages"].float()
-        loss = -(adv * seq_logps * valid).sum() / valid.sum().clamp(min=1.0)
+        loss = -(adv * weighted * valid).sum() / valid.sum().clamp(min=1.0)
         metrics: dict[str, Any] = {
             "advantages/abs_mean": (adv.abs() * valid).sum().detach() / valid.sum().clamp(min=1),
             "logps/seq_mean": masked_mean(seq_logps, valid),
         }
+        metrics.update(is_metrics)
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy, mask)
         return loss, metrics

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.collate.layout import layout_of
 from grimoire.collate.packing import PackedCollator
 from grimoire.collate.sft import SFTCollator
 from grimoire.columns import IGNORE_INDEX
@@ -36,12 +37,16 @@ class SFTLoss(TokenLogpsLoss):
             fused=self.fused,
             chunk_size=self.fused_chunk_size,
             uniform_grad=True,  # -sum(logps) / N: one upstream grad for every token
+            layout=layout_of(batch),  # the collator's host-side counts: no device reads
         )
         n_tokens = out.mask.sum()
         loss = -out.logps.sum() / n_tokens.clamp(min=1)
         return loss, {"nll": loss.detach(), "num_loss_tokens": n_tokens.detach().float()}
 
     def loss_weight(self, batch: dict[str, Any]) -> float:
+        counted = layout_of(batch).num_targets  # the collator's count, on the host
+        if counted is not None:
+            return float(counted)
         labels = batch["labels"]
         # Trained targets after the shift: every label except the first column (and, in packed
         # rows, each sample's first token) — mirrors logprobs.shift_labels without the model.

@@ -10,9 +10,18 @@ computes every one of the ``L x L`` scores; on long-tailed SFT data most of them
   (``create_causal_mask`` found sample restarts in ``position_ids``, no 2D mask, no cache, no
   sliding window or extra mask functions), returns the :data:`PACKED_CAUSAL` marker instead of
   materialising the ``L x L`` mask, and otherwise returns what ``sdpa_mask`` returns;
-- an *attention* function (``AttentionInterface``) that, given the marker, splits q/k/v at the
-  ``position_ids`` restarts and runs transformers' own sdpa forward with ``is_causal=True`` on each
-  sample, then concatenates; given anything else it IS transformers' sdpa forward, unchanged.
+- an *attention* function (``AttentionInterface``) that, given the marker, attends causally
+  within each sample: on CUDA with fp16/bf16 inputs in ONE varlen kernel call per layer
+  (:mod:`grimoire.model.varlen_attention`), elsewhere by splitting q/k/v at the sample
+  boundaries and running transformers' own sdpa forward with ``is_causal=True`` on each sample;
+  given anything else it IS transformers' sdpa forward, unchanged (on CUDA under a fixed set of
+  sdpa kernels, below).
+
+The sample boundaries come from the collator's host-side lengths when the forward passes them
+(:mod:`grimoire.forward.attention_hints`: a 4-D marker mask that transformers passes through
+without building or reading a mask, also used for right-padded rows, which then run plain causal
+sdpa without a mask); otherwise they are read off ``position_ids`` once per forward (a host
+sync on a GPU).
 
 So padded batches, generation with a KV cache and evaluation take the sdpa code path as before;
 only the packed training/scoring passes change, and those compute the same attention (each
@@ -43,10 +52,13 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from grimoire.forward.attention_hints import PACKED_ATTENTION, RowsHint, rows_hint
+from grimoire.model.varlen_attention import route_for, varlen_forward
+
 logger = logging.getLogger(__name__)
 
 #: The name the attention and mask functions are registered under (``config._attn_implementation``).
-NAME = "grimoire_packed_sdpa"
+NAME = PACKED_ATTENTION
 
 #: Architectures whose attention we checked passes ``position_ids`` to the attention function and
 #: is plain causal sdpa (scaled dot product, rotary applied before, no bias/softcap): their
@@ -162,42 +174,75 @@ def packed_sdpa_attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa forward, run per sample when the mask is :data:`PACKED_CAUSAL`.
+    """transformers' sdpa forward, or causal attention per sample for a packed row.
 
     ``query``: ``[B, heads, L, head_dim]``, ``key``/``value``: ``[B, kv_heads, L, head_dim]``;
     returns ``([B, L, heads, head_dim], None)`` like ``sdpa_attention_forward``.
     """
-    if attention_mask is not PACKED_CAUSAL:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
-        )
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None or position_ids.shape[-1] != query.shape[2]:
-        raise RuntimeError(
-            f"{NAME}: a packed row reached {type(module).__name__} without position_ids of its "
-            "length; this architecture does not pass them to its attention function. Load the "
-            'model with attn_implementation="sdpa" instead.'
-        )
+    hint = rows_hint(attention_mask)
+    if hint is None and attention_mask is not PACKED_CAUSAL:
+        with sdpa_backends(query.device):
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+            )
     if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         raise RuntimeError(
             f"{NAME}: {type(module).__name__} asks for a sliding window or logit softcapping, "
             "which per-sample causal sdpa does not apply; use attn_implementation='sdpa'."
         )
-    with _per_sample_backends(query.device):
-        return _per_sample(module, query, key, value, dropout, scaling, **kwargs)
+    if hint is not None and hint.kind == "causal":  # right-padded rows: causal, no mask
+        with sdpa_backends(query.device):
+            return sdpa_attention_forward(
+                module, query, key, value, None, dropout, scaling, True, **kwargs
+            )
+    if hint is not None:
+        lengths = [list(hint.segments)]
+    else:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None or position_ids.shape[-1] != query.shape[2]:
+            raise RuntimeError(
+                f"{NAME}: a packed row reached {type(module).__name__} without position_ids of "
+                "its length; this architecture does not pass them to its attention function. "
+                'Load the model with attn_implementation="sdpa" instead.'
+            )
+        lengths = sample_lengths(position_ids, query.shape[0])  # read once per forward
+    route, _ = route_for(query, dropout)
+    if route != "per_sample" and query.shape[0] == 1:
+        rows = hint if hint is not None else RowsHint("packed", query.device, tuple(lengths[0]))
+        out = varlen_forward(route, query, key, value, rows.cu_seqlens, rows.max_seqlen, scaling)
+        return out, None
+    with sdpa_backends(query.device):
+        return _per_sample(module, query, key, value, dropout, scaling, lengths, **kwargs)
 
 
-def _per_sample_backends(device: torch.device) -> Any:
-    """On CUDA, sdpa kernels for the per-sample calls without cuDNN's: cuDNN attention (which
-    torch may prefer on Hopper) builds a plan per new sequence length, and every sample of a
-    packed row has its own length. Suspected, not yet measured, as the cause of the packed
-    path's 6.6x slowdown on an H200 (docs/performance.md, "On a GPU"); elsewhere a no-op."""
-    if device.type != "cuda":
+#: Whether the sdpa calls made here on CUDA may use cuDNN's attention (see :func:`sdpa_backends`).
+_CUDNN = {"allowed": False}
+
+
+def allow_cudnn_attention(allowed: bool) -> None:
+    """Let (or stop) the sdpa calls made here on CUDA use cuDNN's attention: for measuring it
+    (``benchmarks/profile_sft.py --cudnn``); off by default."""
+    _CUDNN["allowed"] = bool(allowed)
+
+
+def sdpa_backends(device: torch.device) -> Any:
+    """On CUDA, the sdpa kernels of every call made here, without cuDNN's (unless
+    :func:`allow_cudnn_attention`): cuDNN attention, which torch may prefer on Hopper, builds an
+    execution plan per new shape, and per-sample calls (and unbucketed padded batches) meet a new
+    shape nearly every call; flash and memory-efficient attention build none. Chosen inside the
+    attention function so the checkpoint recompute makes the same choice. Suspected, not yet
+    measured, as a cause of the packed path's 6.6x slowdown on an H200 (docs/performance.md,
+    "On a GPU"); elsewhere a no-op."""
+    if device.type != "cuda" or _CUDNN["allowed"]:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return sdpa_kernel(backends)
+
+
+#: The earlier name of :func:`sdpa_backends` (benchmarks/gpu_checks.py's sdpa-shapes uses it).
+_per_sample_backends = sdpa_backends
 
 
 def _per_sample(
@@ -207,18 +252,19 @@ def _per_sample(
     value: torch.Tensor,
     dropout: float,
     scaling: float | None,
+    lengths: list[list[int]],
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Causal sdpa on each sample of each row (split at ``kwargs["position_ids"]``' restarts),
+    """Causal sdpa on each sample of each row (``lengths[b]``: row ``b``'s sample lengths),
     concatenated back: ``[B, L, heads, head_dim]``."""
     rows = []
-    for b, lengths in enumerate(sample_lengths(kwargs["position_ids"], query.shape[0])):
-        if len(lengths) == 1:  # one sample: plain causal attention over the row
+    for b, row_lengths in enumerate(lengths):
+        if len(row_lengths) == 1:  # one sample: plain causal attention over the row
             pieces = [(query[b : b + 1], key[b : b + 1], value[b : b + 1])]
         else:
-            qs = query[b : b + 1].split(lengths, dim=2)
-            ks = key[b : b + 1].split(lengths, dim=2)
-            vs = value[b : b + 1].split(lengths, dim=2)
+            qs = query[b : b + 1].split(row_lengths, dim=2)
+            ks = key[b : b + 1].split(row_lengths, dim=2)
+            vs = value[b : b + 1].split(row_lengths, dim=2)
             pieces = list(zip(qs, ks, vs, strict=True))
         outs = [
             # is_causal=True: the dense mask was causal_mask_function within each sample.
@@ -296,10 +342,12 @@ __all__ = [
     "NAME",
     "PACKED_CAUSAL",
     "SUPPORTED_MODEL_TYPES",
+    "allow_cudnn_attention",
     "enable_packed_attention",
     "packed_sdpa_attention_forward",
     "packed_sdpa_mask",
     "register",
     "sample_lengths",
+    "sdpa_backends",
     "unsupported_reason",
 ]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from grimoire.config.training import TrainingConfig
-from grimoire.errors import ConfigError
+from grimoire.errors import ConfigError, GrimoireWarning
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def resolve_auto(requested: str, *, cuda: bool | None = None) -> str:
             f"mixed_precision='bf16' on a CPU without native bf16 ({cpu.reason}; cpu capability "
             f"{cpu.capability}): training will be much slower than fp32 ({SLOW_BF16_NOTE}). Set "
             "mixed_precision to 'auto' or 'no' for fp32.",
-            UserWarning,
+            GrimoireWarning,
             stacklevel=3,
         )
     if cpu is not None and requested != "auto":

@@ -44,9 +44,7 @@ class WeightedMeans:
     def vector(self, keys: list[str], device: Any) -> torch.Tensor:
         """``[sums..., weights...]`` of ``keys`` (missing keys: 0) as one float64 tensor."""
         values = [self.sums.get(k, 0.0) for k in keys] + [self.weights.get(k, 0.0) for k in keys]
-        if not values:
-            return torch.zeros(0, dtype=torch.float64, device=device)
-        return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+        return packed_vector(values, device)
 
     def clear(self) -> None:
         self.sums.clear()
@@ -65,6 +63,24 @@ class WeightedMeans:
             packed = accelerator.reduce(packed, reduction="sum")
         self.clear()
         return means_of(keys, packed.tolist())
+
+
+def packed_vector(values: list[Any], device: Any) -> torch.Tensor:
+    """``values`` (host numbers and device scalar tensors, in any mix) as one float64 tensor on
+    ``device``, without waiting on the device: the host numbers travel in ONE non-blocking copy
+    (a blocking host-to-device copy per number would each wait for the queued kernels), the
+    device scalars are written in on the device."""
+    device = torch.device(device)
+    where = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    host = torch.tensor(
+        [0.0 if isinstance(v, torch.Tensor) else float(v) for v in values], dtype=torch.float64
+    )
+    out = host.to(device, non_blocking=device.type != "cpu")
+    if where:
+        scalars = torch.stack([values[i].detach().reshape(()).to(torch.float64) for i in where])
+        index = torch.tensor(where).to(device, non_blocking=device.type != "cpu")
+        out = out.index_copy(0, index, scalars.to(device))
+    return out
 
 
 def means_of(keys: list[str], packed: list[float]) -> dict[str, float]:
@@ -92,18 +108,21 @@ class StepReduction:
         self.keys: list[str] = []
 
     def reduce(
-        self, scalars: dict[str, float], means: WeightedMeans
+        self, scalars: dict[str, Any], means: WeightedMeans
     ) -> tuple[dict[str, float], dict[str, float]]:
+        """Sum ``scalars`` (host numbers, or device scalars such as the gradient norm: summed
+        over ranks like the rest) and ``means`` over ranks; ONE read back to the host."""
         acc = self.accelerator
         names = list(scalars)
         local = sorted(means.sums)
         if acc.num_processes == 1:
             self.keys = local
         new_keys = float(any(k not in self.keys for k in local))
-        head = torch.tensor(
-            [float(scalars[k]) for k in names] + [new_keys], dtype=torch.float64, device=acc.device
+        head = [scalars[k] if isinstance(scalars[k], torch.Tensor) else float(scalars[k])
+                for k in names]  # fmt: skip
+        packed = torch.cat(
+            [packed_vector([*head, new_keys], acc.device), means.vector(self.keys, acc.device)]
         )
-        packed = torch.cat([head, means.vector(self.keys, acc.device)])
         if acc.num_processes > 1:
             packed = acc.reduce(packed, reduction="sum")
         values = packed.tolist()  # the step's one host sync
@@ -116,4 +135,4 @@ class StepReduction:
         return totals, means_of(self.keys, body)
 
 
-__all__ = ["StepReduction", "WeightedMeans", "means_of", "to_float"]
+__all__ = ["StepReduction", "WeightedMeans", "means_of", "packed_vector", "to_float"]

@@ -14,11 +14,16 @@ from typing import Any
 
 import torch
 
+from grimoire.collate.layout import Padded, layout_of
 from grimoire.losses.base import GrimoireLoss
 
 
 def count_tokens(batch: Mapping[str, Any]) -> float:
-    """Real (non-pad) input tokens in a collated batch, over every ``*input_ids`` column."""
+    """Real (non-pad) input tokens in a collated batch, over every ``*input_ids`` column (the
+    collator's host-side count when its layout has one: nothing is read from the tensors)."""
+    layout = layout_of(batch)
+    if isinstance(layout, Padded) and layout.tokens is not None:
+        return float(layout.tokens)
     total = 0.0
     for key, value in batch.items():
         if key.endswith("input_ids") and isinstance(value, torch.Tensor):

@@ -289,7 +289,7 @@ def build_scheduler(
 
 
 def scale_gradients(model: torch.nn.Module, factor: float) -> None:
-    """Multiply every gradient by ``factor`` in place (DTensor shards included)."""
+    """Multiply every gradient by ``factor`` (a host number) in place (DTensor shards included)."""
     if factor == 1.0:
         return
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -297,12 +297,17 @@ def scale_gradients(model: torch.nn.Module, factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
-def clip_gradients(model: torch.nn.Module, accelerator: Any, max_norm: float | None) -> float:
-    """Clip to ``max_norm`` (None: measure only); returns the total norm before clipping."""
+def clip_gradients(
+    model: torch.nn.Module, accelerator: Any, max_norm: float | None
+) -> torch.Tensor | float:
+    """Clip to ``max_norm`` (None: measure only); returns the total norm before clipping, as the
+    device scalar it was computed as (a float where the engine gives one, nan for none): reading
+    it here would be a host sync, so the caller reads it with the step's other numbers. Clipping
+    itself reads nothing back (the clip factor is applied on the device)."""
     params = [p for p in model.parameters() if p.requires_grad]
     norm = accelerator.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
     if norm is None:
         return float("nan")
     if hasattr(norm, "full_tensor"):  # a DTensor when the gradients are sharded
         norm = norm.full_tensor()
-    return float(norm.detach().float()) if isinstance(norm, torch.Tensor) else float(norm)
+    return norm.detach().float() if isinstance(norm, torch.Tensor) else float(norm)

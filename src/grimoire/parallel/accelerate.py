@@ -1,15 +1,12 @@
-"""accelerate's process state: which device a run gets, a clean per-run state, DeepSpeed sizing,
-and the check that a multi-process launch really formed one group."""
+"""accelerate's process state: which device a run gets, a clean per-run state, and the check
+that a multi-process launch really formed one group (DeepSpeed's part: parallel/deepspeed.py)."""
 
 from __future__ import annotations
 
 import os
 
 import torch
-from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-
-from grimoire.config.training import TrainingConfig
 
 
 def has_accelerator() -> bool:
@@ -28,27 +25,6 @@ def reset_accelerate_state() -> None:
     if AcceleratorState._shared_state:
         AcceleratorState._reset_state(reset_partial_state=False)
         GradientState._reset_state()
-
-
-def configure_deepspeed(accelerator: Accelerator, config: TrainingConfig) -> None:
-    """DeepSpeed sizes its engine from a DataLoader we do not give accelerate: fill it in.
-
-    Our loop already accumulates gradients itself (one engine step per optimizer step), so
-    DeepSpeed's own accumulation stays at 1. Unverified here (no GPU / DeepSpeed on this machine).
-    """
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None:
-        return
-    ds = plugin.deepspeed_config
-    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        ds["train_micro_batch_size_per_gpu"] = config.batch_size
-    ds["gradient_accumulation_steps"] = 1
-    ds.pop("train_batch_size", None)
-
-
-def uses_deepspeed(accelerator: Accelerator) -> bool:
-    """Whether accelerate runs the model through a DeepSpeed engine."""
-    return getattr(accelerator.state, "deepspeed_plugin", None) is not None
 
 
 def check_world_size(num_processes: int) -> None:
@@ -70,8 +46,6 @@ def check_world_size(num_processes: int) -> None:
 
 __all__ = [
     "check_world_size",
-    "configure_deepspeed",
     "has_accelerator",
     "reset_accelerate_state",
-    "uses_deepspeed",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    return tie_shared(get_model_state_dict(model, options=options), model)
+
+
+def tie_shared(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Point every name of a parameter shared by several modules (tied embeddings) at one tensor
+    of ``state`` (in place; returned), as in ``model.state_dict()``: gathers and clones (FSDP2's
+    full state dict, accelerate's ZeRO-1/2 state dict) copy it once per name, and
+    ``save_pretrained`` finds ties by shared storage only."""
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if name in state:
@@ -183,7 +191,22 @@ def save_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, _inner(optimizer))
-    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(folder / DCP_DIR))
+    with _single_process_quiet():
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(folder / DCP_DIR))
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP warns at every save and load that it assumes one process
+    ("torch.distributed is disabled, unavailable or uninitialized ..."); that is exactly what a
+    single-process run means (and no process group is made just for a checkpoint), so that one
+    warning is dropped. Any other warning, and every warning under a process group, passes."""
+    if dist.is_available() and dist.is_initialized():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
 
 
 def load_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
@@ -194,7 +217,8 @@ def load_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
 
     msd, osd = get_state_dict(model, _inner(optimizer))
     state = {"model": msd, "optimizer": osd}
-    dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
     set_state_dict(
         model,
         _inner(optimizer),
@@ -258,4 +282,5 @@ __all__ = [
     "save_dcp",
     "shard_mesh",
     "shard_model",
+    "tie_shared",
 ]

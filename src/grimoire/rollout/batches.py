@@ -3,8 +3,8 @@
 Two layouts of the same rows, so the loss code is shared:
 
 - padded: ``input_ids / attention_mask [N, P + C]`` (left-padded prompt, right-padded
-  completion) with per-token tensors (``completion_mask``, ``old_logps``, ``ref_logps``) in the
-  ``[N, C]`` completion layout;
+  completion) with per-token tensors (``completion_mask``, ``old_logps``, ``sampler_logps``,
+  ``ref_logps``) in the ``[N, C]`` completion layout;
 - packed (:func:`pack_rollout_batch`, when the run is padding-free or has a token budget): one
   ``[1, L]`` row of the real prompt+completion tokens; per-token tensors keep the ``[N, C]``
   layout and ``completion_index`` maps them into the row, so
@@ -45,6 +45,8 @@ def training_batch(rollout: Rollout, rows: Sequence[int], pack: bool) -> dict[st
     }
     if rollout.old_logps is not None:
         batch["old_logps"] = rollout.old_logps[idx, :width]
+    if rollout.sampler_logps is not None:
+        batch["sampler_logps"] = rollout.sampler_logps[idx, :width]
     return pack_rollout_batch(batch) if pack else batch
 
 

@@ -9,8 +9,10 @@ returning a :class:`Rollout` of ``N = len(prompts) * n`` rows, **prompt-major** 
 
 Adding a backend (e.g. vLLM): subclass :class:`RolloutEngine` and implement
 
-- ``_sample(prompts, n, greedy) -> list[list[int]]``: the completion token ids per row (any
-  length up to ``max_new_tokens``; an EOS, if produced, ends the completion and is kept);
+- ``_sample(prompts, n, greedy) -> list[list[int]] | Samples``: the completion token ids per row
+  (any length up to ``max_new_tokens``; an EOS, if produced, ends the completion and is kept),
+  or :class:`Samples` with the sampler's own per-token log-probs too (they become
+  :attr:`Rollout.sampler_logps`, for the importance-sampling correction);
 - ``sync_weights()`` (optional): push the trained weights to the backend's copy. The methods
   call it once before every rollout batch. The HF backend samples from the training model
   itself, so it is a no-op there.
@@ -47,6 +49,10 @@ class Rollout:
             that sampled it (temperature-scaled), 0 on padding; ``None`` if not requested.
         group_size: ``G``, completions per prompt.
         truncated: ``[N]`` bool, True where no EOS was produced within ``max_new_tokens``.
+        sampler_logps: ``[N, C]`` float32 per-token log-probs the SAMPLER reported for its own
+            samples (e.g. vLLM's), 0 on padding; ``None`` for a backend that samples from the
+            training model itself (HF). With them the policy-gradient losses correct for the
+            sampler/learner mismatch (truncated importance sampling).
     """
 
     prompt_ids: Tensor
@@ -56,6 +62,7 @@ class Rollout:
     old_logps: Tensor | None
     group_size: int
     truncated: Tensor
+    sampler_logps: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:
@@ -70,6 +77,15 @@ class Rollout:
     @property
     def num_groups(self) -> int:
         return self.prompt_ids.shape[0] // self.group_size
+
+
+@dataclass
+class Samples:
+    """What ``_sample`` may return instead of bare ids: the completions and, per token, the
+    log-prob the sampler gave the token it drew (same lengths as ``ids``)."""
+
+    ids: list[list[int]]
+    logps: list[list[float]] | None = None
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -164,6 +180,13 @@ class RolloutEngine:
         self.temperature = temperature
         self.generation_batch_size = generation_batch_size
         self.max_tokens: int | None = None
+        #: The run's context limit (``TrainingConfig.max_length``; set by the rollout stage):
+        #: prompt + completion never exceed it (checked before training).
+        self.max_length: int | None = None
+        #: Cap of the truncated importance-sampling weight ``min(pi_old / pi_sampler, cap)`` the
+        #: policy-gradient losses apply when rollouts carry ``sampler_logps``; ``None``: the
+        #: engine samples from the training model itself, so there is no mismatch to correct.
+        self.importance_sampling_cap: float | None = None
         #: Set when the policy is sharded (FSDP2): every forward is a collective, so all ranks
         #: must run as many. ``agree(n)`` returns the largest ``n`` over ranks; the engine pads
         #: its sampling and scoring calls up to it, and sampling runs with ``synced_gpus``.
@@ -190,7 +213,10 @@ class RolloutEngine:
     def sync_weights(self) -> None:
         """Make the sampler use the current weights; no-op when it shares the training model."""
 
-    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
+    def close(self) -> None:
+        """Release what the backend holds (processes, memory); no-op when it holds nothing."""
+
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]] | Samples:
         raise NotImplementedError
 
     @property
@@ -215,8 +241,10 @@ class RolloutEngine:
             raise RuntimeError(f"{type(self).__name__}.bind(model, ...) must be called first")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs a non-empty list of non-empty prompts")
-        completions = self._sample(prompts, n, greedy)
-        rows = [self._cut_at_eos(c[: self.max_new_tokens]) for c in completions]
+        samples = self._sample(prompts, n, greedy)
+        if not isinstance(samples, Samples):
+            samples = Samples(samples)
+        rows = [self._cut_at_eos(c[: self.max_new_tokens]) for c in samples.ids]
         repeated = [p for p in prompts for _ in range(n)]
         if len(rows) != len(repeated):
             raise RuntimeError(
@@ -241,6 +269,12 @@ class RolloutEngine:
             group_size=n,
             truncated=truncated.to(device),
         )
+        if samples.logps is not None:  # cut like the ids: a row's log-probs end with its tokens
+            width = completion_ids.shape[1]
+            logps = torch.zeros((len(rows), width), dtype=torch.float32)
+            for i, (row, lp) in enumerate(zip(rows, samples.logps)):
+                logps[i, : len(row)] = torch.tensor(lp[: len(row)], dtype=torch.float32)
+            rollout.sampler_logps = logps.to(device)
         if with_old_logps:
             rollout.old_logps = self.score(rollout.input_ids, rollout.attention_mask, rollout)
         return rollout
@@ -327,6 +361,7 @@ def pad_sequences(
 __all__ = [
     "Rollout",
     "RolloutEngine",
+    "Samples",
     "completion_logps",
     "pad_sequences",
     "position_ids_from_mask",

@@ -9,8 +9,9 @@ of completion ``i``'s columns)
 
 called once per rollout batch with one entry per *completion* (a prompt sampled G times appears
 G times). ``columns`` are the dataset's other fields (e.g. ``answer``), repeated the same way, so
-``columns["answer"][i]`` belongs to ``completions[i]``. Extra, unused columns arrive too: accept
-``**kwargs``. Several functions may be combined with weights; the method trains on
+``columns["answer"][i]`` belongs to ``completions[i]``. A function with ``**kwargs`` receives every
+column; one without gets the columns it names (so grimoire-rl's two-argument
+``reward_fn(prompts, completions)`` works as it is). Several functions may be combined with weights; the method trains on
 ``sum_k w_k * r_k`` and logs each ``r_k`` as ``rewards/<name>/mean``.
 
 From YAML a reward function is named by a built-in short name (:data:`REWARD_FUNCS`) or a
@@ -103,6 +104,10 @@ class RewardFunction:
         #: grimoire-rl's convention: ``fn(prompts, completions, metadata)``, ``metadata[i]`` the
         #: dict of completion ``i``'s columns (``metadata_fields`` of ``tokenize_grpo``).
         self.takes_metadata = "metadata" in names and not takes_kwargs
+        #: Columns are passed by the names the function takes; one without ``**kwargs`` (e.g.
+        #: grimoire-rl's two-argument ``fn(prompts, completions)``) gets only those. None: all
+        #: (``**kwargs``, or a signature that cannot be read).
+        self._accepted: set[str] | None = None if takes_kwargs or not self._params else names
 
     def __call__(
         self, prompts: list[str], completions: list[str], columns: Mapping[str, list[Any]]
@@ -112,7 +117,8 @@ class RewardFunction:
             n = len(completions)
             metadata = [{k: v[i] for k, v in columns.items()} for i in range(n)]
             return self.fn(list(prompts), list(completions), metadata=metadata)
-        return self.fn(list(prompts), list(completions), **dict(columns))
+        passed = {k: v for k, v in columns.items() if self._accepted is None or k in self._accepted}
+        return self.fn(list(prompts), list(completions), **passed)
 
     def required_columns(self) -> list[str]:
         """Keyword parameters without a default besides ``prompts``/``completions`` (and a

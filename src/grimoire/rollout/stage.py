@@ -120,13 +120,19 @@ class RolloutStage:
         if eos is None:
             eos = getattr(getattr(policy, "config", None), "eos_token_id", None)
         self.pad_token_id = pad_token_id_of(tok, policy)
-        self.engine.bind(policy, self.pad_token_id, eos, ctx.accelerator.autocast)
+        # Limits first: an engine may size itself at bind (vLLM's max_model_len).
         self.engine.max_tokens = ctx.config.max_tokens_per_device
+        self.engine.max_length = ctx.config.max_length
+        self.engine.bind(policy, self.pad_token_id, eos, ctx.accelerator.autocast)
         self.tokenizer = tok
         self.pack = ctx.packed
         self.sharded = ctx.sharded
         if ctx.sharded:  # every forward of a sharded policy is a collective: keep ranks even
             self.engine.agree = ctx.all_reduce_max
+
+    def close(self) -> None:
+        """Shut the engine down (the trainer's ``close``, before the process group goes)."""
+        self.engine.close()
 
     # ------------------------------------------------------------------ one step
 

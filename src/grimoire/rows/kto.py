@@ -11,7 +11,7 @@ level so their reference log-probs can be cached) it uses those instead.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
@@ -25,6 +25,25 @@ from grimoire.rows.preference import (
 
 #: Columns produced by :func:`tokenize_kto`.
 KTO_COLUMNS: tuple[str, ...] = ("input_ids", "attention_mask", "labels", "label")
+#: grimoire-rl's ``tokenize_kto`` writes the label under this name; rows that carry it (and no
+#: ``label``) are read the same (:func:`label_column`, :func:`with_label`).
+PEER_LABEL_COLUMN = "kto_label"
+
+
+def label_column(names: Iterable[str]) -> str:
+    """The column holding a KTO row's label: ``label``, else grimoire-rl's ``kto_label`` when the
+    rows have it, else ``label`` (then reported missing)."""
+    names = set(names)
+    return PEER_LABEL_COLUMN if "label" not in names and PEER_LABEL_COLUMN in names else "label"
+
+
+def with_label(row: Mapping[str, Any]) -> dict[str, Any]:
+    """``row`` with grimoire-rl's ``kto_label`` renamed to ``label`` (unchanged without it)."""
+    if label_column(row) == "label":
+        return dict(row)
+    out = {k: v for k, v in row.items() if k != PEER_LABEL_COLUMN}
+    out["label"] = row[PEER_LABEL_COLUMN]
+    return out
 
 
 def _as_label(value: Any, field: str, fn: str) -> bool:
@@ -128,7 +147,10 @@ def mismatched_pair(
 
 __all__ = [
     "KTO_COLUMNS",
+    "PEER_LABEL_COLUMN",
+    "label_column",
     "mismatched_pair",
     "split_prompt_completion",
     "tokenize_kto",
+    "with_label",
 ]

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,35 @@ SOURCE_KEYS: dict[str, type | tuple[type, ...]] = {
 _KINDS = ("name", "jsonl", "path", "load_from_disk")
 
 
+#: Environment variables that put the Hugging Face libraries offline.
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+#: A column :func:`read_source` carries through shuffle/max_samples and then removes: each row's
+#: line in its JSONL file, so row problems can name ``file:line``.
+_LINE_COLUMN = "__grimoire_source_line__"
+
+
+def hub_offline() -> bool:
+    """True when an environment variable puts the Hugging Face hub offline."""
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in OFFLINE_VARS)
+
+
+def hub_dataset_cached(name: str) -> bool:
+    """True when some local cache may hold hub dataset ``name`` (a loose check: a false "yes"
+    only defers the error to loading, a false "no" would block a run that works)."""
+    from huggingface_hub import constants
+
+    hub = Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}"
+    processed = Path(
+        os.environ.get("HF_DATASETS_CACHE") or Path(constants.HF_HOME) / "datasets"
+    ).expanduser()
+    short = name.split("/")[-1].lower()
+    return (
+        hub.is_dir()
+        or Path(name).exists()  # load_dataset also reads a local folder of data files
+        or (processed.is_dir() and any(short in e.name.lower() for e in processed.iterdir()))
+    )
+
+
 def resolve_path(path: str) -> Path:
     """``grimoire://REL`` -> the file inside the grimoire package; anything else as given.
 
@@ -63,12 +93,18 @@ def resolve_path(path: str) -> Path:
 
 
 def source_problems(
-    section: Any, where: str, extra_keys: Iterable[str] = (), check_files: bool = True
+    section: Any,
+    where: str,
+    extra_keys: Iterable[str] = (),
+    check_files: bool = True,
+    check_hub: bool = False,
 ) -> list[str]:
     """Every problem with a source section, as ``"<where>.<key>: ..."`` strings (no loading).
 
     ``extra_keys`` are keys the caller handles itself (the CLI's ``tokenize``); they are neither
-    rejected nor checked here. With ``check_files`` local paths must exist.
+    rejected nor checked here. With ``check_files`` local paths must exist; with ``check_hub``
+    (config validation) a hub dataset must look cached when offline (:func:`load_source` itself
+    just tries: the datasets library knows its cache better than this check).
     """
     if not isinstance(section, Mapping):
         return [f"{where}: expected a mapping (e.g. {{jsonl: data.jsonl}}), got {section!r}"]
@@ -111,18 +147,30 @@ def source_problems(
         problems.append(f"{where}.seed: only used with shuffle: true")
     if section.get("max_samples") is not None and section["max_samples"] <= 0:
         problems.append(f"{where}.max_samples: must be > 0, got {section['max_samples']}")
+    if check_hub and kind == "name" and hub_offline() and not hub_dataset_cached(section["name"]):
+        problems.append(
+            f"{where}.name: {section['name']!r} is not in the local Hugging Face cache and "
+            "offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE): load it once with network "
+            "access, or save it with Dataset.save_to_disk and use load_from_disk:, or export it "
+            "to jsonl:"
+        )
     if check_files and kind != "name":
         key = next(k for k in _KINDS if k in section)
         path = resolve_path(section[key])
         if kind == "load_from_disk" and not path.is_dir():
             what = "a dataset folder (Dataset.save_to_disk) or a .jsonl/.json file"
             problems.append(
-                f"{where}.{key}: folder not found: {path}"
+                f"{where}.{key}: folder not found: {path}{_relative_note(path)}"
                 + (f" ({key}: takes {what})" if key == "path" else "")
             )
         elif kind != "load_from_disk" and not path.is_file():
-            problems.append(f"{where}.{key}: file not found: {path}")
+            problems.append(f"{where}.{key}: file not found: {path}{_relative_note(path)}")
     return problems
+
+
+def _relative_note(path: Path) -> str:
+    """Where a relative path was looked for (the current directory, not the YAML's folder)."""
+    return "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
 
 
 def _effective_kind(section: Mapping[str, Any], kind: str) -> str:
@@ -132,30 +180,64 @@ def _effective_kind(section: Mapping[str, Any], kind: str) -> str:
     return "jsonl" if str(section["path"]).endswith((".jsonl", ".json")) else "load_from_disk"
 
 
-def load_source(section: Mapping[str, Any], where: str = "dataset"):
-    """Load a source section (see the module docstring) as a ``datasets.Dataset``.
+@dataclass
+class LoadedSource:
+    """A source read by :func:`read_source`: the readable rows, where each came from, and the
+    lines that could not be read (reported together with the rows' own problems)."""
 
-    Raises :class:`ConfigError` for an invalid section or a missing file, and
-    :class:`DataError` for unreadable contents (e.g. ``data.jsonl:7: invalid JSON ...``).
+    dataset: Any  # datasets.Dataset of the readable rows
+    locations: list[str] | None = None  # "file:line" of each row (JSONL sources)
+    problems: list[str] = field(default_factory=list)  # unreadable lines, all of them
+
+
+def read_source(section: Mapping[str, Any], where: str = "dataset") -> LoadedSource:
+    """Like :func:`load_source`, but a JSONL file's unreadable lines are returned as
+    ``problems`` beside the rows that could be read, each row with its ``file:line``.
+
+    So the caller (``grimoire train``) reports a broken line and a row missing a field in one
+    message instead of one after the other.
     """
     problems = source_problems(section, where)
     if problems:
         raise ConfigError(problems, title=f"invalid {where} section")
     kind = _effective_kind(section, next(k for k in _KINDS if k in section))
+    lines: list[int] | None = None
+    bad: list[str] = []
     if kind == "name":
         ds = _load_hub(section, where)
     elif kind == "load_from_disk":
         ds = _load_disk(section, where)
     else:
         path = resolve_path(section.get("jsonl") or section["path"])
-        ds = rows_to_dataset(read_json_rows(path), source=str(path))
+        rows, lines, bad = _read_rows(path)
+        if rows and lines is not None:  # carried through shuffle and max_samples, then removed
+            rows = [{**row, _LINE_COLUMN: n} for row, n in zip(rows, lines)]
+        ds = rows_to_dataset(rows, source=str(path))
     if len(ds) == 0:
+        if bad:
+            return LoadedSource(ds, [], bad)
         raise DataError([f"{where}: the source has no rows"])
     if section.get("shuffle"):
         ds = ds.shuffle(seed=section.get("seed", 42))
     if section.get("max_samples") is not None:
         ds = ds.select(range(min(section["max_samples"], len(ds))))
-    return ds
+    locations = None
+    if lines is not None:
+        locations = [f"{path}:{n}" for n in ds[_LINE_COLUMN]]
+        ds = ds.remove_columns(_LINE_COLUMN)
+    return LoadedSource(ds, locations, bad)
+
+
+def load_source(section: Mapping[str, Any], where: str = "dataset"):
+    """Load a source section (see the module docstring) as a ``datasets.Dataset``.
+
+    Raises :class:`ConfigError` for an invalid section or a missing file, and
+    :class:`DataError` for unreadable contents (e.g. ``data.jsonl:7: invalid JSON ...``).
+    """
+    loaded = read_source(section, where)
+    if loaded.problems:
+        raise DataError(listed(loaded.problems), title=f"invalid JSONL file in {where}")
+    return loaded.dataset
 
 
 def read_json_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -164,7 +246,14 @@ def read_json_rows(path: str | Path) -> list[dict[str, Any]]:
     Every bad line is reported (up to :data:`grimoire.columns.MAX_LISTED`), not just the first.
     Blank lines are skipped.
     """
-    path = Path(path)
+    rows, _, problems = _read_rows(Path(path))
+    if problems:
+        raise DataError(listed(problems), title=f"invalid JSONL file {path}")
+    return rows
+
+
+def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None, list[str]]:
+    """``(rows, line of each row, problems)``; lines are None for a ``.json`` array."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -172,8 +261,9 @@ def read_json_rows(path: str | Path) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError([f"{path}: cannot read: {exc}"]) from exc
     if path.suffix == ".json" and text.lstrip().startswith("["):
-        return _json_array(text, path)
+        return _json_array(text, path), None, []
     rows: list[dict[str, Any]] = []
+    lines: list[int] = []
     problems: list[str] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -187,9 +277,8 @@ def read_json_rows(path: str | Path) -> list[dict[str, Any]]:
             problems.append(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
             continue
         rows.append(row)
-    if problems:
-        raise DataError(listed(problems), title=f"invalid JSONL file {path}")
-    return rows
+        lines.append(lineno)
+    return rows, lines, problems
 
 
 def rows_to_dataset(rows: list[Mapping[str, Any]], source: str = "rows"):
@@ -214,7 +303,13 @@ def rows_to_dataset(rows: list[Mapping[str, Any]], source: str = "rows"):
 
 
 def tokenize_dataset(
-    dataset: Any, fn: Callable[..., Mapping[str, Any]], *, source_name: str, **fn_kwargs: Any
+    dataset: Any,
+    fn: Callable[..., Mapping[str, Any]],
+    *,
+    source_name: str,
+    locations: Sequence[str] | None = None,
+    problems: Sequence[str] = (),
+    **fn_kwargs: Any,
 ):
     """Apply a row-level tokenize function (e.g. ``tokenize_sft``) to every row of ``dataset``.
 
@@ -224,21 +319,28 @@ def tokenize_dataset(
     are raised together as one ``DataError`` once every row has been tried. Null fields are
     passed to ``fn`` as absent, so a column missing from some JSONL rows reads as "missing".
     Other exceptions propagate with a note naming the row.
+
+    ``locations`` (one ``file:line`` per row, from :func:`read_source`) lead each row's problem;
+    ``problems`` found before (a JSONL file's unreadable lines) are reported in the same error.
     """
     out: list[Mapping[str, Any]] = []
-    problems: list[str] = []
+    found = list(problems)
     for i, row in enumerate(dataset):
         example = {k: v for k, v in row.items() if v is not None}
         try:
             out.append(fn(example, **fn_kwargs))
         except DataError as exc:
-            problems.extend(f"{source_name} row {i}: {p}" for p in exc.problems)
+            if locations is not None:
+                found.extend(f"{locations[i]}: {p} ({source_name} row {i})" for p in exc.problems)
+            else:
+                found.extend(f"{source_name} row {i}: {p}" for p in exc.problems)
         except Exception as exc:
             if hasattr(exc, "add_note"):  # Python >= 3.11
-                exc.add_note(f"while tokenizing {source_name} row {i}")
+                where = f" ({locations[i]})" if locations is not None else ""
+                exc.add_note(f"while tokenizing {source_name} row {i}{where}")
             raise
-    if problems:
-        raise DataError(listed(problems), title=f"invalid data in {source_name}")
+    if found:
+        raise DataError(listed(found), title=f"invalid data in {source_name}")
     if not out:
         raise DataError([f"{source_name}: no rows to tokenize"])
     return rows_to_dataset(out, source=source_name)
@@ -263,15 +365,11 @@ def _load_hub(section: Mapping[str, Any], where: str):
     try:
         return load_dataset(name, subset, split=split)
     except Exception as exc:
-        offline = any(
-            os.environ.get(v, "").lower() in ("1", "true", "yes")
-            for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-        )
         hint = (
             "hub datasets need network access or a local copy; offline mode is on "
             "(HF_HUB_OFFLINE/HF_DATASETS_OFFLINE), so save the dataset once with "
             "Dataset.save_to_disk and use load_from_disk:, or export it to jsonl:"
-            if offline
+            if hub_offline()
             else "check the name/subset/split; hub datasets need network access "
             "(or use load_from_disk:/jsonl: with a local copy)"
         )
@@ -311,10 +409,15 @@ def _load_disk(section: Mapping[str, Any], where: str):
 
 
 __all__ = [
+    "OFFLINE_VARS",
     "PACKAGE_PREFIX",
     "SOURCE_KEYS",
+    "LoadedSource",
+    "hub_dataset_cached",
+    "hub_offline",
     "load_source",
     "read_json_rows",
+    "read_source",
     "resolve_path",
     "rows_to_dataset",
     "source_problems",

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,18 +29,55 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # --------------------------------------------------------------------------- shared CLI helpers
 
 
+#: What each tool's ``--help`` ends with, by command (a tool may pass its own ``example=``).
+TOOL_EXAMPLES: dict[str, tuple[str, ...]] = {
+    "plot": (
+        "grimoire plot output/quickstart",
+        "grimoire plot output/run_a output/run_b --out compare.html",
+    ),
+    "generate": ('grimoire generate --model output/quickstart/final --prompt "reverse abcdef="',),
+    "merge-lora": ("grimoire merge-lora --adapter output/run/final --out output/run/merged",),
+}
+
+
 class ToolParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors become :class:`GrimoireError` (exit code 1)."""
+    """An argument parser whose usage errors become :class:`GrimoireError` (exit code 1), whose
+    help ends with an example, and which accepts ``--log-level`` like every ``grimoire`` command
+    (``grimoire`` reads it before the tool runs)."""
+
+    def __init__(self, *args: Any, example: Sequence[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        command = self.prog.removeprefix("grimoire ")
+        self.examples = tuple(example) if example is not None else TOOL_EXAMPLES.get(command, ())
+        self.add_argument(
+            "--log-level",
+            choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+            type=str.upper,
+            help="INFO or DEBUG: the libraries' progress bars and warnings too; DEBUG: an "
+            "error's traceback",
+        )
+
+    def format_help(self) -> str:
+        if not self.examples:
+            return super().format_help()
+        head = "example:" if len(self.examples) == 1 else "examples:"
+        lines = "".join(f"  {line}\n" for line in self.examples)
+        return f"{super().format_help()}\n{head}\n{lines}"
 
     def error(self, message: str) -> NoReturn:
         raise GrimoireError(f"{message} (see {self.prog} --help)")
 
 
 def run_tool(command: str, body: Callable[[], int]) -> int:
-    """Run ``body``; print ``grimoire <command>: <message>`` for a Grimoire error, return 1."""
+    """Run ``body``; print ``grimoire <command>: <message>`` for a Grimoire error, return 1.
+
+    Other exceptions propagate to ``grimoire``'s own handler, which prints them as one message
+    too; with ``--log-level DEBUG`` the traceback is logged first.
+    """
     try:
         return body()
     except GrimoireError as exc:
+        logging.getLogger(__name__).debug("the traceback:", exc_info=exc)
         print(f"grimoire {command}: {exc}", file=sys.stderr)
         return 1
     except SystemExit as exc:  # --help

@@ -2,7 +2,8 @@
 
 Layout of ``output_dir/checkpoint-<step>/``: ``dcp/`` (model and optimizer state written by
 ``torch.distributed.checkpoint``, each process its own shards; what a resume reads, on any number
-of processes), ``model.safetensors`` + ``config.json`` (or ``adapter_model.safetensors`` for
+of processes; under DeepSpeed ``deepspeed/`` instead, the engine's own checkpoint, resumed on as
+many processes as wrote it), ``model.safetensors`` + ``config.json`` (or ``adapter_model.safetensors`` for
 LoRA) and tokenizer files (the ``from_pretrained`` export, gathered on the main process),
 ``scheduler.pt``, ``rng_state_<rank>.pt`` and ``trainer_state.json``.
 Everything is written into ``.tmp-checkpoint-<step>`` first and renamed when complete, so a crash
@@ -26,6 +27,9 @@ import torch
 
 PREFIX = "checkpoint-"
 STATE_FILE = "trainer_state.json"
+#: Where a checkpoint keeps the model and optimizer state it resumes from: DCP shards, or a
+#: DeepSpeed engine's own checkpoint (parallel/deepspeed.py's ENGINE_DIR).
+MODEL_STATE_DIRS = ("dcp", "deepspeed")
 
 logger = logging.getLogger(__name__)
 
@@ -195,11 +199,11 @@ def save(
 
 def resume(path: Path, load_model: Any, scheduler: Any, rank: int) -> TrainerState:
     """Restore model + optimizer (``load_model(path)``: the DCP shards, resharded to however
-    many processes run now), scheduler and, when the process count is unchanged, this rank's
-    RNG; returns the saved :class:`TrainerState`."""
-    if not (path / "dcp").is_dir():
+    many processes run now, or a DeepSpeed engine's state), scheduler and, when the process
+    count is unchanged, this rank's RNG; returns the saved :class:`TrainerState`."""
+    if not any((path / d).is_dir() for d in MODEL_STATE_DIRS):
         raise FileNotFoundError(
-            f"{path} has no dcp/ folder: it was written by an older Grimoire; resume it with that "
+            f"{path} has no dcp/ (or deepspeed/) folder: it was written by an older Grimoire; resume it with that "
             "version, or start from its weights (model.safetensors) as a new run"
         )
     load_model(path)

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from grimoire.parallel.fsdp import full_state_dict, is_sharded, save_dcp
+from grimoire.parallel.deepspeed import is_engine, load_engine, save_engine
+from grimoire.parallel.fsdp import full_state_dict, is_sharded, load_dcp, save_dcp, tie_shared
 from grimoire.training.report import note_saved_model, write_model_card
 
 
@@ -28,6 +29,8 @@ def save_hf(
     its own factors beside them so they are restored exactly.
     """
     # Every rank takes part in gathering FSDP2 / ZeRO-3 shards; only the main process writes.
+    # (ZeRO-3: DeepSpeed gathers layer by layer onto rank 0; ZeRO-1/2: accelerate clones each
+    # tensor out of DeepSpeed's flat buffers, which unties tied weights: tied back here.)
     if is_sharded(wrapped):
         state_dict = full_state_dict(wrapped)
     else:
@@ -37,6 +40,8 @@ def save_hf(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = accelerator.unwrap_model(wrapped)
+    if is_engine(wrapped):
+        state_dict = tie_shared(state_dict, model)
     for hook in hooks:
         if hasattr(hook, "export_state_dict"):
             state_dict = hook.export_state_dict(state_dict)
@@ -61,10 +66,22 @@ def export_model(trainer: Any, out: Path, merge_adapter: bool = False) -> Path:
 
 def write_checkpoint_model(trainer: Any, folder: Path) -> None:
     """A checkpoint's model part. The HF export and card are for people (``from_pretrained``);
-    the DCP shards of model and optimizer are for resuming, on any number of processes."""
+    the DCP shards of model and optimizer are for resuming, on any number of processes (under
+    DeepSpeed: the engine's own checkpoint, on the same number of processes)."""
     save_hf(folder, trainer.accelerator, trainer.model, trainer.tokenizer, trainer.step_hooks)
     write_model_card(trainer, folder)
-    save_dcp(folder, trainer.model, trainer.optimizer)
+    if is_engine(trainer.model):
+        save_engine(folder, trainer.model)
+    else:
+        save_dcp(folder, trainer.model, trainer.optimizer)
 
 
-__all__ = ["export_model", "save_hf", "write_checkpoint_model"]
+def read_checkpoint_model(trainer: Any, folder: Path) -> None:
+    """Restore what :func:`write_checkpoint_model` wrote for resuming: model and optimizer."""
+    if is_engine(trainer.model):
+        load_engine(folder, trainer.model)
+    else:
+        load_dcp(folder, trainer.model, trainer.optimizer)
+
+
+__all__ = ["export_model", "read_checkpoint_model", "save_hf", "write_checkpoint_model"]

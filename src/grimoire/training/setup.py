@@ -20,6 +20,7 @@ from accelerate.utils import set_seed
 from grimoire.batching.budget import TokenBudget
 from grimoire.batching.loader import StepLoader, packing_decision
 from grimoire.batching.validation import validate_training_data
+from grimoire.collate.buckets import WidthBuckets, bucket_multiple
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError
@@ -29,7 +30,7 @@ from grimoire.losses.base import GrimoireLoss
 from grimoire.model.liger import apply_liger
 from grimoire.model.neftune import attach_neftune
 from grimoire.model.osft import attach_osft
-from grimoire.model.packed_attention import enable_packed_attention
+from grimoire.model.packed_attention import enable_packed_attention, unsupported_reason
 from grimoire.model.precision import resolve_mixed_precision
 from grimoire.model.prepare import (
     disable_dropout,
@@ -37,12 +38,15 @@ from grimoire.model.prepare import (
     prepare_kbit_model,
     resolve_checkpointing,
 )
+from grimoire.model.varlen_attention import cuda_route
 from grimoire.optim.optimizers import build_optimizer, build_scheduler
-from grimoire.parallel.accelerate import (
-    check_world_size,
+from grimoire.parallel.accelerate import check_world_size, has_accelerator, reset_accelerate_state
+from grimoire.parallel.deepspeed import (
+    check_deepspeed,
     configure_deepspeed,
-    has_accelerator,
-    reset_accelerate_state,
+    partition_frozen,
+    start_deepspeed_on_cpu,
+    zero_stage,
 )
 from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
 from grimoire.rollout.stage import RolloutStage
@@ -64,14 +68,16 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
     reset_accelerate_state()
     accelerator = Accelerator(
         # On a machine with no accelerator, torchrun/accelerate-launched processes must be told
-        # to form a CPU (gloo) group; otherwise each would silently train alone.
-        cpu=not has_accelerator(),
+        # to form a CPU (gloo) group; otherwise each would silently train alone. DeepSpeed forms
+        # that group itself first (accelerate turns DeepSpeed off for cpu=True).
+        cpu=not has_accelerator() and not start_deepspeed_on_cpu(),
         mixed_precision=resolve_mixed_precision(config),
         log_with=config.log_with,
         project_dir=config.output_dir,
     )
     check_world_size(accelerator.num_processes)
     check_shard_group(config.fsdp_shard_group_size, accelerator.num_processes)
+    check_deepspeed(accelerator, config)
     set_seed(config.seed)
     return accelerator
 
@@ -86,12 +92,30 @@ def decide_packing(
     accelerator: Accelerator,
 ) -> bool:
     """Whether micro-batches are packed rows (``padding_free``: auto / forced); the reason is
-    logged."""
+    logged. On CUDA, auto packs only where packed rows would take a varlen kernel."""
+    device_type = accelerator.device.type
+    varlen = cuda_varlen(model, config, accelerator) if device_type == "cuda" else None
     packed, why = packing_decision(
-        method, config, pad_id, data_collator, model, dataset, accelerator.device.type
+        method, config, pad_id, data_collator, model, dataset, device_type, varlen
     )
     logger.info("micro-batches: %s (%s)", "packed rows" if packed else "padded", why)
     return packed
+
+
+def cuda_varlen(model: torch.nn.Module, config: TrainingConfig, accelerator: Accelerator) -> str:
+    """Why packed rows would (``"varlen: ..."``) or would not take one varlen kernel call per
+    layer on this CUDA device, for ``padding_free`` auto: grimoire's attention must serve the
+    model and the kernel take its head size, dtype (the run's autocast) and dropout."""
+    reason = unsupported_reason(model, config.torch_compile)
+    if reason is not None:
+        return f"no varlen kernel: {reason}"
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        str(accelerator.mixed_precision), next(model.parameters()).dtype
+    )
+    route, why = cuda_route(dtype, head_dim, float(getattr(cfg, "attention_dropout", 0.0) or 0))
+    return f"{route}: {why}" if route != "per_sample" else f"no varlen kernel: {why}"
 
 
 def prepare_model(
@@ -132,9 +156,12 @@ def prepare_model(
         model.config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
-    if packed:
-        # Packed rows then attend per sample instead of through a dense L x L mask; exact, and
-        # every other call (padded, generation, eval) stays transformers' sdpa.
+    if packed or _on_cuda(accelerator):
+        # grimoire's attention where it is exact: packed rows attend within their samples (one
+        # varlen call per layer on CUDA, per-sample sdpa elsewhere) instead of through a dense
+        # L x L mask; on CUDA also right-padded rows, causally without a mask. The forward hands
+        # it the collator's host-side lengths, so no mask is built or read back (a host sync
+        # per forward on a GPU). Every other call is transformers' sdpa.
         enable_packed_attention(model, torch_compile=config.torch_compile)
     if config.neftune_noise_alpha is not None:
         attach_neftune(model, config.neftune_noise_alpha)
@@ -144,17 +171,23 @@ def prepare_model(
     return model, hooks
 
 
-def frozen_preparer(config: TrainingConfig, packed: bool) -> Any:
-    """How a frozen model kept beside the policy (a reference) is prepared: the policy's packed
-    attention, so both run the same kernels (policy == reference then gives exact ties, and the
-    reference passes are as fast), and the policy's FSDP2 sharding."""
+def _on_cuda(accelerator: Accelerator | None) -> bool:
+    return accelerator is not None and accelerator.device.type == "cuda"
+
+
+def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerator | None) -> Any:
+    """How a frozen model kept beside the policy (a reference) is prepared: the policy's
+    attention (:func:`prepare_model`), so both run the same kernels (policy == reference then
+    gives exact ties, and the reference passes are as fast), and the policy's FSDP2 sharding or
+    ZeRO-3 partitioning."""
+    on_cuda = _on_cuda(accelerator)
 
     def prepare(model: torch.nn.Module) -> torch.nn.Module:
-        if packed:
+        if packed or on_cuda:
             enable_packed_attention(model, torch_compile=config.torch_compile)
         if config.distributed == "fsdp2":
             return shard_model(model, config)
-        return model
+        return partition_frozen(model, accelerator)  # as it is unless under ZeRO-3
 
     return prepare
 
@@ -201,18 +234,32 @@ def setup_method(
     before DDP wraps the policy (the context holds the unwrapped model).
     """
     context = TrainingContext(config, accelerator, tokenizer, model, *datasets, packed=packed)
-    context.prepare_frozen = frozen_preparer(config, packed)
+    context.prepare_frozen = frozen_preparer(config, packed, accelerator)
     method.setup(context)
     return context
 
 
-def build_collator(method: GrimoireLoss, data_collator: Any, packed: bool, pad_id: int) -> Any:
-    """The user's collator, else the method's packed or padded one."""
+def build_collator(
+    method: GrimoireLoss,
+    data_collator: Any,
+    packed: bool,
+    pad_id: int,
+    config: TrainingConfig | None = None,
+    device_type: str = "cpu",
+) -> Any:
+    """The user's collator, else the method's packed or padded one; padded batches' widths
+    rounded up to ``pad_to_multiple_of`` (64 on CUDA by default: few shapes, no per-shape cost;
+    :mod:`grimoire.collate.buckets`), within the token budget."""
     if data_collator is not None:
         return data_collator
     if packed:
         return method.create_packed_collator(pad_id)
-    return method.create_collator(pad_id)
+    collator = method.create_collator(pad_id)
+    multiple = bucket_multiple(config.pad_to_multiple_of if config else None, device_type)
+    if multiple > 1:
+        budget = config.max_tokens_per_device if config else None
+        collator = WidthBuckets(collator, multiple, pad_id, budget)
+    return collator
 
 
 def precompute_reference_columns(
@@ -247,6 +294,12 @@ def build_rollouts(method: GrimoireLoss, context: TrainingContext) -> RolloutSta
     log-probs when it has a reference) and bound to the run's policy. None for other methods."""
     if not method.needs_generation:
         return None
+    if zero_stage(context.accelerator) == 3:
+        # Every forward of a ZeRO-3 policy is a collective and sampling lengths differ by rank;
+        # keeping ranks in step (as under FSDP2) has not been run under DeepSpeed.
+        raise ConfigError(
+            [f"{method.method_name} generates: not supported under DeepSpeed ZeRO-3 (use FSDP2)"]
+        )
     stage = RolloutStage(
         method.engine,
         method.reward_funcs,
@@ -327,6 +380,7 @@ __all__ = [
     "build_loader",
     "build_optimization",
     "check_config",
+    "cuda_varlen",
     "decide_packing",
     "frozen_preparer",
     "log_reference",

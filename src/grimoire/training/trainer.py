@@ -20,35 +20,26 @@ import torch
 
 from grimoire.batching.budget import TokenBudget
 from grimoire.batching.loader import StepLoader
+from grimoire.collate.layout import to_device
 from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
+from grimoire.forward.head.function import deferred_promise_checks
 from grimoire.forward.logprobs import release_buffers
 from grimoire.losses.base import as_method
 from grimoire.model.compiling import maybe_compile
 from grimoire.model.prepare import resolve_checkpointing
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
-from grimoire.normalise.units import (
-    backward_norm,
-    backward_scale,
-    count_tokens,
-    gradient_scale,
-    loss_units,
-)
-from grimoire.optim.optimizers import clip_gradients, scale_gradients
-from grimoire.parallel.accelerate import uses_deepspeed
-from grimoire.parallel.fsdp import (
-    gradient_sync,
-    load_dcp,
-    preemption_signals,
-    release_process_group,
-)
+from grimoire.normalise.units import backward_norm, backward_scale, loss_units
+from grimoire.parallel.deepspeed import uses_deepspeed
+from grimoire.parallel.fsdp import gradient_sync, preemption_signals, release_process_group
 from grimoire.training import checkpoint as ckpt
 from grimoire.training import setup
 from grimoire.training.callbacks import TrainerCallback
-from grimoire.training.export import export_model, write_checkpoint_model
+from grimoire.training.export import export_model, read_checkpoint_model, write_checkpoint_model
 from grimoire.training.metrics import RunLog
 from grimoire.training.report import write_run_summary
+from grimoire.training.step import finish_step, host_units
 
 
 class GrimoireTrainer:
@@ -102,7 +93,9 @@ class GrimoireTrainer:
         self.context: TrainingContext = setup.setup_method(
             loss_fn, config, acc, tokenizer, model, (train_dataset, eval_dataset), packed
         )
-        self.collator = setup.build_collator(loss_fn, data_collator, packed, pad_id)
+        self.collator = setup.build_collator(
+            loss_fn, data_collator, packed, pad_id, config, acc.device.type
+        )
         self.train_dataset, self.eval_dataset = setup.precompute_reference_columns(
             loss_fn, model, self.context, self.collator, self.budget
         )
@@ -207,7 +200,7 @@ class GrimoireTrainer:
             self.callbacks("on_epoch_begin", self, epoch)
             start = self.state.step_in_epoch
             for micro in self.loader.epoch(epoch, start, cfg.dataloader_num_workers):
-                self._optimizer_step([(self._to_device(b), keep) for b, keep in micro])
+                self._optimizer_step(micro)
                 self.state.step_in_epoch += 1
                 self._end_of_step()
                 if cfg.eval_steps and self.global_step % cfg.eval_steps == 0:
@@ -239,14 +232,15 @@ class GrimoireTrainer:
         was_training = self.model.training
         self.model.eval()
         means = WeightedMeans()
-        for batch, keep in self._eval_loader.all_batches():
-            batch = self._to_device(batch)
+        for host, keep in self._eval_loader.all_batches():
+            batch = self._to_device(host)
             with acc.autocast():
                 if self.rollouts is not None:  # prompts: greedy samples, scored
                     loss, metrics = self.rollouts.evaluate(batch)
                 else:
                     loss, metrics = self.loss_fn(self.model, batch, training=False)
-            means.add({"loss": loss, **metrics}, loss_units(self.loss_fn, batch) * keep)
+            units = loss_units(self.loss_fn, host if self.rollouts is None else batch)
+            means.add({"loss": loss, **metrics}, units * keep)
         self.model.train(was_training)
         result = {f"eval/{k}": v for k, v in means.compute(acc).items()}
         self.callbacks("on_evaluate", self, result)
@@ -262,6 +256,8 @@ class GrimoireTrainer:
         ``accelerate launch`` should call this last.
         """
         self.accelerator.wait_for_everyone()
+        if self.rollouts is not None:  # a sampler in process (vLLM) leaves the group as it was
+            self.rollouts.close()
         # The DDP wrapper's reducer keeps the group alive until interpreter teardown, where
         # gloo's threads can abort the process: keep the plain model only, then release.
         self.model = self.unwrapped_model
@@ -289,42 +285,46 @@ class GrimoireTrainer:
     # ------------------------------------------------------------------ the step
 
     def _optimizer_step(self, micro: list[tuple[dict[str, Any], float]]) -> None:
+        """One optimizer step over this rank's micro-batches, as collated (on the host)."""
         acc, loss_fn, means = self.accelerator, self.loss_fn, WeightedMeans()
         ctx = self.context.step
         ctx.epoch, ctx.step_in_epoch = self.state.epoch, self.state.step_in_epoch
         ctx.global_step = self.global_step
         if self.rollouts is not None:  # sample + score, then the method builds training batches
+            micro = [(self._to_device(b), keep) for b, keep in micro]
             micro, rollout_metrics, rollout_weight = self.rollouts.step(self.context, micro)
             means.add(rollout_metrics, rollout_weight)
-        weights = [loss_units(loss_fn, b) * keep for b, keep in micro]
+        # Loss units and tokens counted before the batches move: on the host, no device read.
+        weights, tokens = host_units(loss_fn, micro)
+        micro = [(self._to_device(b), keep) for b, keep in micro]
         local = sum(weights)
         # Backward each micro-batch's mean loss x its loss units / norm (same on every rank, no
         # collective); the exact global normaliser is applied after the step's one reduction.
         norm = backward_norm(self.state.loss_units_seen, self.state.global_step, acc.num_processes)
         if self._units_first:
             norm = self.context.all_reduce_sum([local])[0] / acc.num_processes
-        for i, ((batch, _), weight) in enumerate(zip(micro, weights)):
-            last = i == len(micro) - 1
-            sync = gradient_sync(acc, self.model, last)
-            # DeepSpeed steps its engine inside backward() when gradients sync: only on the last.
-            acc.gradient_state._set_sync_gradients(last)
-            with sync, acc.autocast():
-                loss, metrics = loss_fn(self.model, batch, training=True)
-            acc.backward(loss * backward_scale(weight, norm))
-            means.add({"loss": loss, **metrics}, weight)
-        tokens = sum(count_tokens(b) * keep for b, keep in micro)
+        with deferred_promise_checks() as checks:  # the head's backward reads nothing back
+            for i, ((batch, _), weight) in enumerate(zip(micro, weights)):
+                last = i == len(micro) - 1
+                sync = gradient_sync(acc, self.model, last)
+                # DeepSpeed steps its engine inside backward() when gradients sync: on the last.
+                acc.gradient_state._set_sync_gradients(last)
+                with sync, acc.autocast():
+                    loss, metrics = loss_fn(self.model, batch, training=True)
+                acc.backward(loss * backward_scale(weight, norm))
+                means.add({"loss": loss, **metrics}, weight)
         flags = {"stop": float(self._stop_requested), "signal": float(self._signal is not None)}
         scalars = {"units": local, "tokens": tokens, **flags}
-        totals, self._step_metrics = self._reduction.reduce(scalars, means)
+        # ONE read of the step's numbers (two with several processes): training/step.py.
+        totals, self._step_metrics, self._last_grad_norm = finish_step(
+            self.model, acc, self._reduction, scalars, means, norm=norm,
+            rescale=not self._units_first, max_grad_norm=self.config.max_grad_norm,
+            hooks=self.step_hooks, checks=checks,
+        )  # fmt: skip
         if totals["stop"] > 0:
             self._stop = True
         if totals["signal"] > 0:  # some rank was signalled: all checkpoint before stopping
             self.preempted_by = self._signal or "a signal on another process"
-        if not self._units_first:  # the mean over every loss unit of the global batch
-            scale_gradients(self.model, gradient_scale(norm, acc.num_processes, totals["units"]))
-        for hook in self.step_hooks:  # e.g. OSFT's gradient projection, before clipping
-            hook.before_optimizer_step()
-        self._last_grad_norm = clip_gradients(self.model, acc, self.config.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -375,8 +375,7 @@ class GrimoireTrainer:
         )
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        device = self.accelerator.device
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return to_device(batch, self.accelerator.device)  # non-blocking copies
 
     def _maybe_resume(self) -> None:
         if not self.config.resume_from_checkpoint:
@@ -384,7 +383,7 @@ class GrimoireTrainer:
         state = ckpt.resume_if_any(
             self.config.resume_from_checkpoint,
             self.config.output_dir,
-            lambda folder: load_dcp(folder, self.model, self.optimizer),
+            lambda folder: read_checkpoint_model(self, folder),
             self.scheduler,
             self.accelerator.process_index,
         )

@@ -12,6 +12,7 @@ RNG replay for heads that draw random numbers; the softmax math is in
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,40 @@ class _HeadSpec:
     n_params: int  # how many trailing inputs of ``apply`` are head parameters
     chunk_size: int = 1024
     uniform_grad: bool = False  # the caller promises one upstream grad for every log-prob
+
+
+class PromiseChecks:
+    """Where the eager route's backward passes record, ON THE DEVICE, whether the upstream
+    gradients were all equal, instead of reading that back (a host sync inside every backward).
+
+    Inside :func:`deferred_promise_checks` the eager route is taken on trust and ``broken``
+    accumulates a device flag; whoever opened the scope reads it with its own transfer (the
+    trainer: with the step's metrics) and must fail if it is set. Outside such a scope, backward
+    reads the flag itself and falls back to the exact recompute when it is set.
+    """
+
+    def __init__(self) -> None:
+        self.broken: Tensor | None = None  # a device bool scalar, once any backward ran
+
+    def record(self, broken: Tensor) -> None:
+        self.broken = broken if self.broken is None else self.broken | broken
+
+
+# The open scope, if any. A plain global, not a thread-local: backward may run on an autograd
+# worker thread; each forward captures the scope open when it ran.
+_DEFERRED: PromiseChecks | None = None
+
+
+@contextlib.contextmanager
+def deferred_promise_checks() -> Iterator[PromiseChecks]:
+    """Backward passes of head forwards run inside this scope check ``uniform_grad`` on the
+    device only (see :class:`PromiseChecks`)."""
+    global _DEFERRED
+    outer, _DEFERRED = _DEFERRED, PromiseChecks()
+    try:
+        yield _DEFERRED
+    finally:
+        _DEFERRED = outer
 
 
 def _needs_rng_replay(head: torch.nn.Module) -> bool:
@@ -76,7 +111,10 @@ class _HeadLogps(torch.autograd.Function):
       Three head matmuls instead of four and no second pass over the logits, the trick of
       Liger's fused linear cross-entropy. Backward checks the promise (every incoming grad
       equal, no grad on the entropy) and otherwise takes the recompute route, so a broken
-      promise costs time, never exactness.
+      promise costs time, never exactness. Inside :func:`deferred_promise_checks` (the
+      trainer's step) the check stays on the device: the hidden states' gradient is scaled per
+      row (exact whatever the grads), the parameters' by the first grad, and a broken promise
+      is a flag the scope's owner reads later and fails on.
     """
 
     @staticmethod
@@ -86,6 +124,7 @@ class _HeadLogps(torch.autograd.Function):
         # Unused outputs (typically a logged-only entropy) come back as None: skip their math.
         ctx.set_materialize_grads(False)
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.checks = _DEFERRED
         ctx.rng = None
         if _needs_rng_replay(spec.head):
             ctx.rng = (torch.get_rng_state(), _device_rng_state(hidden.device))
@@ -141,10 +180,14 @@ class _HeadLogps(torch.autograd.Function):
         eager, ctx.eager = ctx.eager, None  # a second backward (retain_graph) recomputes
         if eager is not None and grad_entropy is None and grad_logps is not None:
             scale = grad_logps[:1]
-            # One sync per backward: whether the caller kept its promise decides the route.
-            if bool((grad_logps == scale).all()):
+            uniform = (grad_logps == scale).all()
+            if ctx.checks is not None:  # checked on the device, read later by the scope's owner
+                ctx.checks.record(~uniform)
+            # Outside a deferred scope, one sync per backward decides the route.
+            if ctx.checks is not None or bool(uniform):
                 grad_h, grad_params = eager
-                grad_h = grad_h.mul_(scale.to(grad_h.dtype)) if grad_h is not None else None
+                if grad_h is not None:  # per row: exact for any upstream grads
+                    grad_h = grad_h.mul_(grad_logps[:, None].to(grad_h.dtype))
                 grad_params = [
                     g.mul_(scale.to(g.dtype)) if g is not None else None for g in grad_params
                 ]

@@ -1,0 +1,189 @@
+"""What a config points at outside itself, checked before anything loads: model and tokenizer
+folders or hub names, and the checkpoint to resume from.
+
+``from_pretrained`` reads a string that is not an existing folder as a hub repository id, so a
+mistyped local path used to end deep in transformers (``OSError: Repo id must be in the form
+'repo_name' ...``). Here a name is either an existing folder (checked for the files a model or
+tokenizer needs), a hub name of the ``org/name`` shape (offline: it must be in the local cache),
+or a problem that says which key, where the path was looked for, and what to give instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from grimoire.cli.model import REF_MODEL_COPY, TINY_PREFIX
+from grimoire.rows.sources import PACKAGE_PREFIX, hub_offline, resolve_path
+from grimoire.training.checkpoint import STATE_FILE, list_checkpoints
+
+#: Files ``AutoTokenizer.from_pretrained`` reads a tokenizer from (any one is enough).
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+#: Files that make a folder a saved model: a full model, or a LoRA adapter on its base.
+MODEL_FILES = ("config.json", "adapter_config.json")
+#: A Windows drive (``C:``) or a path written with backslashes: never a hub name.
+_WINDOWS_PATH = re.compile(r"^[A-Za-z]:|\\")
+
+
+def looks_local(name: str) -> bool:
+    """True when ``name`` can only mean a local path (``./x``, ``../x``, ``/x``, ``~/x``,
+    ``grimoire://x``, ``a/b/c``, a Windows path), never a hub repository id."""
+    return (
+        name in (".", "..")
+        or name.startswith(("./", "../", "/", "~", PACKAGE_PREFIX))
+        or bool(_WINDOWS_PATH.search(name))
+        or name.count("/") > 1
+    )
+
+
+def is_hub_name(name: str) -> bool:
+    """True for the shape of a hub repository id (``gpt2``, ``Qwen/Qwen2.5-0.5B``)."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_cache_has(repo_id: str, cache_dir: str | None = None) -> bool:
+    """True when the local Hugging Face cache holds a snapshot of model ``repo_id``."""
+    root = Path(cache_dir or hub_constants.HF_HUB_CACHE).expanduser()
+    snapshots = root / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())
+
+
+def pretrained_problems(
+    name: str,
+    where: str,
+    kind: str = "model",
+    needs_tokenizer: bool = False,
+    cache_dir: str | None = None,
+) -> list[str]:
+    """Problems with one ``from_pretrained`` name: ``model.pretrained``, ``model.tokenizer`` or
+    ``loss.ref_model`` (``kind`` is ``"model"`` or ``"tokenizer"``).
+
+    ``needs_tokenizer``: the tokenizer is read from this model folder too (no
+    ``model.tokenizer``), so the folder must hold one.
+    """
+    if name.startswith(TINY_PREFIX):
+        return []  # built in code; the architecture is checked with the model section
+    path = resolve_path(name)
+    if path.is_dir():
+        return _folder_problems(path, where, kind, needs_tokenizer)
+    if path.exists():
+        return [f"{where}: {path} is a file; give the folder that holds the {kind}'s files"]
+    instead = (
+        "an existing model folder (e.g. one that grimoire train saved to save_to), a hub name "
+        "such as Qwen/Qwen2.5-0.5B, or tiny:llama"
+        if kind == "model"
+        else "a folder that holds a tokenizer, or a hub name such as Qwen/Qwen2.5-0.5B"
+    )
+    if looks_local(name) or not is_hub_name(name):
+        return [
+            f"{where}: folder not found: {name} (relative to the current "
+            f"directory, {Path.cwd()}); give {instead}"
+        ]
+    if hub_offline() and not hub_cache_has(name, cache_dir):
+        cache = cache_dir or hub_constants.HF_HUB_CACHE
+        return [
+            f"{where}: {name!r} is no folder here ({Path.cwd()}), and as a hub name it is not in "
+            f"the local Hugging Face cache ({cache}) while offline mode is on (HF_HUB_OFFLINE): "
+            f"download it once with network access (hf download {name}), or give a local folder"
+        ]
+    return []  # a hub name: fetched (or read from the cache) when the run starts
+
+
+def _folder_problems(path: Path, where: str, kind: str, needs_tokenizer: bool) -> list[str]:
+    has = [f for f in (*MODEL_FILES, *TOKENIZER_FILES) if (path / f).is_file()]
+    if kind == "model" and not any(f in has for f in MODEL_FILES):
+        return [
+            f"{where}: {path} holds no config.json, so it is not a saved model (save_pretrained "
+            "and grimoire train's save_to write one; a training run's checkpoint-<step> folders "
+            "are resumed with training.resume_from_checkpoint instead)"
+        ]
+    if (kind == "tokenizer" or needs_tokenizer) and not any(f in has for f in TOKENIZER_FILES):
+        fix = (
+            "set model.tokenizer to the tokenizer's folder or hub name"
+            if kind == "model"
+            else "give the folder that holds the tokenizer files"
+        )
+        return [f"{where}: {path} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}"]
+    return []
+
+
+def resume_problems(spec: Any) -> list[str]:
+    """Problems with ``training.resume_from_checkpoint`` (``"latest"`` or a checkpoint folder)."""
+    where = "training.resume_from_checkpoint"
+    if not isinstance(spec, str) or spec == "latest":
+        return []  # the type is TrainingConfig's check; "latest" may find none (a fresh start)
+    path = Path(spec).expanduser()
+    if (path / STATE_FILE).is_file():
+        return []
+    found = [p.name for p in list_checkpoints(path)]
+    if found:  # an output_dir: say which checkpoints it holds
+        return [
+            f"{where}: {path} is a run's output folder, not one checkpoint; give one of its "
+            f"checkpoints ({', '.join(found[-3:])}), or 'latest' with training.output_dir: {path}"
+        ]
+    what = (
+        f"{path} is not a checkpoint (no {STATE_FILE})"
+        if path.is_dir()
+        else f"folder not found: {spec} (relative to the current directory, {Path.cwd()})"
+    )
+    return [
+        f"{where}: {what}; give a checkpoint-<step> folder written by an earlier run, or "
+        "'latest' for the newest one in training.output_dir (a fresh start when it has none)"
+    ]
+
+
+def reference_problems(raw: Mapping[str, Any]) -> list[str]:
+    """Every path and hub name the (canonical, type-checked) config points at."""
+    p: list[str] = []
+    model = raw.get("model")
+    if isinstance(model, Mapping):
+        kwargs = model.get("model_kwargs")
+        cache_dir = kwargs.get("cache_dir") if isinstance(kwargs, Mapping) else None
+        cache_dir = cache_dir if isinstance(cache_dir, str) else None
+        tokenizer = model.get("tokenizer")
+        if isinstance(model.get("pretrained"), str) and model["pretrained"]:
+            p += pretrained_problems(
+                model["pretrained"],
+                "model.pretrained",
+                needs_tokenizer=not tokenizer,
+                cache_dir=cache_dir,
+            )
+        if isinstance(tokenizer, str) and tokenizer:
+            p += pretrained_problems(tokenizer, "model.tokenizer", "tokenizer", cache_dir=cache_dir)
+        loss = raw.get("loss")
+        ref = loss.get("ref_model") if isinstance(loss, Mapping) else None
+        if isinstance(ref, str) and ref and ref != REF_MODEL_COPY:
+            p += pretrained_problems(ref, "loss.ref_model", cache_dir=cache_dir)
+    training = raw.get("training")
+    if isinstance(training, Mapping):
+        p += resume_problems(training.get("resume_from_checkpoint"))
+    return p
+
+
+__all__ = [
+    "MODEL_FILES",
+    "TOKENIZER_FILES",
+    "hub_cache_has",
+    "is_hub_name",
+    "looks_local",
+    "pretrained_problems",
+    "reference_problems",
+    "resume_problems",
+]

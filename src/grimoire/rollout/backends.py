@@ -1,0 +1,98 @@
+"""Which engine samples an online method's rollouts: an engine object, a name, or a mapping.
+
+Stage: rollout (see docs/architecture.md). The methods' ``engine`` argument (YAML:
+``loss.args.engine``) is one of
+
+- an engine object (``engine=VLLMEngine(...)``): used as it is, its own sampling settings hold;
+- a name, ``"hf"`` (the default: ``model.generate`` on the training model) or ``"vllm"``;
+- a mapping ``{type: vllm, args: {...}}``: the engine's own settings (``gpu_memory_utilization``,
+  ``max_model_len``, ...).
+
+With a name or a mapping the method's sampling arguments (``temperature``, ``top_p``,
+``top_k``, ``max_new_tokens``, ``generation_batch_size``) are passed to the engine, so they are
+set in one place; giving one of them again under ``args`` is an error.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+from grimoire.errors import ConfigError, did_you_mean
+from grimoire.rollout.engine import RolloutEngine
+from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.stage import SamplingConfig
+from grimoire.rollout.vllm_engine import VLLMEngine, require_vllm
+
+#: ``engine`` names -> engine classes.
+ENGINES: dict[str, type[RolloutEngine]] = {"hf": HFGenerateEngine, "vllm": VLLMEngine}
+#: The method's arguments every engine receives (not to be repeated in a mapping's ``args``).
+SAMPLING_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "generation_batch_size")
+#: What ``engine`` may be.
+EngineSpec = RolloutEngine | str | Mapping[str, Any] | None
+
+
+def engine_problems(spec: Any, where: str = "engine") -> list[str]:
+    """Every problem of an ``engine`` value, without building it (the YAML check): an unknown
+    name, unknown or repeated arguments, or ``vllm`` without the package."""
+    if spec is None or isinstance(spec, RolloutEngine):
+        return []
+    if isinstance(spec, str):
+        name, args = spec, {}
+    elif isinstance(spec, Mapping):
+        extra = sorted(set(spec) - {"type", "args"})
+        if extra or not isinstance(spec.get("type"), str):
+            return [f"{where}: expected a name or {{type: <name>, args: {{...}}}}, got {spec!r}"]
+        name, args = spec["type"], spec.get("args") or {}
+        if not isinstance(args, Mapping):
+            return [f"{where}.args: expected a mapping, got {args!r}"]
+    else:
+        return [
+            f"{where}: expected an engine name ({', '.join(ENGINES)}) or a mapping, got {spec!r}"
+        ]
+    if name not in ENGINES:
+        return [
+            f"{where}: unknown engine {name!r}{did_you_mean(name, ENGINES)}; known: {', '.join(ENGINES)}"
+        ]
+    params = inspect.signature(ENGINES[name].__init__).parameters
+    problems = [
+        f"{where}.args.{k}: a sampling setting; give it as the method's own argument (loss.args.{k})"
+        for k in args
+        if k in SAMPLING_ARGS
+    ]
+    known = [p for p in params if p not in ("self", *SAMPLING_ARGS)]
+    problems += [
+        f"{where}.args.{k}: unknown {name} engine argument{did_you_mean(k, known)}; known: {', '.join(known)}"
+        for k in args
+        if k not in params
+    ]
+    if name == "vllm":
+        try:
+            require_vllm(where)
+        except ConfigError as exc:
+            problems += exc.problems
+    return problems
+
+
+def build_engine(spec: EngineSpec, sampling: SamplingConfig) -> RolloutEngine:
+    """The engine ``spec`` names (module docstring), with the method's ``sampling`` settings."""
+    if isinstance(spec, RolloutEngine):
+        return spec
+    problems = engine_problems(spec)
+    if problems:
+        raise ConfigError(problems)
+    spec = spec or "hf"
+    name = spec if isinstance(spec, str) else spec["type"]
+    args = {} if isinstance(spec, str) else dict(spec.get("args") or {})
+    return ENGINES[name](
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        generation_batch_size=sampling.generation_batch_size,
+        **args,
+    )
+
+
+__all__ = ["ENGINES", "SAMPLING_ARGS", "EngineSpec", "build_engine", "engine_problems"]

