@@ -136,7 +136,10 @@ def _shared_prefill(model: torch.nn.Module, ids: Tensor, mask: Tensor, n: int) -
         use_cache=True,
         logits_to_keep=1,
     )
-    cache = out.past_key_values
+    # transformers >= 5.2x names the output's cache `cache` (the old name warns); 5.x before it
+    # only has past_key_values.
+    cache = out.get("cache")
+    cache = cache if cache is not None else out.past_key_values
     cache.batch_repeat_interleave(n)
     return cache
 
