@@ -12,9 +12,10 @@ groups the call held, to check that the G completions of a prompt are sampled to
 
 ``--engines``: rollout tokens/s of the sampling backends alone (``engine.generate`` without old
 log-probs, every completion ``max_new_tokens`` long: no EOS), at a mid-size model with prompts as
-long as the completions: HF ``generate`` prefilling each completion's copy of its prompt (``hf``,
-``prefill_once=False``, what ``generate`` does by itself) against one prefill per prompt
-(``hf-prefill``, the default). With one seed both sample the same tokens (checked here too).
+long as the completions: HF ``generate`` as it runs by itself (``hf``: each completion's copy of
+its prompt prefilled, a ``DynamicCache`` concatenated at every step) against a static KV cache
+(``hf-static``), one prefill per prompt (``hf-prefill``) and both (``hf-prefill-static``, the
+engine's default). With one seed all sample the same tokens (checked here too).
 Where ``vllm`` is importable a third row times :class:`~grimoire.rollout.vllm_engine.VLLMEngine`
 (colocated, its weights synced from the same model; its samples come from its own RNG, so they
 are not compared), and a line gives the time of one weight sync of that model.
@@ -54,7 +55,13 @@ ENGINE_SIZES = {
     ),
     "tiny": dict(vocab=64, hidden=64, heads=2, layers=1, prompts=4, G=4, new=8, prompt_len=8),
 }
-ENGINES = {"hf": {"prefill_once": False}, "hf-prefill": {"prefill_once": True}, "vllm": {}}
+ENGINES = {
+    "hf": {"prefill_once": False, "static_cache": False},  # what `generate` does by itself
+    "hf-static": {"prefill_once": False, "static_cache": True},
+    "hf-prefill": {"prefill_once": True, "static_cache": False},
+    "hf-prefill-static": {"prefill_once": True, "static_cache": True},  # the default
+    "vllm": {},
+}
 
 
 def _engine(name: str, new: int) -> Any:

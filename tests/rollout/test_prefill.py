@@ -67,3 +67,89 @@ def test_prompt_tokens_run_once_per_prompt(tiny_model, tokenizer):
     assert all(shape == (rows, 1) for shape in every[1:])
     prompt_tokens = {k: v[0][0] * v[0][1] + rows for k, v in (("once", once), ("every", every))}
     assert prompt_tokens["once"] * 4 < prompt_tokens["every"]
+
+
+def _plain_generate(model, tokenizer, prompts, n, **kw):
+    """Today's samples: ``model.generate`` by itself (its own prefill of every repeated prompt,
+    its default ``DynamicCache``), the seed and sampling settings the engine uses."""
+    from transformers import GenerationConfig
+
+    from grimoire.rollout.engine import pad_sequences
+    from grimoire.rollout.generation import generation_mode
+
+    ids, mask = pad_sequences(prompts, tokenizer.pad_token_id, left=True, min_width=2)
+    config = GenerationConfig(
+        do_sample=True, max_new_tokens=7, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, temperature=kw.get("temperature", 1.0),
+        top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
+    )  # fmt: skip
+    torch.manual_seed(123)
+    with torch.no_grad(), generation_mode(model):
+        gen = model.generate(
+            input_ids=ids.repeat_interleave(n, 0),
+            attention_mask=mask.repeat_interleave(n, 0),
+            generation_config=config,
+        )
+    rows = gen[:, ids.shape[1] :].tolist()
+    pad = tokenizer.pad_token_id
+    return [[t for t in r if t != pad] for r in rows]
+
+
+@pytest.mark.parametrize("kw", [{}, {"top_k": 5, "temperature": 0.7}])
+def test_static_cache_samples_what_plain_generate_samples(tiny_model, tokenizer, kw):
+    """Both cache kinds, with and without the shared prefill, against ``model.generate`` alone."""
+    n = 3
+    plain = _plain_generate(tiny_model, tokenizer, PROMPTS, n, **kw)
+    for prefill_once in (True, False):
+        for static in (True, False):
+            got, _ = _sample(tiny_model, tokenizer, PROMPTS, n, prefill_once=prefill_once,
+                             static_cache=static, **kw)  # fmt: skip
+            pad = tokenizer.pad_token_id
+            assert [[t for t in r if t != pad] for r in got] == plain, (prefill_once, static)
+
+
+def _cache_storage(model, tokenizer, **kw):
+    """The first layer's key storage seen by every decoding step's forward."""
+    ptrs: list[int] = []
+
+    def after(module, args, kwargs, out):
+        cache = out.get("cache") or out.get("past_key_values")
+        ptrs.append(cache.layers[0].keys.untyped_storage().data_ptr())
+
+    hook = model.model.register_forward_hook(after, with_kwargs=True)
+    try:
+        _sample(model, tokenizer, PROMPTS, 2, **kw)
+    finally:
+        hook.remove()
+    return ptrs
+
+
+@pytest.mark.parametrize("prefill_once", [True, False])
+def test_static_cache_is_written_in_place(tiny_model, tokenizer, prefill_once):
+    """Observed on the cache tensors themselves: with the static cache every decoding step
+    writes into the storage the first step used; the dynamic cache reallocates it each step."""
+    static = _cache_storage(tiny_model, tokenizer, prefill_once=prefill_once, static_cache=True)
+    dynamic = _cache_storage(tiny_model, tokenizer, prefill_once=prefill_once, static_cache=False)
+    assert len(static) == len(dynamic) >= 7
+    assert len(set(static[1:])) == 1
+    # Consecutive steps: the concatenated cache is allocated while the old one is still alive.
+    assert all(a != b for a, b in zip(dynamic[1:], dynamic[2:]))
+
+
+def test_sliding_window_layers_with_prompts_past_the_window():
+    """Gemma2's static sliding-window layers (window 8, prompts of 21 tokens + 12 new): every
+    combination samples what plain ``generate`` with its dynamic cache samples."""
+    from grimoire.model.tiny import build_model
+
+    model = build_model("gemma2", seed=0, sliding_window=8)
+    prompts = [list(range(5, 26)), [7, 8]]
+    got = {}
+    for prefill_once in (True, False):
+        for static in (True, False):
+            engine = HFGenerateEngine(max_new_tokens=12, prefill_once=prefill_once,
+                                      static_cache=static)  # fmt: skip
+            engine.bind(model, pad_token_id=0, eos_token_id=None)
+            torch.manual_seed(1)
+            rollout = engine.generate(prompts, 3, with_old_logps=False)
+            got[prefill_once, static] = rollout.completion_ids.tolist()
+    assert all(v == got[False, False] for v in got.values())
