@@ -64,7 +64,7 @@ def test_yaml_engine_problems_are_listed_together():
     assert problems[1].startswith("loss.args.engine.args.gpu_memory_utilisation: unknown vllm")
     assert 'did you mean "gpu_memory_utilization"' in problems[1]
     assert engine_problems("vlm") == [
-        "engine: unknown engine 'vlm' (did you mean \"vllm\"?); known: hf, vllm"
+        "engine: unknown engine 'vlm' (did you mean \"vllm\"?); known: hf, vllm, vllm-server"
     ]
     assert engine_problems({"kind": "vllm"})[0].startswith("engine: expected a name or")
     assert engine_problems(3)[0].startswith("engine: expected an engine name")

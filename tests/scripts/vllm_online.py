@@ -1,5 +1,6 @@
-"""Worker: GRPO with a colocated vLLM engine per rank, ``python vllm_online.py MODEL OUT BATCH``
-(1 process) or under ``accelerate launch`` (2 processes, gloo). Writes, per rank, the weight
+"""Worker: GRPO with a colocated vLLM engine per rank, ``python vllm_online.py MODEL OUT BATCH
+[ENGINE]`` (1 process) or under ``accelerate launch`` (2 processes, gloo); ENGINE: the method's
+``engine`` as JSON (default ``"vllm"``; e.g. a ``vllm-server`` mapping with its url). Writes, per rank, the weight
 syncs, the prompts it sampled, and the gap between vLLM's log-probs and the policy's after
 training; the trainer writes metrics.jsonl."""
 
@@ -12,7 +13,7 @@ from pathlib import Path
 STEPS, G = 3, 4
 
 
-def main(model_dir: str, out_dir: str, batch: int) -> None:
+def main(model_dir: str, out_dir: str, batch: int, engine_spec: str = '"vllm"') -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -30,7 +31,9 @@ def main(model_dir: str, out_dir: str, batch: int) -> None:
         save_on_epoch_end=False, logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0,
         disable_dropout=True, seed=0,
     )  # fmt: skip
-    method = GRPOMethod(["char_match"], num_generations=G, max_new_tokens=6, engine="vllm")
+    method = GRPOMethod(
+        ["char_match"], num_generations=G, max_new_tokens=6, engine=json.loads(engine_spec)
+    )
     sampled: list[list[str]] = []
     build = method.build_batches
 
@@ -76,4 +79,4 @@ def main(model_dir: str, out_dir: str, batch: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:5])

@@ -21,11 +21,11 @@ K = 3  # optimizer steps
 G = 4
 
 
-def _run(vllm_tiny, tmp_path, skip_sync: bool, peft: bool = False):
+def _run(vllm_tiny, tmp_path, skip_sync: bool, peft: bool = False, engine=None):
     tok = AutoTokenizer.from_pretrained(vllm_tiny)
     model = AutoModelForCausalLM.from_pretrained(vllm_tiny)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(4 * K, seed=1)]
-    engine = VLLMEngine(max_new_tokens=8)
+    engine = engine or VLLMEngine(max_new_tokens=8)
     if skip_sync:  # the first load only: vLLM then samples with the starting weights
         sync = engine.sync_weights
         engine.sync_weights = lambda: sync() if engine.syncs == 0 else None
@@ -65,8 +65,18 @@ def _run(vllm_tiny, tmp_path, skip_sync: bool, peft: bool = False):
 def test_vllm_logps_equal_the_policys_after_k_steps_and_differ_without_sync(
     vllm_tiny, tmp_path, peft
 ):
-    gap, syncs, records, moved = _run(vllm_tiny, tmp_path / "sync", skip_sync=False, peft=peft)
-    stale, stale_syncs, _, _ = _run(vllm_tiny, tmp_path / "stale", skip_sync=True, peft=peft)
+    check_sync(vllm_tiny, tmp_path, peft, lambda: None)
+
+
+def check_sync(vllm_tiny, tmp_path, peft, make_engine):
+    """The assertions, for engines from ``make_engine()`` (None: a colocated VLLMEngine)."""
+    run = dict(peft=peft)
+    gap, syncs, records, moved = _run(
+        vllm_tiny, tmp_path / "sync", False, **run, engine=make_engine()
+    )
+    stale, stale_syncs, _, _ = _run(
+        vllm_tiny, tmp_path / "stale", True, **run, engine=make_engine()
+    )
     print(json.dumps({"peft": peft, "k": K, "synced_gap": gap, "stale_gap": stale, "syncs": syncs}))
     if not peft:
         assert moved > 1e-3  # the weights did move (LoRA: the base stays, the merge moves)

@@ -54,6 +54,7 @@ TOOL_COMMANDS = {
     "merge-lora": "grimoire.tools.merge_lora:main",
     "generate": "grimoire.tools.generate:main",
     "estimate-memory": "grimoire.tools.memory.cli:main",
+    "vllm-serve": "grimoire.tools.vllm_serve:main",
 }
 
 
@@ -119,6 +120,7 @@ COMMAND_SUMMARIES = {
     "plot": "plot the loss and metrics of one or more runs (PNG or HTML)",
     "generate": "complete a prompt with a saved model or LoRA adapter",
     "merge-lora": "fold a saved LoRA adapter into its base and save a plain model",
+    "vllm-serve": "serve sampling with vLLM to trainers using engine: vllm-server",
 }
 #: What each parser's help ends with.
 EXAMPLES = {

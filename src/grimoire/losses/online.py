@@ -61,7 +61,9 @@ class OnlineMethod(GrimoireLoss):
         generation_batch_size: max sequences per sampling / scoring call (memory only).
         engine: what samples (:func:`grimoire.rollout.backends.build_engine`): ``"hf"`` (the
             default, ``model.generate`` on the policy), ``"vllm"`` (a colocated vLLM engine,
-            :class:`~grimoire.rollout.vllm_engine.VLLMEngine`), a mapping ``{"type": "vllm",
+            :class:`~grimoire.rollout.vllm_engine.VLLMEngine`), ``"vllm-server"`` (a ``grimoire
+            vllm-serve`` process, :class:`~grimoire.rollout.vllm_server.VLLMServerEngine`),
+            a mapping ``{"type": "vllm",
             "args": {...}}`` with the engine's own settings (the sampling arguments above are
             passed to it), or an engine object, whose own ``temperature`` /
             ``max_new_tokens`` then override the arguments above.

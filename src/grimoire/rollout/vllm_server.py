@@ -1,0 +1,255 @@
+"""The vLLM server backend: a ``grimoire vllm-serve`` process samples; the trainer trains.
+
+Stage: rollout (see docs/architecture.md). :class:`VLLMServerEngine` is the client: it sends
+prompts (token ids) and sampling settings over HTTP and pushes the policy's weights after every
+optimizer step that changed them. The training process needs no vLLM; the server can run on
+other devices (or another machine) than the trainer, as with TRL's ``trl vllm-serve``.
+
+The wire format is plain and safe to decode: JSON for requests and samples, and for weights a
+stream of frames (8-byte little-endian length, then one tensor as ``safetensors`` bytes: no
+pickle), sent with chunked transfer encoding so neither side holds more than one tensor of the
+stream; an empty frame ends it. :func:`weight_frames` / :func:`read_frames` are the two ends.
+
+Several ranks: each rank sends its own prompts (the server serves one request at a time). Every
+rank walks the policy's weights (under FSDP2 each gather is a collective), rank 0 alone sends
+them, and all ranks wait for the push before sampling again, so no rank samples with the
+weights of the step before.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import struct
+import time
+import urllib.parse
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
+from typing import Any, BinaryIO
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from grimoire.errors import ConfigError
+from grimoire.rollout.engine import RolloutEngine, Samples
+from grimoire.rollout.vllm_common import RequestSeeds, sampling_args
+from grimoire.rollout.vllm_weights import policy_weights, weights_version
+
+_FRAME = struct.Struct("<Q")
+
+
+def weight_frames(weights: Iterable[tuple[str, Tensor]]) -> Iterator[bytes]:
+    """One frame per ``(name, tensor)`` (length, then ``safetensors`` bytes), then the end."""
+    from safetensors.torch import save
+
+    for name, tensor in weights:
+        data = save({name: tensor.detach().cpu().contiguous()})
+        yield _FRAME.pack(len(data)) + data
+    yield _FRAME.pack(0)
+
+
+def read_frames(stream: BinaryIO) -> Iterator[tuple[str, Tensor]]:
+    """The ``(name, tensor)`` pairs of a :func:`weight_frames` stream, one at a time."""
+    from safetensors.torch import load
+
+    while True:
+        head = _read_exactly(stream, _FRAME.size)
+        (size,) = _FRAME.unpack(head)
+        if size == 0:
+            return
+        yield from load(_read_exactly(stream, size)).items()
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> bytes:
+    data = stream.read(size)
+    if len(data) != size:
+        raise ValueError(f"weight stream ended early: wanted {size} bytes, got {len(data)}")
+    return data
+
+
+class ChunkedReader:
+    """``read(n)`` over an HTTP/1.1 chunked request body (the server's side of the stream)."""
+
+    def __init__(self, raw: BinaryIO):
+        self.raw, self.buffer, self.done = raw, b"", False
+
+    def read(self, size: int) -> bytes:
+        while len(self.buffer) < size and not self.done:
+            line = self.raw.readline().split(b";")[0].strip()
+            length = int(line, 16)
+            if length == 0:
+                self.raw.readline()  # the empty trailer line
+                self.done = True
+                break
+            self.buffer += self.raw.read(length)
+            self.raw.readline()  # the chunk's CRLF
+        data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data
+
+
+class VLLMServerEngine(RolloutEngine):
+    """Samples with a ``grimoire vllm-serve`` server at ``url``; see the module docstring.
+
+    Args (besides the sampling ones every engine takes):
+        url: the server's address, e.g. ``http://127.0.0.1:8000``.
+        timeout: seconds to wait for the server to answer at :meth:`bind` (it may still be
+            starting) and for any one request.
+        seed: base of the per-request seeds; default: torch's seed at :meth:`bind` (the run's).
+        importance_sampling: correct the losses for the sampler/learner mismatch.
+        importance_sampling_cap: the truncation ``C`` of the token weight ``min(ratio, C)``.
+    """
+
+    def __init__(
+        self,
+        max_new_tokens: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        generation_batch_size: int | None = None,
+        *,
+        url: str = "http://127.0.0.1:8000",
+        timeout: float = 300.0,
+        seed: int | None = None,
+        importance_sampling: bool = True,
+        importance_sampling_cap: float = 2.0,
+    ):
+        super().__init__(max_new_tokens, temperature, generation_batch_size)
+        parsed = urllib.parse.urlsplit(url)
+        problems = []
+        if parsed.scheme != "http" or not parsed.hostname:
+            problems.append(f"url must look like http://HOST:PORT, got {url!r}")
+        if not 0.0 < top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        if not importance_sampling_cap >= 1.0:
+            problems.append(f"importance_sampling_cap must be >= 1, got {importance_sampling_cap}")
+        if problems:
+            raise ValueError("VLLMServerEngine: " + "; ".join(problems))
+        self.url, self.timeout = url, timeout
+        self.host, self.port = parsed.hostname, parsed.port or 80
+        self.top_p, self.top_k = top_p, top_k
+        self.seed = seed
+        self.importance_sampling_cap = importance_sampling_cap if importance_sampling else None
+        #: Weight pushes done (the weight version the server holds is the policy's after the last).
+        self.syncs = 0
+        self._synced_version: tuple[int, int] | None = None
+        self._seeds = RequestSeeds()
+
+    # ------------------------------------------------------------------ set-up
+
+    def bind(
+        self, model: torch.nn.Module, pad_token_id: int, eos_token_id: Any, autocast=nullcontext
+    ):
+        """Attach the training model; wait for the server and check it serves this model."""
+        super().bind(model, pad_token_id, eos_token_id, autocast)
+        self._synced_version = None  # whatever the server holds, the next rollout pushes ours
+        if self.seed is None:
+            self.seed = torch.initial_seed() % (1 << 31)
+        self._seeds.base = self.seed
+        info = self._wait_for_server()
+        problems = _model_mismatch(info, model)
+        if problems:
+            raise ConfigError(
+                [f"engine: vllm-server at {self.url}: {p}" for p in problems],
+                title="the vLLM server serves another model (nothing was trained)",
+            )
+
+    def _wait_for_server(self) -> dict[str, Any]:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self._request("GET", "/health")
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise ConfigError(
+                        [
+                            f"engine: vllm-server: no server answered at {self.url} within "
+                            f"{self.timeout:.0f} s ({type(exc).__name__}: {exc}); start one with "
+                            "`grimoire vllm-serve --model <the policy's folder>` or fix args.url"
+                        ],
+                        title="the vLLM server is not reachable (nothing was trained)",
+                    ) from exc
+                time.sleep(1.0)
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self) -> None:
+        """Push the policy's weights to the server if they changed since the last push."""
+        version = weights_version(self.model)
+        if version == self._synced_version:
+            return
+        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        weights = policy_weights(self.model)  # every rank walks it: FSDP2 gathers are collective
+        if not sharded or dist.get_rank() == 0:
+            self._request("POST", "/weights", body=weight_frames(weights))
+        else:
+            for _ in weights:
+                pass
+        if sharded:  # no rank samples before the server holds this step's weights
+            dist.barrier()
+        self._synced_version = version
+        self._seeds.new_version()
+        self.syncs += 1
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> Samples:
+        self.sync_weights()  # also before evaluation, which calls generate() directly
+        want = not greedy and self.importance_sampling_cap is not None
+        params = [
+            sampling_args(
+                n=n,
+                greedy=greedy,
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                eos_token_ids=self.eos_token_ids,
+                seed=None if greedy else self._seeds(p),
+            )
+            for p in prompts
+        ]
+        body = json.dumps({"prompts": prompts, "params": params}).encode()
+        out = self._request("POST", "/generate", body=body)
+        return Samples(out["ids"], out["logps"] if want else None)
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _request(self, method: str, path: str, body: Any = None) -> Any:
+        """One request on a fresh connection (the server answers one at a time); the JSON
+        answer, or a ``RuntimeError`` with the server's own message."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+        try:
+            # A generator body goes out with chunked transfer encoding (http.client's choice for
+            # a body of unknown length): one weight frame at a time.
+            stream = body is not None and not isinstance(body, bytes)
+            kind = "application/octet-stream" if stream else "application/json"
+            conn.request(method, path, body=body, headers={"Content-Type": kind})
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        if response.status != 200:
+            raise RuntimeError(
+                f"vLLM server {self.url}{path} answered {response.status}: "
+                f"{data.decode(errors='replace')[:2000]}"
+            )
+        return json.loads(data)
+
+
+def _model_mismatch(info: dict[str, Any], model: torch.nn.Module) -> list[str]:
+    """What differs between the server's model and the policy (shape-defining config keys)."""
+    get_base = getattr(model, "get_base_model", None)
+    config = (get_base() if callable(get_base) else model).config.get_text_config(decoder=True)
+    served = info.get("config", {})
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "model_type")
+    return [
+        f"{k} is {served.get(k)!r} there, {getattr(config, k, None)!r} in the policy"
+        for k in keys
+        if k in served and served.get(k) != getattr(config, k, None)
+    ]
+
+
+__all__ = ["ChunkedReader", "VLLMServerEngine", "read_frames", "weight_frames"]

@@ -1,0 +1,193 @@
+"""``grimoire vllm-serve``: serve a model's sampling to trainers using ``engine: vllm-server``.
+
+Usage::
+
+    grimoire vllm-serve --model path/to/policy [--host 127.0.0.1] [--port 8000]
+
+One vLLM ``LLM`` in this process, behind a small HTTP server that answers one request at a
+time (``GET /health``, ``POST /generate``, ``POST /weights``; the format is in
+:mod:`grimoire.rollout.vllm_server`). Samples are token ids with the drawn tokens' log-probs;
+``/weights`` loads a pushed weight stream into vLLM (``reload_weights``) and drops the prefix
+cache. Everything decoded is JSON or ``safetensors`` (no pickle). There is no authentication:
+anyone who reaches the port can replace the weights, so keep the default ``127.0.0.1`` or a
+private network.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+from grimoire.errors import GrimoireError
+from grimoire.rollout.vllm_common import completions, llm_args, require_vllm
+from grimoire.rollout.vllm_server import ChunkedReader, read_frames
+from grimoire.tools.common import DTYPES, ToolParser, run_tool
+
+log = logging.getLogger(__name__)
+
+
+class Sampler:
+    """The vLLM side of the server: start, sample, load weights (no HTTP here)."""
+
+    def __init__(self, model: str, **settings: Any):
+        from transformers import AutoConfig
+
+        # A path (not a hub name "org/name") that is not there: say so, not the hub's complaint.
+        looks_like_path = model.startswith((".", "/")) or model.count("/") > 1
+        if looks_like_path and not Path(model).exists():
+            raise GrimoireError(f"--model {model}: no such folder")
+        try:
+            config = AutoConfig.from_pretrained(model)
+        except Exception as exc:
+            raise GrimoireError(f"--model {model}: not a model folder or name ({exc})") from exc
+        # In process, so /weights hands vLLM the received tensors as they arrive.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self.config = config.get_text_config(decoder=True)
+        if settings.get("dtype", "auto") == "auto":  # the checkpoint's own (vLLM's auto may cast)
+            saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            settings["dtype"] = str(saved or "float32").removeprefix("torch.")
+        self.llm = LLM(**llm_args(self.config, model=model, **settings))
+        self.pushes = 0
+
+    def info(self) -> dict[str, Any]:
+        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        config = {k: getattr(self.config, k, None) for k in keys}
+        config["model_type"] = self.config.model_type
+        return {"ok": True, "config": config, "weight_pushes": self.pushes}
+
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        from vllm import SamplingParams
+
+        prompts, params = request["prompts"], request["params"]
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling settings")
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
+            [SamplingParams(**p) for p in params],
+            use_tqdm=False,
+        )
+        with_logps = all(p.get("logprobs") is not None for p in params)
+        ids, logps = completions(outputs, with_logps=with_logps)
+        return {"ids": ids, "logps": logps if with_logps else None}
+
+    def load_weights(self, stream: Any) -> dict[str, Any]:
+        count = [0]
+
+        def weights():
+            for name, tensor in read_frames(stream):
+                count[0] += 1
+                yield name, tensor
+
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self.pushes += 1
+        return {"ok": True, "tensors": count[0], "weight_pushes": self.pushes}
+
+
+def handler(sampler: Sampler) -> type[BaseHTTPRequestHandler]:
+    """The request handler class serving ``sampler`` (errors answered as 400/500 + message)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            if self.path != "/health":
+                return self._answer(404, {"error": f"no such path {self.path}"})
+            self._answer(200, sampler.info())
+
+        def do_POST(self) -> None:
+            try:
+                if self.path == "/generate":
+                    size = int(self.headers.get("Content-Length", 0))
+                    result = sampler.generate(json.loads(self.rfile.read(size)))
+                elif self.path == "/weights":
+                    chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+                    stream = ChunkedReader(self.rfile) if chunked else self.rfile
+                    result = sampler.load_weights(stream)
+                else:
+                    return self._answer(404, {"error": f"no such path {self.path}"})
+            except (ValueError, KeyError, TypeError) as exc:
+                return self._answer(400, {"error": f"{type(exc).__name__}: {exc}"})
+            except Exception as exc:  # the server keeps serving; the client gets the message
+                log.exception("request %s failed", self.path)
+                return self._answer(500, {"error": f"{type(exc).__name__}: {exc}"})
+            self._answer(200, result)
+
+        def _answer(self, status: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+            self.close_connection = True
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("%s " + format, self.address_string(), *args)
+
+    return Handler
+
+
+def main(argv: Sequence[str]) -> int:
+    """``grimoire vllm-serve``: returns the exit code (serves until interrupted)."""
+    p = ToolParser(
+        prog="grimoire vllm-serve",
+        description="Serve a model's sampling with vLLM to trainers whose online method uses "
+        "engine: vllm-server (they push their weights after each optimizer step). The trainer "
+        'side: --set \'loss.args.engine={"type": "vllm-server", "args": {"url": '
+        '"http://127.0.0.1:8000"}}\'.',
+        example=(
+            "grimoire vllm-serve --model output/sft/final --port 8000",
+            "grimoire vllm-serve --model output/sft/final --host 10.0.0.5 --dtype bfloat16",
+        ),
+    )
+    p.add_argument("--model", required=True, help="the policy's folder (or hub name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (no auth: keep it "
+                   "local or private)")  # fmt: skip
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="vLLM's weights")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + completion")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--kv-cache-memory-bytes", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true", default=None)
+
+    def body() -> int:
+        args = p.parse_args(list(argv))
+        require_vllm("grimoire vllm-serve")  # before loading anything
+        sampler = Sampler(
+            args.model,
+            dtype=args.dtype,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enforce_eager=args.enforce_eager,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            max_num_seqs=args.max_num_seqs,
+        )
+        server = HTTPServer((args.host, args.port), handler(sampler))
+        host, port = server.server_address[:2]  # --port 0: a free port, printed here
+        print(f"grimoire vllm-serve: serving {args.model} at http://{host}:{port}", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
+        return 0
+
+    return run_tool("vllm-serve", body)
+
+
+__all__ = ["Sampler", "handler", "main"]

@@ -1,0 +1,86 @@
+"""``grimoire vllm-serve`` + ``engine: vllm-server``: a real server process (vLLM's CPU build),
+the weight push proven as the colocated sync is (vLLM's log-probs = the policy's after k steps,
+and not without the push), and 2 gloo processes sharing one server = 1 process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from tests.vllm_backend.test_vllm_ddp import WORKER, _env, _records
+from tests.vllm_backend.test_vllm_sync import check_sync
+
+from grimoire.rollout.vllm_server import VLLMServerEngine
+
+
+def _pushes(url: str) -> int:
+    with urllib.request.urlopen(url + "/health", timeout=30) as answer:
+        return json.loads(answer.read())["weight_pushes"]
+
+
+@pytest.fixture(scope="module")
+def server(vllm_tiny):
+    cmd = [sys.executable, "-m", "grimoire", "vllm-serve", "--model", str(vllm_tiny),
+           "--port", "0", "--max-model-len", "128", "--max-num-seqs", "64"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())  # fmt: skip
+    lines, deadline = [], time.monotonic() + 300
+    url = None
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if "grimoire vllm-serve: serving" in line:
+            url = line.rsplit(" at ", 1)[1].strip()
+    if url is None:
+        proc.kill()
+        pytest.fail("vllm-serve did not start:\n" + "".join(lines[-40:]))
+    yield url
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_server_logps_equal_the_policys_after_k_steps_and_differ_without_push(
+    vllm_tiny, tmp_path, server, peft
+):
+    check_sync(vllm_tiny, tmp_path, peft, lambda: VLLMServerEngine(max_new_tokens=8, url=server))
+
+
+def test_two_processes_sharing_one_server_match_one_process(vllm_tiny, tmp_path, server):
+    from tests.helpers.train_utils import free_port
+
+    spec = json.dumps({"type": "vllm-server", "args": {"url": server}})
+    one, two = tmp_path / "one", tmp_path / "two"
+    run = dict(check=True, env=_env(), timeout=600)
+    pushes = [_pushes(server)]
+    subprocess.run([sys.executable, str(WORKER), str(vllm_tiny), str(one), "4", spec], **run)
+    pushes.append(_pushes(server))
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()),
+    ]  # fmt: skip
+    subprocess.run([*launch, str(WORKER), str(vllm_tiny), str(two), "2", spec], **run)
+    pushes.append(_pushes(server))
+    single = json.loads((one / "rank0.json").read_text())
+    ranks = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
+    steps = len(single["sampled"])
+    for r in (single, *ranks):
+        assert r["syncs"] == steps + 1  # a push at the start and after every step
+        assert r["gap"] <= 1e-3  # the server holds the trained policy, seen from every rank
+    for step in range(steps):
+        a, b = set(ranks[0]["sampled"][step]), set(ranks[1]["sampled"][step])
+        assert a and b and not a & b and a | b == set(single["sampled"][step])
+    # Counted by the server itself: each run pushed steps + 1 times; with 2 ranks rank 0 alone.
+    assert [b - a for a, b in zip(pushes, pushes[1:])] == [steps + 1, steps + 1]
+    r1, r2 = _records(one), _records(two)
+    assert len(r1) == len(r2) == steps
+    for x, y in zip(r1, r2):
+        assert abs(x["rewards/mean"] - y["rewards/mean"]) <= 1e-6
+        assert abs(x["loss"] - y["loss"]) <= 1e-5
