@@ -100,34 +100,44 @@ def _kv_bytes_per_token(config: Any, dtype: str) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * size
 
 
-def sampling_args(
-    *,
-    n: int,
-    greedy: bool,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    eos_token_ids: Sequence[int],
-    seed: int | None,
-) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments for one prompt's ``n`` completions.
+def sampling_args(engine: Any, n: int, greedy: bool, seed: int | None) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for one prompt's ``n`` completions, from the
+    ``engine``'s settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
+    ``eos_token_ids``).
 
     EOS is exactly the tokenizer's (``stop_token_ids``; vLLM's own notion from the config or
     generation config is off with ``ignore_eos``); sampled requests ask for the drawn token's
     own log-prob (``logprobs=0``), which the importance-sampling correction needs.
     """
     common: dict[str, Any] = dict(
-        max_tokens=max_new_tokens,
+        max_tokens=engine.max_new_tokens,
         ignore_eos=True,
-        stop_token_ids=[int(e) for e in eos_token_ids],
+        stop_token_ids=[int(e) for e in engine.eos_token_ids],
         detokenize=False,
     )
     if greedy:
         return dict(n=1, temperature=0.0, **common)
     return dict(
-        n=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, logprobs=0, **common
+        n=n,
+        temperature=engine.temperature,
+        top_p=engine.top_p,
+        top_k=engine.top_k,
+        seed=seed,
+        logprobs=0,
+        **common,
     )
+
+
+def setting_problems(top_p: float, top_k: int, importance_sampling_cap: float) -> list[str]:
+    """What is wrong with the sampling settings both vLLM engines take."""
+    problems = []
+    if not 0.0 < top_p <= 1.0:
+        problems.append(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        problems.append(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not importance_sampling_cap >= 1.0:
+        problems.append(f"importance_sampling_cap must be >= 1, got {importance_sampling_cap}")
+    return problems
 
 
 class RequestSeeds:
@@ -177,5 +187,6 @@ __all__ = [
     "llm_args",
     "require_vllm",
     "sampling_args",
+    "setting_problems",
     "vllm_available",
 ]

@@ -58,6 +58,7 @@ from grimoire.rollout.vllm_common import (
     llm_args,
     require_vllm,
     sampling_args,
+    setting_problems,
     vllm_available,
 )
 from grimoire.rollout.vllm_weights import policy_weights, weights_version
@@ -104,19 +105,13 @@ class VLLMEngine(RolloutEngine):
         llm_kwargs: dict[str, Any] | None = None,
     ):
         super().__init__(max_new_tokens, temperature, generation_batch_size)
-        problems = []
-        if not 0.0 < top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 disables it), got {top_k}")
+        problems = setting_problems(top_p, top_k, importance_sampling_cap)
         if not 0.0 < gpu_memory_utilization <= 1.0:
             problems.append(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             problems.append(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size}")
-        if not importance_sampling_cap >= 1.0:
-            problems.append(f"importance_sampling_cap must be >= 1, got {importance_sampling_cap}")
         if problems:
             raise ValueError("VLLMEngine: " + "; ".join(problems))
         require_vllm("VLLMEngine")
@@ -294,18 +289,7 @@ class VLLMEngine(RolloutEngine):
     def _params(self, n: int, greedy: bool, seed: int | None) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(
-            **sampling_args(
-                n=n,
-                greedy=greedy,
-                max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                eos_token_ids=self.eos_token_ids,
-                seed=seed,
-            )
-        )
+        return SamplingParams(**sampling_args(self, n, greedy, seed))
 
     def _sleep(self, llm: Any) -> None:
         if self.sleep_mode:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from grimoire.errors import ConfigError
 from grimoire.rollout.engine import RolloutEngine, Samples
-from grimoire.rollout.vllm_common import RequestSeeds, sampling_args
+from grimoire.rollout.vllm_common import RequestSeeds, sampling_args, setting_problems
 from grimoire.rollout.vllm_weights import policy_weights, weights_version
 
 _FRAME = struct.Struct("<Q")
@@ -116,15 +116,9 @@ class VLLMServerEngine(RolloutEngine):
     ):
         super().__init__(max_new_tokens, temperature, generation_batch_size)
         parsed = urllib.parse.urlsplit(url)
-        problems = []
+        problems = setting_problems(top_p, top_k, importance_sampling_cap)
         if parsed.scheme != "http" or not parsed.hostname:
             problems.append(f"url must look like http://HOST:PORT, got {url!r}")
-        if not 0.0 < top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 disables it), got {top_k}")
-        if not importance_sampling_cap >= 1.0:
-            problems.append(f"importance_sampling_cap must be >= 1, got {importance_sampling_cap}")
         if problems:
             raise ValueError("VLLMServerEngine: " + "; ".join(problems))
         self.url, self.timeout = url, timeout
@@ -199,17 +193,7 @@ class VLLMServerEngine(RolloutEngine):
         self.sync_weights()  # also before evaluation, which calls generate() directly
         want = not greedy and self.importance_sampling_cap is not None
         params = [
-            sampling_args(
-                n=n,
-                greedy=greedy,
-                max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-                eos_token_ids=self.eos_token_ids,
-                seed=None if greedy else self._seeds(p),
-            )
-            for p in prompts
+            sampling_args(self, n, greedy, None if greedy else self._seeds(p)) for p in prompts
         ]
         body = json.dumps({"prompts": prompts, "params": params}).encode()
         out = self._request("POST", "/generate", body=body)
