@@ -19,6 +19,8 @@
 #   $OUT/fsdp2_step.log     two FSDP2 training steps in bf16 on CUDA (SFT, fused log-probs asked
 #                           for): one plain process, `torchrun --nproc-per-node 1`, and one
 #                           process with fsdp_cpu_offload (it cannot run on a CPU-only machine)
+#   $OUT/rollout.log        benchmarks/rollout_throughput.py --engines --device cuda: HF generate
+#                           plain / static KV cache / one prefill per prompt (issue #26)
 #   $OUT/fused_logprobs.log benchmarks/fused_logprobs.py --device cuda (fused vs full logits)
 #   $OUT/summary.txt        one line per section: its exit code and seconds
 # Nothing in CI runs or depends on this script. It runs grimoire from src/ (PYTHONPATH) and
@@ -130,6 +132,11 @@ section mfu-1b mfu_1b.log 120 python benchmarks/throughput.py --device cuda --mo
   --precisions bf16 --impls "ours packed" --batch 88 --max-len 2048 --max-tokens 16384 \
   --steps 8 --warmup 3 --json "$OUT/mfu_1b.json"
 section throughput-trl throughput.log 90 python benchmarks/throughput.py "${GPU_SFT[@]}" --impls trl
+
+# ---------------------------------------------------------------- issue #26: HF rollout on CUDA
+# Plain generate vs static cache vs one prefill per prompt (fp32; vLLM's CUDA build is not
+# carried, so no vllm row): 64 prompts x 8 x 128 tokens.
+section rollout rollout.log 120 python benchmarks/rollout_throughput.py --engines --device cuda
 
 # ---------------------------------------------------------------- bf16 on the host's CPU
 # Issue #16's AMX goal (bf16 >= 2x fp32 on a CPU with AMX) cannot be measured on the CPU-only

@@ -23,6 +23,7 @@ are not compared), and a line gives the time of one weight sync of that model.
     python benchmarks/rollout_throughput.py --engines          # 64 prompts x 8 x 128 tokens
     python benchmarks/rollout_throughput.py --engines --mid    # the same model, 16 x 8 x 64
     python benchmarks/rollout_throughput.py --engines --tiny
+    python benchmarks/rollout_throughput.py --engines --device cuda   # benchmarks/gpu_check.sh
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _engine(name: str, new: int) -> Any:
     return HFGenerateEngine(max_new_tokens=new, **ENGINES[name])
 
 
-def engines(size: str, repeats: int = 1) -> list[dict[str, Any]]:
+def engines(size: str, repeats: int = 1, device: str = "cpu") -> list[dict[str, Any]]:
     """Each engine's best of ``repeats`` timed ``generate`` calls on the same prompts and seed
     (``vllm`` only where it is importable), plus one timed vLLM weight sync."""
     import random
@@ -85,7 +86,7 @@ def engines(size: str, repeats: int = 1) -> list[dict[str, Any]]:
     s = ENGINE_SIZES[size]
     positions = s["prompt_len"] + s["new"]
     model = bench.tiny_llama(s["vocab"], s["hidden"], s["layers"], positions, heads=s["heads"])
-    model.eval()
+    model.to(device).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(4, s["vocab"]) for _ in range(s["prompt_len"])]
                for _ in range(s["prompts"])]  # fmt: skip
@@ -251,10 +252,11 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--engines", action="store_true", help="compare the sampling backends")
     parser.add_argument("--repeats", type=int, default=1, help="--engines: timed calls each")
     parser.add_argument("--mid", action="store_true", help="--engines: a quarter of the rollout")
+    parser.add_argument("--device", default="cpu", help="--engines: where the HF engines run")
     args = parser.parse_args(argv)
     size = "tiny" if args.tiny else "mid" if args.mid and args.engines else "full"
     if args.engines:
-        lines = engines_table(engines(size, args.repeats), size)
+        lines = engines_table(engines(size, args.repeats, args.device), size)
     else:
         lines = table(run(size, args.out), size)
     print("\n".join(lines))

@@ -39,10 +39,10 @@ def test_rollout_benchmark_split_and_engine_checks(tmp_path):
 
 
 def test_rollout_engines_table(tmp_path):
-    """--engines: both HF variants run, and one prefill per prompt samples what repeated
-    prefill samples (same seed); no timing asserted."""
+    """--engines: every HF variant runs (plain generate, static cache, one prefill per prompt,
+    both) and samples what plain generate samples (same seed); no timing asserted."""
     out = _run("rollout_throughput.py", "--engines", tmp_path=tmp_path)
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| hf")]
-    assert [r[0].strip() for r in rows] == ["hf", "hf-prefill"]
+    assert [r[0].strip() for r in rows] == ["hf", "hf-static", "hf-prefill", "hf-prefill-static"]
     assert all(r[-1].strip() == "True" for r in rows)
     assert len({r[2].strip() for r in rows}) == 1  # the same number of generated tokens
