@@ -138,6 +138,22 @@ def test_cispo_loss_and_gradient_equal_the_papers_formula():
     assert (grad[mask.bool()] != 0).all()
 
 
+def test_cispo_on_policy_gradient_equals_dapo():
+    """On the rollout's first update r = 1 < eps_max, so CISPO's weight is 1 and its gradient
+    is the clipped surrogate's with the same token mean: -A_i / sum|o_i| on every token."""
+    logps, _, mask, adv = _inputs(6)
+    old = logps.detach()
+    cispo, _ = cispo_surrogate(logps, old, adv, CISPO_EPSILON_MAX)
+    ppo, _ = clipped_surrogate(logps, old, adv, 0.2, 0.28)
+    grads = [
+        torch.autograd.grad(reduce_token_loss(pt, mask, lt), logps)[0]
+        for pt, lt in ((cispo, "cispo"), (ppo, "dapo"))
+    ]
+    torch.testing.assert_close(grads[0], grads[1], **TOL)
+    expected = -adv[:, None].expand_as(mask) * mask / mask.sum()
+    torch.testing.assert_close(grads[0], expected, **TOL)
+
+
 def test_cispo_sequence_level_weights_every_token_by_the_capped_sequence_ratio():
     """TRL's combination: the weight is sg(min(s_i, eps_max)) of GSPO's sequence ratio."""
     eps_max = 1.1
