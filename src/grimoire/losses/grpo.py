@@ -41,7 +41,8 @@ Defaults, and why:
 
 The KL term and the vLLM sampler's truncated IS weight combine with every option as in TRL:
 the KL stays per token (``use_bias_correction_kl`` multiplies it by the ratio of the chosen
-level), and the IS weight multiplies each token's surrogate.
+level) and is added after the IS weight multiplied each token's surrogate, so it is not
+weighted (docs/online-rl.md, "How the options combine").
 """
 
 from __future__ import annotations
