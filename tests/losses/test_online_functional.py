@@ -152,7 +152,7 @@ def _naive_global(loss_type, per_token, masks, max_len):
         (row, m) for pt, mk in zip(per_token, masks) for row, m in zip(pt.tolist(), mk.tolist())
     ]
     live = [(row, m) for row, m in rows if sum(m) > 0]
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):  # CISPO: all tokens of the batch (MiniMax-M1, TRL)
         num = sum(x * k for row, m in live for x, k in zip(row, m))
         return num / sum(sum(m) for _, m in live)
     if loss_type == "grpo":

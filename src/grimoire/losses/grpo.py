@@ -1,4 +1,4 @@
-"""GRPO (and its DAPO / Dr. GRPO variants): group-relative policy optimisation.
+"""GRPO (and its DAPO / Dr. GRPO / GSPO / CISPO variants): group-relative policy optimisation.
 
 Paper: Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language
 Models", arXiv 2402.03300 (sec. 4). Per prompt, sample ``G`` completions, score them, and use
@@ -28,10 +28,26 @@ Defaults, and why:
   ratio is exactly 1 in value (no extra old-log-prob forward is run). With mu > 1 the trainer
   repeats the batch for mu optimizer steps and the cached rollout's old log-probs make the
   clipping engage.
+- ``importance_sampling_level="token"``: the ratio above. ``"sequence"`` is GSPO (Zheng et
+  al., arXiv 2507.18071): ``ratio_it`` becomes the sequence's length-normalised ratio
+  ``s_i = exp(mean_t(logp_it - old_logp_it))``, clipped once per sequence. Pair it with
+  ``loss_type="grpo"`` (the paper's per-sequence mean) and the paper's small clip range
+  (``epsilon=3e-4, epsilon_high=4e-4``); the token-summing normalisations weight each
+  sequence by its length (a warning says so, as TRL's does).
+- ``loss_type="cispo"`` (MiniMax-M1, arXiv 2506.13585): ``l_it = -sg(min(ratio_it, eps_max))
+  A_i logp_it``, normalised as "dapo"; ``epsilon_high`` is ``eps_max``, the bound on the ratio
+  itself, defaulting to 5.0 (ScaleRL's and TRL's suggestion) for this loss: TRL falls back to
+  ``epsilon`` (0.2), a cap that scales every on-policy token's gradient by 0.2.
+
+The KL term and the vLLM sampler's truncated IS weight combine with every option as in TRL:
+the KL stays per token (``use_bias_correction_kl`` multiplies it by the ratio of the chosen
+level) and is added after the IS weight multiplied each token's surrogate, so it is not
+weighted (docs/online-rl.md, "How the options combine").
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -41,11 +57,14 @@ from torch import Tensor
 
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import (
+    IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
     SCALE_REWARDS,
+    cispo_surrogate,
     clipped_surrogate,
     equal_reward_groups,
     group_advantages,
+    importance_ratio,
     k3_kl,
     loss_units,
     masked_mean,
@@ -54,15 +73,27 @@ from grimoire.losses.online_functional import (
 from grimoire.rollout.rewards import RewardFn
 from grimoire.rollout.stage import ScoredGroup
 
+logger = logging.getLogger(__name__)
+
+#: ``epsilon_high`` of ``loss_type="cispo"`` when not given: the IS weight's cap (ScaleRL, TRL).
+CISPO_EPSILON_MAX = 5.0
+#: Loss types that sum per-token terms, so a sequence-level ratio weights a sequence by length.
+_TOKEN_SUMMING = ("dapo", "bnpo", "dr_grpo", "cispo")
+
 
 class GRPOMethod(OnlineMethod):
     """Group Relative Policy Optimization; see the module docstring for the math and defaults.
 
     Args (besides :class:`OnlineMethod`'s):
         epsilon, epsilon_high: lower / upper clip range of the ratio (``epsilon_high=None``:
-            same as ``epsilon``).
+            same as ``epsilon``). With ``loss_type="cispo"``, ``epsilon_high`` is the cap on
+            the IS weight itself (``>= 1``; ``None``: :data:`CISPO_EPSILON_MAX`) and
+            ``epsilon`` is unused.
         num_iterations: optimizer steps per rollout batch (mu); sets ``steps_per_batch``.
-        loss_type: ``"dapo"`` | ``"grpo"`` | ``"bnpo"`` | ``"dr_grpo"`` (normalisation).
+        loss_type: ``"dapo"`` | ``"grpo"`` | ``"bnpo"`` | ``"dr_grpo"`` (normalisations of the
+            clipped surrogate) | ``"cispo"`` (CISPO's surrogate, normalised as "dapo").
+        importance_sampling_level: ``"token"`` (GRPO) | ``"sequence"`` (GSPO's sequence
+            ratio).
         scale_rewards: ``"group"`` | ``"batch"`` | ``"none"``; grimoire-rl's (and older TRL's)
             booleans are read as ``True`` -> ``"group"``, ``False`` -> ``"none"``.
         dynamic_sampling: drop groups whose rewards are all equal (zero advantage; DAPO). Drop
@@ -89,6 +120,7 @@ class GRPOMethod(OnlineMethod):
         scale_rewards: str | bool = "group",
         dynamic_sampling: bool = False,
         use_bias_correction_kl: bool = False,
+        importance_sampling_level: str = "token",
         **kwargs: Any,
     ):
         if isinstance(scale_rewards, bool):  # grimoire-rl's spelling: std-scaled or not
@@ -104,13 +136,34 @@ class GRPOMethod(OnlineMethod):
             problems.append(f"epsilon must be in (0, 1), got {epsilon}")
         if epsilon_high is not None and not epsilon_high > 0:
             problems.append(f"epsilon_high must be > 0, got {epsilon_high}")
+        elif loss_type == "cispo" and epsilon_high is not None and epsilon_high < 1:
+            problems.append(
+                f"epsilon_high must be >= 1 with loss_type='cispo', got {epsilon_high}: it is "
+                "the cap on the IS weight itself, and below 1 it shrinks even on-policy tokens "
+                f"(leave it unset for {CISPO_EPSILON_MAX})"
+            )
+        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            problems.append(
+                f"importance_sampling_level must be one of {list(IMPORTANCE_SAMPLING_LEVELS)}, "
+                f"got {importance_sampling_level!r}"
+            )
         if not isinstance(num_iterations, int) or num_iterations < 1:
             problems.append(f"num_iterations must be an int >= 1, got {num_iterations!r}")
         if problems:
             raise ValueError("GRPOMethod: " + "; ".join(problems))
         super().__init__(reward_funcs, **kwargs)
+        if importance_sampling_level == "sequence" and loss_type in _TOKEN_SUMMING:
+            logger.warning(
+                "GRPOMethod: importance_sampling_level='sequence' with loss_type=%r sums "
+                "per-token terms, so each sequence weighs by its length; GSPO's objective is "
+                "loss_type='grpo'",
+                loss_type,
+            )
+        if epsilon_high is None:
+            epsilon_high = CISPO_EPSILON_MAX if loss_type == "cispo" else epsilon
         self.epsilon = epsilon
-        self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        self.epsilon_high = epsilon_high
+        self.importance_sampling_level = importance_sampling_level
         self.num_iterations = num_iterations
         self.steps_per_batch = num_iterations
         self.loss_type = loss_type
@@ -161,34 +214,49 @@ class GRPOMethod(OnlineMethod):
         logps, entropy = self.policy_logps(model, batch)
         old = batch.get("old_logps")
         old = logps.detach() if old is None else old
-        per_token, info = clipped_surrogate(
-            logps, old, batch["advantages"], self.epsilon, self.epsilon_high
-        )
+        level = self.importance_sampling_level
+        per_token, info = self.surrogate(logps, old, batch["advantages"], mask)
         metrics: dict[str, Any] = {}
-        if self.beta > 0:
-            kl = k3_kl(logps, batch["ref_logps"])
-            if self.use_bias_correction_kl:
-                kl = kl * torch.exp(logps - old)  # with gradient, as TRL
-            per_token = per_token + self.beta * kl
-            metrics["kl"] = masked_mean(kl, mask)
         weights, is_metrics = self.importance_weights(batch, old)
         if weights is not None:  # a separate sampler (vLLM): correct for its mismatch, as TRL
+            # The weight corrects the policy-gradient term only; the KL below is added after
+            # it, unweighted, in TRL's order.
             per_token = per_token * weights
             metrics.update(is_metrics)
+        if self.beta > 0:
+            kl = k3_kl(logps, batch["ref_logps"])
+            if self.use_bias_correction_kl:  # the ratio of the chosen level, with gradient (TRL)
+                kl = kl * importance_ratio(logps, old, mask, level)
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = masked_mean(kl, mask)
         loss = reduce_token_loss(per_token, mask, self.loss_type, self.max_new_tokens)
         low, high = info["clipped_low"], info["clipped_high"]
+        # A sequence-level ratio is one value per sequence: average those over real sequences.
+        where = mask if level == "token" else (mask.sum(-1, keepdim=True) > 0)
         metrics.update(
             {
-                "clip_ratio/low_mean": masked_mean(low.float(), mask),
-                "clip_ratio/high_mean": masked_mean(high.float(), mask),
-                "clip_ratio/region_mean": masked_mean((low | high).float(), mask),
-                "ratio/mean": masked_mean(info["ratio"], mask),
-                "ratio/abs_dev": masked_mean((info["ratio"] - 1).abs(), mask),
+                "clip_ratio/low_mean": masked_mean(low.float(), where),
+                "clip_ratio/high_mean": masked_mean(high.float(), where),
+                "clip_ratio/region_mean": masked_mean((low | high).float(), where),
+                "ratio/mean": masked_mean(info["ratio"], where),
+                "ratio/abs_dev": masked_mean((info["ratio"] - 1).abs(), where),
             }
         )
         if entropy is not None:
             metrics["entropy"] = masked_mean(entropy, mask)
         return loss, metrics
+
+    def surrogate(
+        self, logps: Tensor, old: Tensor, advantages: Tensor, mask: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The per-token policy term ``[N, C]`` of ``loss_type`` at the chosen ratio level, and
+        its detached ``ratio`` / ``clipped_low`` / ``clipped_high``."""
+        level = self.importance_sampling_level
+        if self.loss_type == "cispo":
+            return cispo_surrogate(logps, old, advantages, self.epsilon_high, mask, level)
+        return clipped_surrogate(
+            logps, old, advantages, self.epsilon, self.epsilon_high, mask, level
+        )
 
     def training_loss_weight(self, batch: dict[str, Any]) -> float:
         return loss_units(batch["completion_mask"], self.loss_type)

@@ -1,4 +1,5 @@
-"""Pure math of the online RL methods (GRPO / DAPO / Dr. GRPO, RLOO, Online DPO, RAFT).
+"""Pure math of the online RL methods (GRPO / DAPO / Dr. GRPO / GSPO / CISPO, RLOO, Online DPO,
+RAFT).
 
 No models here: rewards, per-token log-probs and masks in, advantages / losses / selections
 out, so each piece is unit-tested against a naive Python reference.
@@ -18,8 +19,11 @@ from torch import Tensor
 
 from grimoire.rollout.statistics import equal_reward_groups, reward_groups, reward_std
 
-#: GRPO loss normalisations accepted by :func:`reduce_token_loss`.
-LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo")
+#: GRPO loss types accepted by :func:`reduce_token_loss`: four normalisations of PPO's clipped
+#: surrogate, and CISPO's surrogate (normalised as "dapo", as TRL does).
+LOSS_TYPES: tuple[str, ...] = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo")
+#: Where the importance ratio lives (:func:`importance_ratio`): per token, or GSPO's per sequence.
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 #: Advantage scalings accepted by :func:`group_advantages`.
 SCALE_REWARDS: tuple[str, ...] = ("group", "batch", "none")
 
@@ -77,32 +81,76 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return (r - baseline).flatten()
 
 
+def importance_ratio(
+    logps: Tensor, old_logps: Tensor, mask: Tensor | None = None, level: str = "token"
+) -> Tensor:
+    r"""The importance ratio of the current policy to the one that sampled, per token or per sequence.
+
+    ``level="token"`` (PPO, GRPO): ``r_it = exp(logp_it - old_logp_it)``, shape ``[N, C]``.
+
+    ``level="sequence"``: GSPO's length-normalised sequence ratio (Zheng et al., "Group Sequence
+    Policy Optimization", arXiv 2507.18071, eq. 7), the geometric mean of the token ratios::
+
+        s_i = (pi(y_i | x) / pi_old(y_i | x)) ** (1 / |y_i|)
+            = exp( 1/|y_i| * sum_t M_it (logp_it - old_logp_it) )              shape [N, 1]
+
+    Differentiable in ``logps``: ``d s_i / d logp_it = s_i M_it / |y_i|``, the paper's gradient
+    (its gradient analysis: every token of ``y_i`` weighted equally, by ``s_i A_i / |y_i|``),
+    with no stop-gradient needed. A row with an empty mask gets ``s_i = 1``. Needs
+    ``mask [N, C]`` at the sequence level.
+    """
+    log_ratio = logps.float() - old_logps.float()
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("importance_ratio(level='sequence') needs the completion mask")
+        m = mask.to(log_ratio.dtype)
+        mean_log = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+        return torch.exp(mean_log)
+    raise ValueError(
+        f"importance_sampling_level must be one of {list(IMPORTANCE_SAMPLING_LEVELS)}, "
+        f"got {level!r}"
+    )
+
+
 def clipped_surrogate(
     logps: Tensor,
     old_logps: Tensor,
     advantages: Tensor,
     epsilon_low: float = 0.2,
     epsilon_high: float | None = None,
+    mask: Tensor | None = None,
+    level: str = "token",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    r"""PPO's clipped surrogate per token, with DAPO's decoupled (asymmetric) clip range.
+    r"""PPO's clipped surrogate, with DAPO's decoupled (asymmetric) clip range and GSPO's
+    sequence-level ratio.
 
     Papers: Schulman et al., "Proximal Policy Optimization Algorithms", arXiv 1707.06347 (eq. 7);
     clip-higher from Yu et al., "DAPO", arXiv 2503.14476 (sec. 3.1, ``eps_high = 0.28``)::
 
-        ratio = exp(logp - old_logp)
+        ratio = exp(logp - old_logp)                                     (level="token")
         loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
 
-    A token whose ratio is already past the clip edge in the direction the advantage pushes
-    (``ratio > 1 + eps_high`` with ``A > 0``, or ``ratio < 1 - eps_low`` with ``A < 0``) takes the
-    constant clipped branch, so it contributes NO gradient.
+    With ``level="sequence"`` the ratio is GSPO's ``s_i`` (:func:`importance_ratio`; Zheng et
+    al., arXiv 2507.18071, eq. 5-7): one clipped term per sequence, ``-min(s_i A_i, clip(s_i,
+    1 - eps_low, 1 + eps_high) A_i)``, repeated on each of its tokens, so the per-sequence token
+    mean (``loss_type="grpo"``) is exactly the paper's objective. GSPO's paper clips at
+    ``eps_low = 3e-4``, ``eps_high = 4e-4``, as a sequence ratio sits much closer to 1.
 
-    Shapes: ``logps, old_logps [N, C]``, ``advantages [N]`` -> per-token loss ``[N, C]`` (not
-    masked) and detached ``[N, C]`` tensors ``ratio``, ``clipped_low``, ``clipped_high`` (bool:
-    exactly the zero-gradient tokens).
+    A token (a sequence, at the sequence level) whose ratio is already past the clip edge in
+    the direction the advantage pushes (``ratio > 1 + eps_high`` with ``A > 0``, or ``ratio <
+    1 - eps_low`` with ``A < 0``) takes the constant clipped branch, so it contributes NO
+    gradient.
+
+    Shapes: ``logps, old_logps [N, C]``, ``advantages [N]`` (``mask [N, C]``, needed at the
+    sequence level) -> per-token loss ``[N, C]`` (not masked) and detached ``ratio``,
+    ``clipped_low``, ``clipped_high`` (bool: exactly the zero-gradient terms), ``[N, C]`` at the
+    token level, ``[N, 1]`` at the sequence level.
     """
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     a = advantages.float().unsqueeze(1)
-    ratio = torch.exp(logps.float() - old_logps.float())
+    ratio = importance_ratio(logps, old_logps, mask, level)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
     loss = -torch.min(ratio * a, clipped * a)
     r = ratio.detach()
@@ -110,6 +158,47 @@ def clipped_surrogate(
         "ratio": r,
         "clipped_low": (r < 1 - epsilon_low) & (a < 0),
         "clipped_high": (r > 1 + eps_high) & (a > 0),
+    }
+    return loss.expand(logps.shape), info
+
+
+def cispo_surrogate(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    epsilon_max: float,
+    mask: Tensor | None = None,
+    level: str = "token",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""CISPO: REINFORCE with a clipped, stop-gradient importance-sampling weight per token.
+
+    Paper: MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention", arXiv 2506.13585 (sec. 3.1); the cap's name from Khatri et al., "The
+    Art of Scaling Reinforcement Learning Compute for LLMs" (ScaleRL), arXiv 2510.13786::
+
+        w_it  = sg( min(r_it, eps_max) )          r_it = exp(logp_it - old_logp_it)
+        loss  = -w_it * A_i * logp_it
+
+    PPO's clip drops a token's gradient when its ratio leaves the trust region; CISPO keeps
+    every token's gradient and bounds only the weight (``d loss / d logp_it = -w_it A_i``), so
+    rare tokens that fork the reasoning still learn. MiniMax-M1 writes the bound as
+    ``1 + eps_high^IS`` and sets no lower one; here (as TRL) ``epsilon_max`` is the bound on
+    the ratio itself (ScaleRL and TRL suggest 5.0). With ``level="sequence"`` the weight is
+    GSPO's sequence ratio ``s_i`` instead (TRL allows the combination).
+
+    Shapes: ``logps, old_logps [N, C]``, ``advantages [N]`` -> per-token loss ``[N, C]`` (not
+    masked) and detached ``ratio``, ``clipped_low`` (all False: no lower bound) and
+    ``clipped_high`` (weight capped with ``A > 0``, TRL's ``cispo_clip_ratio``), ``[N, C]`` or
+    ``[N, 1]`` by level.
+    """
+    a = advantages.float().unsqueeze(1)
+    ratio = importance_ratio(logps, old_logps, mask, level).detach()
+    weight = torch.clamp(ratio, max=epsilon_max)
+    loss = -weight * a * logps.float()
+    info = {
+        "ratio": ratio,
+        "clipped_low": torch.zeros_like(ratio, dtype=torch.bool),
+        "clipped_high": (ratio > epsilon_max) & (a > 0),
     }
     return loss, info
 
@@ -166,6 +255,7 @@ def reduce_token_loss(
 
         loss_type   micro-batch loss                 units        global objective
         "dapo"      sum(l M) / sum(M)                sum(M)       sum(l M) / sum(M)   (token mean)
+        "cispo"     as "dapo" (MiniMax-M1 eq. 4 normalises by all tokens of the batch, as TRL)
         "grpo"      mean_i[sum_t(l M)_i / |o_i|]     n            mean over sequences of
                                                                    the per-sequence token mean
         "bnpo"      sum(l M) / sum(M)                1            mean over micro-batches of
@@ -182,7 +272,7 @@ def reduce_token_loss(
     """
     m = mask.to(per_token.dtype)
     total = (per_token * m).sum()
-    if loss_type in ("dapo", "bnpo"):
+    if loss_type in ("dapo", "cispo", "bnpo"):
         return total / m.sum().clamp(min=1.0)
     n_seq = (m.sum(-1) > 0).sum().clamp(min=1)
     if loss_type == "grpo":
@@ -197,10 +287,10 @@ def reduce_token_loss(
 
 def loss_units(mask: Tensor, loss_type: str) -> float:
     """The micro-batch's weight for the trainer's global normalisation (see
-    :func:`reduce_token_loss`): tokens ("dapo"), sequences ("grpo", "dr_grpo") or 1 ("bnpo";
+    :func:`reduce_token_loss`): tokens ("dapo", "cispo"), sequences ("grpo", "dr_grpo") or 1 ("bnpo";
     0 for a micro-batch without any token)."""
     tokens = float(mask.sum())
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return tokens
     if loss_type in ("grpo", "dr_grpo"):
         return float((mask.sum(-1) > 0).sum())
@@ -250,13 +340,16 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
 
 
 __all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_TYPES",
     "SCALE_REWARDS",
     "best_of_n",
     "best_worst_pairs",
+    "cispo_surrogate",
     "clipped_surrogate",
     "equal_reward_groups",
     "group_advantages",
+    "importance_ratio",
     "k3_kl",
     "loss_units",
     "masked_mean",
