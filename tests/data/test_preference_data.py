@@ -155,15 +155,22 @@ def test_truncation_that_makes_the_pair_identical_is_an_error(tok):
         tokenize_preference(row, tok, max_length=6)
 
 
-def test_truncation_that_leaves_no_trained_token_is_an_error(tok):
-    # The response starts with a (masked) user turn long enough to fill the whole budget.
+def test_a_user_turn_opening_both_responses_is_shared_untrained_prompt(tok):
+    # The responses open with the same user turn: it is context, so it joins the shared prompt
+    # (cut from the front like any prompt) and each response starts at its assistant turn.
     row = {
         "prompt": [{"role": "user", "content": "ab"}],
         "chosen": [{"role": "user", "content": "x" * 30}, {"role": "assistant", "content": "a"}],
         "rejected": [{"role": "user", "content": "x" * 30}, {"role": "assistant", "content": "b"}],
     }
-    with pytest.raises(DataError, match="'chosen' has no trainable token left"):
-        tokenize_preference(row, tok, max_length=20)
+    out = tokenize_preference(row, tok, max_length=20)
+    for side, answer in (("chosen", "a"), ("rejected", "b")):
+        ids, labels = out[f"{side}_input_ids"], out[f"{side}_labels"]
+        assert len(ids) <= 20
+        trained = tok.decode([t for t in labels if t != -100])
+        assert trained == f"{answer}<|end|><eos>"
+    n = len(out["chosen_input_ids"]) - 3  # both share everything before the answer
+    assert out["chosen_input_ids"][:n] == out["rejected_input_ids"][:n]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -45,12 +45,16 @@ def test_chat_messages_train_assistant_turns_only(tokenizer):
     assert trained == "yo<|end|>k<|end|><eos>"
 
 
-def test_truncation_and_no_trainable_tokens(tokenizer):
-    row = {"prompt": "abcdefgh", "response": "xy"}
-    out = tokenize_sft(row, tokenizer, max_length=11)
+def test_long_rows_are_errors_unless_truncation_asks(tokenizer):
+    row = {"prompt": "abcdefgh", "response": "xy"}  # bos + 8 + 2 + eos = 12 tokens
+    with pytest.raises(DataError, match="the row has 12 tokens, more than max_length=11"):
+        tokenize_sft(row, tokenizer, max_length=11)
+    out = tokenize_sft(row, tokenizer, max_length=11, truncation="cut")
     assert len(out["input_ids"]) == 11 and out["labels"][-2:] == ids(tokenizer, "xy")
+    assert out["_grimoire_cut"] == {"rows": 1, "turns": 0, "tokens": 1, "open_turns": 1}
+    assert tokenize_sft(row, tokenizer, max_length=11, truncation="drop") is None
     with pytest.raises(DataError, match="no trainable tokens left after truncation"):
-        tokenize_sft(row, tokenizer, max_length=5)
+        tokenize_sft(row, tokenizer, max_length=5, truncation="cut")
 
 
 def test_bad_rows_name_the_field(tokenizer):

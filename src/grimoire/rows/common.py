@@ -1,12 +1,17 @@
-"""Shared pieces of the tokenizers: field checks and chat rendering with assistant masks."""
+"""Shared pieces of the tokenizers: field checks, chat rendering with assistant masks, and
+fitting rows to ``max_length``."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
+from grimoire.rows.chat import chat_labels, render_text
+
+logger = logging.getLogger(__name__)
 
 
 def require_fields(example: Mapping[str, Any], fields: Sequence[str], fn: str) -> None:
@@ -25,45 +30,92 @@ def require_fields(example: Mapping[str, Any], fields: Sequence[str], fn: str) -
 
 
 def render_chat(
-    tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = False
+    tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = False
 ) -> list[int]:
     """Token ids of ``messages`` rendered with the tokenizer's chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            [
-                "the tokenizer has no chat_template; set tokenizer.chat_template or use prompt/response fields"
-            ]
-        )
-    ids = tokenizer.apply_chat_template(
-        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
-    )
-    if isinstance(ids, Mapping):  # some tokenizers return a BatchEncoding regardless
-        ids = ids["input_ids"]
-    return list(ids)
+    text = render_text(tokenizer, messages, generation=add_generation_prompt)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def chat_with_assistant_mask(
-    tokenizer, messages: list[dict[str, str]]
+    tokenizer,
+    messages: list[dict[str, Any]],
+    tools: Sequence[Any] | None = None,
+    train_final_reasoning: bool = True,
 ) -> tuple[list[int], list[int]]:
-    """Render ``messages`` and return ``(input_ids, labels)`` with loss only on assistant turns.
+    """Render ``messages`` once and return ``(input_ids, labels)`` with loss only on assistant
+    turns (:func:`grimoire.rows.chat.chat_labels`: no prefix stability needed)."""
+    return chat_labels(
+        tokenizer, messages, tools=tools, train_final_reasoning=train_final_reasoning
+    )
 
-    Works with any prefix-stable chat template (no ``{% generation %}`` tags needed): each
-    assistant turn's tokens are the difference between the rendering up to and including that
-    turn and the rendering of the conversation before it with the generation prompt.
+
+#: Where a tokenize function reports what it cut from a row (popped by ``tokenize_dataset``).
+CUT_KEY = "_grimoire_cut"
+#: ``truncation`` settings: a row longer than ``max_length`` is an error, is dropped, is cut
+#: after its last whole assistant turn that fits, or is cut at ``max_length``.
+TRUNCATIONS = ("error", "drop", "turn", "cut")
+
+
+def fit_length(
+    input_ids: list[int], labels: list[int], max_length: int, truncation: str, fn: str
+) -> tuple[list[int], list[int], dict[str, int] | None] | None:
+    """``input_ids``/``labels`` fitted to ``max_length`` as ``truncation`` asks.
+
+    Returns ``(ids, labels, cut)`` where ``cut`` counts what was removed (``None`` when nothing
+    was), or ``None`` for a dropped row. ``"turn"`` ends the row after its last assistant turn
+    (a run of trained labels, closing token included) that fits, so no kept turn loses its end;
+    ``"cut"`` may end inside a turn, and says so in ``cut["open_turns"]``.
     """
-    full = render_chat(tokenizer, messages)
-    labels = [IGNORE_INDEX] * len(full)
-    for i, msg in enumerate(messages):
-        if msg.get("role") != "assistant":
-            continue
-        start = len(render_chat(tokenizer, messages[:i], add_generation_prompt=True))
-        end_ids = render_chat(tokenizer, messages[: i + 1])
-        if full[: len(end_ids)] != end_ids or start > len(end_ids):
+    if truncation not in TRUNCATIONS:
+        raise ValueError(f"{fn}: truncation must be one of {list(TRUNCATIONS)}, got {truncation!r}")
+    n = len(input_ids)
+    if n <= max_length:
+        return input_ids, labels, None
+    if truncation == "error":
+        raise DataError(
+            [
+                f"{fn}: the row has {n} tokens, more than max_length={max_length} (raise "
+                "max_length, or set truncation='turn' / 'cut' / 'drop', or "
+                "truncate_long_samples in the CLI)"
+            ]
+        )
+    if truncation == "drop":
+        return None
+    trained = [label != IGNORE_INDEX for label in labels]
+    starts = [i for i in range(n) if trained[i] and (i == 0 or not trained[i - 1])]
+    ends = [i + 1 for i in range(n) if trained[i] and (i + 1 == n or not trained[i + 1])]
+    if truncation == "turn":
+        keep = max((e for e in ends if e <= max_length), default=0)
+        if not keep:
             raise DataError(
                 [
-                    "the chat template is not prefix-stable, so assistant turns cannot be located; "
-                    "use prompt/response fields or a template with stable prefixes"
+                    f"{fn}: the row has {n} tokens and its first assistant turn does not fit in "
+                    f"max_length={max_length} (raise max_length or use truncation='cut')"
                 ]
             )
-        labels[start : len(end_ids)] = full[start : len(end_ids)]
-    return full, labels
+    else:
+        keep = max_length
+    cut = {
+        "rows": 1,
+        "turns": sum(s >= keep for s in starts),  # whole turns removed
+        "tokens": n - keep,
+        "open_turns": sum(s < keep < e for s, e in zip(starts, ends)),  # cut before their end
+    }
+    return input_ids[:keep], labels[:keep], cut
+
+
+def log_cuts(source_name: str, dropped: int, cut: Mapping[str, int]) -> None:
+    """Say what truncation removed from ``source_name`` (nothing is cut silently)."""
+    if dropped:
+        logger.warning("%s: dropped %d rows longer than max_length", source_name, dropped)
+    if cut["rows"]:
+        logger.warning(
+            "%s: cut %d rows to max_length: %d tokens and %d whole assistant turns removed, "
+            "%d assistant turns cut before their end-of-turn token",
+            source_name,
+            cut["rows"],
+            cut["tokens"],
+            cut["turns"],
+            cut["open_turns"],
+        )

@@ -21,7 +21,7 @@ from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.rows.common import chat_with_assistant_mask, render_chat
+from grimoire.rows.chat import check_messages, row_tools, split_conversation
 
 Messages = list[dict[str, Any]]
 
@@ -83,14 +83,16 @@ def encode_prompt_response(
     response_field: str,
     fn: str,
     conversational: bool,
+    tools: Sequence[Any] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """Tokenize one ``(prompt, response)``: ``(prompt_ids, response_ids, response_labels)``.
 
     Strings: ``prompt`` with the tokenizer's special tokens (BOS), the response without, plus
-    EOS (trained, so the model learns to stop). Conversational: the prompt is rendered with the
-    generation prompt, the full conversation with the chat template, and the response is
-    whatever the full rendering adds; only assistant turns are trained (``response_labels`` is
-    -100 elsewhere), and EOS is appended when the template does not end with it.
+    EOS (trained, so the model learns to stop). Conversational: ``prompt + response`` is
+    rendered ONCE with the chat template (``tools`` handed to it) and the response starts where
+    its first assistant turn does (:func:`grimoire.rows.chat.split_conversation`); only its
+    assistant turns are trained (tool calls included, tool results never), and EOS is appended
+    when the template does not end with it.
     """
     eos = tokenizer.eos_token_id
     if not conversational:
@@ -102,19 +104,13 @@ def encode_prompt_response(
     response_msgs = _as_messages(response, "assistant", response_field, fn)
     if not any(m.get("role") == "assistant" for m in response_msgs):
         raise DataError([f"{fn}: field {response_field!r} has no assistant message to train on"])
-    # The generation prompt (e.g. "<|assistant|>") belongs to the prompt only when the response
-    # opens with an assistant turn; otherwise the full rendering would not extend the prompt.
-    opens_with_assistant = response_msgs[0].get("role") == "assistant"
-    prompt_ids = render_chat(tokenizer, prompt_msgs, add_generation_prompt=opens_with_assistant)
-    full, labels = chat_with_assistant_mask(tokenizer, prompt_msgs + response_msgs)
-    if full[: len(prompt_ids)] != prompt_ids:
-        raise DataError(
-            [
-                f"{fn}: the chat template renders {prompt_field!r} differently inside the full "
-                "conversation (not prefix-stable), so the response cannot be located"
-            ]
-        )
-    response_ids, response_labels = full[len(prompt_ids) :], labels[len(prompt_ids) :]
+    problems = check_messages(prompt_msgs, tools=tools, field=prompt_field, fn=fn)
+    problems += check_messages(response_msgs, tools=tools, field=response_field, fn=fn)
+    if problems:
+        raise DataError(problems)
+    prompt_ids, response_ids, response_labels = split_conversation(
+        tokenizer, prompt_msgs, response_msgs, tools=tools
+    )
     if eos is not None and (not response_ids or response_ids[-1] != eos):
         response_ids, response_labels = response_ids + [eos], response_labels + [eos]
     return prompt_ids, response_ids, response_labels
@@ -157,6 +153,7 @@ def tokenize_prompt_responses(
     max_length: int,
     max_prompt_length: int | None,
     conversational: bool,
+    tools: Sequence[Any] | None = None,
 ) -> list[dict[str, list[int]]]:
     """``prompt`` followed by each ``(field, response)``, truncated together: one
     ``{"input_ids", "attention_mask", "labels"}`` per response (prompt tokens labelled -100).
@@ -175,9 +172,17 @@ def tokenize_prompt_responses(
             response_field=field,
             fn=fn,
             conversational=conversational,
+            tools=tools,
         )
         for field, response in responses
     ]
+    if any(prompt_ids != encoded[0][0] for prompt_ids, _, _ in encoded):
+        raise DataError(
+            [
+                f"{fn}: the chat template renders {prompt_field!r} differently before each "
+                "response, so the responses would not share one prompt"
+            ]
+        )
     prompt_ids, cut = truncate_prompt_responses(
         encoded[0][0],
         [(ids, labels) for _, ids, labels in encoded],
@@ -245,6 +250,8 @@ def tokenize_preference(
     rejected_field: str = "rejected",
     max_prompt_length: int | None = None,
     margin_field: str | None = None,
+    tools_field: str = "tools",
+    tools: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """Tokenize one preference pair into chosen/rejected sequences sharing the prompt tokens.
 
@@ -259,6 +266,8 @@ def tokenize_preference(
     - implicit prompt: no ``prompt`` field and ``chosen``/``rejected`` full conversations; their
       shared leading messages are the prompt.
 
+    Conversations may carry assistant ``tool_calls`` (trained) and ``tool`` messages (never
+    trained); the tool schemas come from the row's ``tools_field`` column or ``tools``.
     Over-long rows are truncated as the module docstring describes. ``margin_field`` copies a
     numeric per-pair margin (for ``RewardModelLoss(margin_field=...)``) into the output under
     the same name.
@@ -314,6 +323,7 @@ def tokenize_preference(
         max_length=max_length,
         max_prompt_length=max_prompt_length,
         conversational=_is_conversational(prompt, chosen, rejected),
+        tools=row_tools(example, tools_field, tools),
     )
     if chosen_row["input_ids"] == rejected_row["input_ids"]:
         raise DataError(

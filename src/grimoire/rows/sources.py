@@ -32,6 +32,7 @@ from typing import Any
 
 from grimoire.columns import listed
 from grimoire.errors import ConfigError, DataError, did_you_mean
+from grimoire.rows.common import CUT_KEY, log_cuts
 
 #: Prefix for files shipped inside the grimoire package.
 PACKAGE_PREFIX = "grimoire://"
@@ -325,10 +326,20 @@ def tokenize_dataset(
     """
     out: list[Mapping[str, Any]] = []
     found = list(problems)
+    cut = {"rows": 0, "turns": 0, "tokens": 0, "open_turns": 0}
+    dropped = 0
     for i, row in enumerate(dataset):
         example = {k: v for k, v in row.items() if v is not None}
         try:
-            out.append(fn(example, **fn_kwargs))
+            result = fn(example, **fn_kwargs)
+            if result is None:  # the tokenizer's truncation="drop" on an over-long row
+                dropped += 1
+                continue
+            if CUT_KEY in result:
+                result = dict(result)
+                for key, value in result.pop(CUT_KEY).items():
+                    cut[key] += value
+            out.append(result)
         except DataError as exc:
             if locations is not None:
                 found.extend(f"{locations[i]}: {p} ({source_name} row {i})" for p in exc.problems)
@@ -341,6 +352,7 @@ def tokenize_dataset(
             raise
     if found:
         raise DataError(listed(found), title=f"invalid data in {source_name}")
+    log_cuts(source_name, dropped, cut)
     if not out:
         raise DataError([f"{source_name}: no rows to tokenize"])
     return rows_to_dataset(out, source=source_name)
