@@ -189,6 +189,22 @@ def kto_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+def reverse_chat_rows(n: int, seed: int, turns: int = 3) -> list[dict[str, Any]]:
+    """Multi-turn chats of the reverse task: a system turn, then ``turns`` user questions each
+    answered by the assistant (``{"messages": [...]}`` rows for the chat template)."""
+    words = reverse_rows(n * turns, seed)
+    rows = []
+    for i in range(n):
+        messages = [{"role": "system", "content": "reverse each word."}]
+        for r in words[i * turns : (i + 1) * turns]:
+            messages += [
+                {"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": r["response"]},
+            ]
+        rows.append({"messages": messages})
+    return rows
+
+
 def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +218,7 @@ def write_assets(folder: Path = ASSETS) -> None:
     """Regenerate the bundled toy datasets (deterministic)."""
     write_jsonl(reverse_rows(2000, seed=0), folder / "reverse_train.jsonl")
     write_jsonl(reverse_rows(200, seed=1), folder / "reverse_eval.jsonl")
+    write_jsonl(reverse_chat_rows(500, seed=2), folder / "reverse_chat.jsonl")
 
 
 if __name__ == "__main__":

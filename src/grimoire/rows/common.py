@@ -10,6 +10,7 @@ from typing import Any
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
 from grimoire.rows.chat import chat_labels, render_text
+from grimoire.rows.formats import detect_format
 
 logger = logging.getLogger(__name__)
 
@@ -119,3 +120,9 @@ def log_cuts(source_name: str, dropped: int, cut: Mapping[str, int]) -> None:
             cut["turns"],
             cut["open_turns"],
         )
+
+
+def log_format(source_name: str, row: Mapping[str, Any]) -> None:
+    """Log which of TRL's dataset formats ``row`` (a dataset's first row) is in."""
+    found = detect_format(row)
+    logger.info("%s: %s format (columns %s)", source_name, found or "no TRL dataset", sorted(row))

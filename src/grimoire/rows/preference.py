@@ -238,6 +238,18 @@ def split_implicit_prompt(
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+def split_implicit_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """``(prompt, chosen_rest, rejected_rest)`` of TRL's standard implicit-prompt rows: the
+    shared leading text is the prompt, ending before the space that precedes the first
+    difference (TRL's ``extract_prompt`` rule), so each response starts with its word."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if 0 < n < min(len(chosen), len(rejected)) + 1 and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
 # --------------------------------------------------------------------------- tokenize
 
 
@@ -263,8 +275,9 @@ def tokenize_preference(
       ``chosen``/``rejected`` message lists (or strings, read as one assistant message),
       rendered with the tokenizer's chat template; only assistant turns of the responses are
       trained;
-    - implicit prompt: no ``prompt`` field and ``chosen``/``rejected`` full conversations; their
-      shared leading messages are the prompt.
+    - implicit prompt: no ``prompt`` field and ``chosen``/``rejected`` full conversations (their
+      shared leading messages are the prompt) or full texts (their shared leading text, up to
+      the space before the first difference, as TRL splits them).
 
     Conversations may carry assistant ``tool_calls`` (trained) and ``tool`` messages (never
     trained); the tool schemas come from the row's ``tools_field`` column or ``tools``.
@@ -287,8 +300,9 @@ def tokenize_preference(
         if (p := _missing_or_empty(example, f, fn, kwarg))
     ]
     chosen, rejected = example.get(chosen_field), example.get(rejected_field)
-    implicit = (
-        prompt_field not in example and isinstance(chosen, list) and isinstance(rejected, list)
+    implicit = prompt_field not in example and (
+        (isinstance(chosen, list) and isinstance(rejected, list))
+        or (isinstance(chosen, str) and isinstance(rejected, str))
     )
     if not implicit and (p := _missing_or_empty(example, prompt_field, fn, "prompt_field")):
         problems.append(p)
@@ -302,7 +316,16 @@ def tokenize_preference(
             ]
         )
     prompt: Any = example.get(prompt_field)
-    if implicit:
+    if implicit and isinstance(chosen, str):
+        prompt, chosen, rejected = split_implicit_text(chosen, rejected)
+        if not prompt:
+            raise DataError(
+                [
+                    f"{fn}: no {prompt_field!r} field and {chosen_field!r}/{rejected_field!r} share "
+                    "no leading text to use as the prompt"
+                ]
+            )
+    elif implicit:
         prompt, chosen, rejected = split_implicit_prompt(
             _as_messages(chosen, "assistant", chosen_field, fn),
             _as_messages(rejected, "assistant", rejected_field, fn),
@@ -354,6 +377,7 @@ __all__ = [
     "PREFERENCE_COLUMNS",
     "encode_prompt_response",
     "split_implicit_prompt",
+    "split_implicit_text",
     "tokenize_preference",
     "tokenize_prompt_responses",
     "truncate_prompt_responses",

@@ -32,7 +32,7 @@ from typing import Any
 
 from grimoire.columns import listed
 from grimoire.errors import ConfigError, DataError, did_you_mean
-from grimoire.rows.common import CUT_KEY, log_cuts
+from grimoire.rows.common import CUT_KEY, log_cuts, log_format
 
 #: Prefix for files shipped inside the grimoire package.
 PACKAGE_PREFIX = "grimoire://"
@@ -330,6 +330,8 @@ def tokenize_dataset(
     dropped = 0
     for i, row in enumerate(dataset):
         example = {k: v for k, v in row.items() if v is not None}
+        if i == 0:
+            log_format(source_name, example)
         try:
             result = fn(example, **fn_kwargs)
             if result is None:  # the tokenizer's truncation="drop" on an over-long row
