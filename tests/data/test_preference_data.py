@@ -127,6 +127,8 @@ def test_long_prompt_keeps_bos_prompt_end_and_whole_responses(tok):
     assert out["chosen_input_ids"] == kept_prompt + ids(tok, "abc") + [tok.eos_token_id]
     assert out["chosen_labels"][:12] == [IGN] * 12
     assert len(out["rejected_input_ids"]) == 16
+    # Counted for the log: BOS + 45 prompt characters cut to 12 on each side, no response cut.
+    assert out["_grimoire_cut"] == {"rows": 1, "turns": 0, "tokens": 2 * 34, "open_turns": 0}
 
 
 def test_long_responses_keep_their_start_and_lose_eos(tok):
@@ -137,6 +139,8 @@ def test_long_responses_keep_their_start_and_lose_eos(tok):
     assert out["rejected_input_ids"] == prompt + ids(tok, rejected[:7])
     assert out["chosen_labels"] == [IGN] * 3 + ids(tok, chosen[:7])  # no EOS: the text goes on
     assert tok.eos_token_id not in out["chosen_input_ids"]
+    # Counted: chosen 36 + EOS and rejected 24 + EOS cut to 7 each; both lose their end.
+    assert out["_grimoire_cut"] == {"rows": 1, "turns": 0, "tokens": 30 + 18, "open_turns": 2}
 
 
 def test_max_prompt_length_is_the_prompt_floor(tok):

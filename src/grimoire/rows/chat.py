@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -327,14 +328,11 @@ def chat_tokens(
     spans = assistant_spans(tokenizer, text, messages, train_final_reasoning=train_final_reasoning)
     labels = [IGNORE_INDEX] * len(ids)
     starts: list[int] = []
-    k = 0
-    for j, (begin, _) in enumerate(enc["offset_mapping"]):
-        while k < len(spans) and begin >= spans[k][1]:
-            k += 1
-        if k < len(spans) and spans[k][0] <= begin:
-            if len(starts) == k:
-                starts.append(j)
-            labels[j] = ids[j]
+    firsts = [begin for begin, _ in enc["offset_mapping"]]  # sorted: tokens in text order
+    for begin, end in spans:  # a token is labelled when its first character is in a span
+        j0, j1 = bisect_left(firsts, begin), bisect_left(firsts, end)
+        labels[j0:j1] = ids[j0:j1]
+        starts.append(j0)
     return ChatTokens(ids, labels, starts)
 
 

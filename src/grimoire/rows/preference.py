@@ -11,7 +11,8 @@ Truncation (when ``prompt + longest response > max_length``): the prompt is shor
 keeping its END (the question right before the answer matters most; a leading BOS token is kept),
 but never below ``max_prompt_length`` tokens (default ``max_length // 2``); then the responses
 keep their START. A cut response loses its EOS, so the model is never taught to stop where the
-text did not. A row left with no trainable response token raises ``DataError``.
+text did not. A row left with no trainable response token raises ``DataError``. What is cut
+is counted under ``_grimoire_cut`` (``tokenize_dataset`` logs the totals).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
 from grimoire.rows.chat import check_messages, row_tools, split_conversation
+from grimoire.rows.common import CUT_KEY
 
 Messages = list[dict[str, Any]]
 
@@ -204,14 +206,21 @@ def tokenize_prompt_responses(
             ]
         )
     mask = [IGNORE_INDEX] * len(prompt_ids)
-    return [
-        {
+    rows: list[dict[str, Any]] = []
+    for (_, full_ids, full_labels), (ids, labels) in zip(encoded, cut):
+        row: dict[str, Any] = {
             "input_ids": prompt_ids + ids,
             "attention_mask": [1] * (len(prompt_ids) + len(ids)),
             "labels": mask + labels,
         }
-        for ids, labels in cut
-    ]
+        removed = len(encoded[0][0]) + len(full_ids) - len(row["input_ids"])
+        if removed:  # counted, so tokenize_dataset logs it: nothing is cut silently
+            open_turn = int(
+                len(labels) < len(full_labels) and full_labels[len(labels)] != IGNORE_INDEX
+            )
+            row[CUT_KEY] = {"rows": 1, "turns": 0, "tokens": removed, "open_turns": open_turn}
+        rows.append(row)
+    return rows
 
 
 def _check_lengths(max_length: int, max_prompt_length: int | None, fn: str) -> None:
@@ -321,8 +330,8 @@ def tokenize_preference(
         if not prompt:
             raise DataError(
                 [
-                    f"{fn}: no {prompt_field!r} field and {chosen_field!r}/{rejected_field!r} share "
-                    "no leading text to use as the prompt"
+                    f"{fn}: missing field {prompt_field!r}, and {chosen_field!r}/"
+                    f"{rejected_field!r} share no leading text to use as an implicit prompt"
                 ]
             )
     elif implicit:
@@ -356,11 +365,14 @@ def tokenize_preference(
                 "(raise max_length)"
             ]
         )
+    cuts = [c for row in (chosen_row, rejected_row) if (c := row.pop(CUT_KEY, None))]
     out: dict[str, Any] = {
         f"{side}_{key}": value
         for side, row in (("chosen", chosen_row), ("rejected", rejected_row))
         for key, value in row.items()
     }
+    if cuts:  # one row, however many of its two sequences were cut
+        out[CUT_KEY] = {k: sum(c[k] for c in cuts) for k in cuts[0]} | {"rows": 1}
     if margin_field is not None:
         value = example.get(margin_field)
         if isinstance(value, bool) or not isinstance(value, int | float):
