@@ -162,7 +162,7 @@ def cell(path: Path, messages, tools) -> str:
     A template that renders no plain-string content (the vision-language ones) is given the same
     conversation as text parts, and the cell says so."""
     first = _cell(path.read_text(), messages, tools)
-    if first.startswith("refused") and "['type']" in path.read_text():
+    if first.startswith("refused"):
         second = _cell(path.read_text(), as_parts(messages), tools)
         return first if second.startswith("refused") else second + " (text parts)"
     return first
