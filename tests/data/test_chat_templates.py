@@ -18,7 +18,13 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.helpers.chat_templates import cell, conversations, stock_templates
+from tests.helpers.chat_templates import (
+    bpe_tokenizer,
+    cell,
+    conversations,
+    stock_templates,
+    template_dir,
+)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "chat-templates.md"
 BEGIN, END = "<!-- table: begin -->", "<!-- table: end -->"
@@ -86,6 +92,36 @@ def test_the_prefix_unstable_templates_of_the_issue_are_labelled(table):
     ):
         for kind in ("plain", "3-turn", "reasoning"):
             assert cells[name][kind] == "labelled", (name, kind, cells[name][kind])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3",
+        "qwen2_5",
+        "llama3_1",
+        "deepseekv3",
+        "deepseek_r1_distill",
+        "phi3",
+        "gptoss",
+        "gemma3",
+        "glm4moe",
+        "qwen3_training",
+        "llama3_training",
+        "gptoss_training",
+    ],
+)
+def test_merging_bpe_tokens_get_the_same_cells(table, name):
+    # A byte-level BPE merges a space with the next word and letters into words, so token edges
+    # no longer fall on every character: the cells must not change (in particular, no WRONG).
+    _, cells = table
+    path = template_dir() / f"{name}.jinja"
+    tokenizer = bpe_tokenizer(path.read_text())
+    got = {
+        kind: cell(path, messages, tools, tokenizer)
+        for kind, (messages, tools) in conversations().items()
+    }
+    assert got == cells[name]
 
 
 def test_docs_table_is_the_computed_one(table):

@@ -156,20 +156,57 @@ def as_parts(messages: list[dict]) -> list[dict]:
     ]
 
 
-def cell(path: Path, messages, tools) -> str:
+def bpe_tokenizer(template: str, vocab_size: int = 400):
+    """A byte-level BPE fast tokenizer trained in code on this module's conversations rendered
+    with ``template``, carrying its special tokens: its tokens merge characters (a space with
+    the next word, several letters), unlike :func:`char_tokenizer`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    char = char_tokenizer(template)
+    corpus = []
+    for messages, tools in conversations().values():
+        for form in (messages, as_parts(messages)):
+            try:
+                corpus.append(render_text(char, form, tools=tools))
+            except Exception:
+                continue  # the template refuses this conversation: nothing to learn from
+    specials = sorted(char.get_added_vocab())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus * 3, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+    hf.chat_template = template
+    return hf
+
+
+def cell(path: Path, messages, tools, tokenizer=None) -> str:
     """One table cell: ``equal``, ``labelled`` or ``refused: reason``; ``WRONG: ...`` is a bug.
 
     A template that renders no plain-string content (the vision-language ones) is given the same
     conversation as text parts, and the cell says so."""
-    first = _cell(path.read_text(), messages, tools)
+    tokenizer = tokenizer or char_tokenizer(path.read_text())
+    first = _cell(tokenizer, messages, tools)
     if first.startswith("refused"):
-        second = _cell(path.read_text(), as_parts(messages), tools)
+        second = _cell(tokenizer, as_parts(messages), tools)
         return first if second.startswith("refused") else second + " (text parts)"
     return first
 
 
-def _cell(template: str, messages, tools) -> str:
-    tokenizer = char_tokenizer(template)
+def _cell(tokenizer, messages, tools) -> str:
+    template = tokenizer.chat_template
     try:
         render_text(tokenizer, messages, tools=tools)
     except Exception as exc:

@@ -12,7 +12,7 @@ and tokenized once. Each assistant message's span is then located in that text:
   the turn's closing text (``<|im_end|>``, ``<|eot_id|>``, ...; learnt from the same probe).
   Everything the template writes in between (reasoning, tool calls) is the assistant's.
 
-Tokens are labelled when their first character lies in a span (the fast tokenizer's offsets), so
+Tokens are labelled when they overlap a span (the fast tokenizer's offsets), so
 nothing depends on earlier turns rendering the same way in a longer conversation: templates
 that drop earlier reasoning, date-stamp the system turn or change the generation prompt work.
 A message that cannot be located is a ``DataError`` naming it, never a silent guess.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -328,9 +328,13 @@ def chat_tokens(
     spans = assistant_spans(tokenizer, text, messages, train_final_reasoning=train_final_reasoning)
     labels = [IGNORE_INDEX] * len(ids)
     starts: list[int] = []
-    firsts = [begin for begin, _ in enc["offset_mapping"]]  # sorted: tokens in text order
-    for begin, end in spans:  # a token is labelled when its first character is in a span
-        j0, j1 = bisect_left(firsts, begin), bisect_left(firsts, end)
+    # A token is labelled when it overlaps a span (as transformers' mask marks every token that
+    # holds a character of a {% generation %} block), so a token merging the header's last
+    # character with the answer's first keeps the answer trained.
+    offsets = enc["offset_mapping"]
+    firsts, lasts = [b for b, _ in offsets], [e for _, e in offsets]
+    for begin, end in spans:
+        j0, j1 = bisect_right(lasts, begin), bisect_left(firsts, end)
         labels[j0:j1] = ids[j0:j1]
         starts.append(j0)
     return ChatTokens(ids, labels, starts)
