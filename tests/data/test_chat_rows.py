@@ -17,6 +17,7 @@ from tests.helpers.chat_templates import TOOLS, char_tokenizer, conversations, t
 
 from grimoire.data import tokenize_dataset, tokenize_kto, tokenize_preference, tokenize_sft
 from grimoire.errors import DataError
+from grimoire.rows.common import counting_cuts
 from grimoire.rows.sources import read_source
 
 CALL_TEXT = (
@@ -83,16 +84,13 @@ def test_turn_truncation_keeps_whole_turns_and_the_cut_is_logged(qwen3, caplog):
     messages, _ = conversations()["3-turn"]
     full = tokenize_sft({"messages": messages}, qwen3, max_length=10_000)
     limit = len(full["input_ids"]) - 5  # the last turn no longer fits
-    out = tokenize_sft({"messages": messages}, qwen3, max_length=limit, truncation="turn")
+    with counting_cuts() as cut:
+        out = tokenize_sft({"messages": messages}, qwen3, max_length=limit, truncation="turn")
     assert trained(qwen3, out["labels"]) == (
         "assistantanswer alpha<|im_end|>\nassistantanswer beta<|im_end|>\n"
     )
-    assert out["_grimoire_cut"] == {
-        "rows": 1,
-        "turns": 1,
-        "tokens": len(full["input_ids"]) - len(out["input_ids"]),
-        "open_turns": 0,
-    }
+    removed = len(full["input_ids"]) - len(out["input_ids"])
+    assert cut == {"rows": 1, "dropped": 0, "turns": 1, "tokens": removed, "open_turns": 0}
     with caplog.at_level(logging.WARNING, logger="grimoire"):
         ds = tokenize_dataset(
             [{"messages": messages}] * 2,
@@ -102,7 +100,7 @@ def test_turn_truncation_keeps_whole_turns_and_the_cut_is_logged(qwen3, caplog):
             max_length=limit,
             truncation="cut",
         )
-    assert "_grimoire_cut" not in ds.column_names
+    assert ds.column_names == ["input_ids", "attention_mask", "labels"]
     assert "train: cut 2 rows to max_length" in caplog.text
     assert "2 assistant turns cut before their end-of-turn token" in caplog.text
 

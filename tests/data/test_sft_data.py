@@ -7,6 +7,7 @@ import torch
 
 from grimoire.data import SFTCollator, tokenize_sft
 from grimoire.errors import DataError
+from grimoire.rows.common import counting_cuts
 
 IGNORE = -100
 
@@ -49,10 +50,13 @@ def test_long_rows_are_errors_unless_truncation_asks(tokenizer):
     row = {"prompt": "abcdefgh", "response": "xy"}  # bos + 8 + 2 + eos = 12 tokens
     with pytest.raises(DataError, match="the row has 12 tokens, more than max_length=11"):
         tokenize_sft(row, tokenizer, max_length=11)
-    out = tokenize_sft(row, tokenizer, max_length=11, truncation="cut")
+    with counting_cuts() as cut:
+        out = tokenize_sft(row, tokenizer, max_length=11, truncation="cut")
+        assert tokenize_sft(row, tokenizer, max_length=11, truncation="drop") is None
     assert len(out["input_ids"]) == 11 and out["labels"][-2:] == ids(tokenizer, "xy")
-    assert out["_grimoire_cut"] == {"rows": 1, "turns": 0, "tokens": 1, "open_turns": 1}
-    assert tokenize_sft(row, tokenizer, max_length=11, truncation="drop") is None
+    assert set(out) == {"input_ids", "attention_mask", "labels"}  # same columns as any row
+    # The EOS is cut: the only turn loses its end; one more row was dropped whole.
+    assert cut == {"rows": 1, "dropped": 1, "turns": 0, "tokens": 1, "open_turns": 1}
     with pytest.raises(DataError, match="no trainable tokens left after truncation"):
         tokenize_sft(row, tokenizer, max_length=5, truncation="cut")
 

@@ -4,7 +4,9 @@ fitting rows to ``max_length``."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
@@ -51,8 +53,34 @@ def chat_with_assistant_mask(
     )
 
 
-#: Where a tokenize function reports what it cut from a row (popped by ``tokenize_dataset``).
-CUT_KEY = "_grimoire_cut"
+_CUTS: ContextVar[dict[str, int] | None] = ContextVar("grimoire_cuts", default=None)
+_CUT_FIELDS = ("rows", "dropped", "turns", "tokens", "open_turns")
+
+
+@contextmanager
+def counting_cuts() -> Iterator[dict[str, int]]:
+    """Collect what the tokenizers cut inside the block (``tokenize_dataset`` logs the totals).
+
+    A side channel rather than a column, so a row's columns never depend on whether it was
+    cut (``datasets.map`` needs every row to return the same keys)."""
+    totals = dict.fromkeys(_CUT_FIELDS, 0)
+    token = _CUTS.set(totals)
+    try:
+        yield totals
+    finally:
+        _CUTS.reset(token)
+
+
+def report_cut(**counts: int) -> None:
+    """Add one row's cut to the active :func:`counting_cuts` (a debug line outside one)."""
+    totals = _CUTS.get()
+    if totals is None:
+        logger.debug("row cut to max_length: %s", counts)
+        return
+    for key, value in counts.items():
+        totals[key] += value
+
+
 #: ``truncation`` settings: a row longer than ``max_length`` is an error, is dropped, is cut
 #: after its last whole assistant turn that fits, or is cut at ``max_length``.
 TRUNCATIONS = ("error", "drop", "turn", "cut")
@@ -60,19 +88,19 @@ TRUNCATIONS = ("error", "drop", "turn", "cut")
 
 def fit_length(
     input_ids: list[int], labels: list[int], max_length: int, truncation: str, fn: str
-) -> tuple[list[int], list[int], dict[str, int] | None] | None:
+) -> tuple[list[int], list[int]] | None:
     """``input_ids``/``labels`` fitted to ``max_length`` as ``truncation`` asks.
 
-    Returns ``(ids, labels, cut)`` where ``cut`` counts what was removed (``None`` when nothing
-    was), or ``None`` for a dropped row. ``"turn"`` ends the row after its last assistant turn
+    Returns ``(ids, labels)``, or ``None`` for a dropped row; what was removed is counted with
+    :func:`report_cut`. ``"turn"`` ends the row after its last assistant turn
     (a run of trained labels, closing token included) that fits, so no kept turn loses its end;
-    ``"cut"`` may end inside a turn, and says so in ``cut["open_turns"]``.
+    ``"cut"`` may end inside a turn, and counts it in ``open_turns``.
     """
     if truncation not in TRUNCATIONS:
         raise ValueError(f"{fn}: truncation must be one of {list(TRUNCATIONS)}, got {truncation!r}")
     n = len(input_ids)
     if n <= max_length:
-        return input_ids, labels, None
+        return input_ids, labels
     if truncation == "error":
         raise DataError(
             [
@@ -82,6 +110,7 @@ def fit_length(
             ]
         )
     if truncation == "drop":
+        report_cut(dropped=1)
         return None
     trained = [label != IGNORE_INDEX for label in labels]
     starts = [i for i in range(n) if trained[i] and (i == 0 or not trained[i - 1])]
@@ -97,19 +126,19 @@ def fit_length(
             )
     else:
         keep = max_length
-    cut = {
-        "rows": 1,
-        "turns": sum(s >= keep for s in starts),  # whole turns removed
-        "tokens": n - keep,
-        "open_turns": sum(s < keep < e for s, e in zip(starts, ends)),  # cut before their end
-    }
-    return input_ids[:keep], labels[:keep], cut
+    report_cut(
+        rows=1,
+        turns=sum(s >= keep for s in starts),  # whole turns removed
+        tokens=n - keep,
+        open_turns=sum(s < keep < e for s, e in zip(starts, ends)),  # cut before their end
+    )
+    return input_ids[:keep], labels[:keep]
 
 
-def log_cuts(source_name: str, dropped: int, cut: Mapping[str, int]) -> None:
+def log_cuts(source_name: str, cut: Mapping[str, int]) -> None:
     """Say what truncation removed from ``source_name`` (nothing is cut silently)."""
-    if dropped:
-        logger.warning("%s: dropped %d rows longer than max_length", source_name, dropped)
+    if cut["dropped"]:
+        logger.warning("%s: dropped %d rows longer than max_length", source_name, cut["dropped"])
     if cut["rows"]:
         logger.warning(
             "%s: cut %d rows to max_length: %d tokens and %d whole assistant turns removed, "

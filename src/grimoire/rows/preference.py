@@ -12,7 +12,7 @@ keeping its END (the question right before the answer matters most; a leading BO
 but never below ``max_prompt_length`` tokens (default ``max_length // 2``); then the responses
 keep their START. A cut response loses its EOS, so the model is never taught to stop where the
 text did not. A row left with no trainable response token raises ``DataError``. What is cut
-is counted under ``_grimoire_cut`` (``tokenize_dataset`` logs the totals).
+is counted (:func:`grimoire.rows.common.counting_cuts`; ``tokenize_dataset`` logs the totals).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
 from grimoire.rows.chat import check_messages, row_tools, split_conversation
-from grimoire.rows.common import CUT_KEY
+from grimoire.rows.common import report_cut
 
 Messages = list[dict[str, Any]]
 
@@ -206,21 +206,20 @@ def tokenize_prompt_responses(
             ]
         )
     mask = [IGNORE_INDEX] * len(prompt_ids)
-    rows: list[dict[str, Any]] = []
+    removed = open_turns = 0
     for (_, full_ids, full_labels), (ids, labels) in zip(encoded, cut):
-        row: dict[str, Any] = {
+        removed += len(encoded[0][0]) + len(full_ids) - len(prompt_ids) - len(ids)
+        open_turns += len(labels) < len(full_labels) and full_labels[len(labels)] != IGNORE_INDEX
+    if removed:  # counted, so tokenize_dataset logs it: nothing is cut silently
+        report_cut(rows=1, tokens=removed, open_turns=open_turns)
+    return [
+        {
             "input_ids": prompt_ids + ids,
             "attention_mask": [1] * (len(prompt_ids) + len(ids)),
             "labels": mask + labels,
         }
-        removed = len(encoded[0][0]) + len(full_ids) - len(row["input_ids"])
-        if removed:  # counted, so tokenize_dataset logs it: nothing is cut silently
-            open_turn = int(
-                len(labels) < len(full_labels) and full_labels[len(labels)] != IGNORE_INDEX
-            )
-            row[CUT_KEY] = {"rows": 1, "turns": 0, "tokens": removed, "open_turns": open_turn}
-        rows.append(row)
-    return rows
+        for ids, labels in cut
+    ]
 
 
 def _check_lengths(max_length: int, max_prompt_length: int | None, fn: str) -> None:
@@ -365,14 +364,11 @@ def tokenize_preference(
                 "(raise max_length)"
             ]
         )
-    cuts = [c for row in (chosen_row, rejected_row) if (c := row.pop(CUT_KEY, None))]
     out: dict[str, Any] = {
         f"{side}_{key}": value
         for side, row in (("chosen", chosen_row), ("rejected", rejected_row))
         for key, value in row.items()
     }
-    if cuts:  # one row, however many of its two sequences were cut
-        out[CUT_KEY] = {k: sum(c[k] for c in cuts) for k in cuts[0]} | {"rows": 1}
     if margin_field is not None:
         value = example.get(margin_field)
         if isinstance(value, bool) or not isinstance(value, int | float):

@@ -11,7 +11,7 @@ from typing import Any
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
 from grimoire.rows.chat import chat_tokens, check_messages, row_tools, split_conversation
-from grimoire.rows.common import CUT_KEY, fit_length, require_fields
+from grimoire.rows.common import fit_length, require_fields
 
 
 def _chat_row(
@@ -105,7 +105,7 @@ def tokenize_sft(
     LAST tokens. A row longer than ``max_length`` is a ``DataError`` unless ``truncation`` is
     ``"drop"`` (returns ``None``; ``tokenize_dataset`` skips and counts it), ``"turn"`` (ends
     after the last whole assistant turn that fits) or ``"cut"`` (cut at ``max_length``); what was
-    cut is counted under the ``_grimoire_cut`` key, which ``tokenize_dataset`` pops and logs.
+    cut is counted (:func:`grimoire.rows.common.counting_cuts`) and ``tokenize_dataset`` logs it.
 
     Returns ``{"input_ids", "attention_mask", "labels"}`` (lists of equal length).
     """
@@ -145,7 +145,7 @@ def tokenize_sft(
     fitted = fit_length(input_ids, labels, max_length, truncation, "tokenize_sft")
     if fitted is None:
         return None
-    input_ids, labels, cut = fitted
+    input_ids, labels = fitted
     if all(label == IGNORE_INDEX for label in labels):
         raise DataError(
             [
@@ -153,11 +153,4 @@ def tokenize_sft(
                 "(the prompt fills the whole context; raise max_length or shorten the prompt)"
             ]
         )
-    out: dict[str, Any] = {
-        "input_ids": input_ids,
-        "attention_mask": [1] * len(input_ids),
-        "labels": labels,
-    }
-    if cut is not None:
-        out[CUT_KEY] = cut
-    return out
+    return {"input_ids": input_ids, "attention_mask": [1] * len(input_ids), "labels": labels}
