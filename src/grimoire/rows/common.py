@@ -1,5 +1,5 @@
-"""Shared pieces of the tokenizers: field checks, chat rendering with assistant masks, and
-fitting rows to ``max_length``."""
+"""Shared pieces of the tokenizers: field checks, chat rendering to token ids, fitting rows to
+``max_length`` (with the cuts counted and logged), and the detected data format logged."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.rows.chat import chat_labels, render_text
+from grimoire.rows.chat import render_text
 from grimoire.rows.formats import detect_format
 
 logger = logging.getLogger(__name__)
@@ -38,19 +38,6 @@ def render_chat(
     """Token ids of ``messages`` rendered with the tokenizer's chat template."""
     text = render_text(tokenizer, messages, generation=add_generation_prompt)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def chat_with_assistant_mask(
-    tokenizer,
-    messages: list[dict[str, Any]],
-    tools: Sequence[Any] | None = None,
-    train_final_reasoning: bool = True,
-) -> tuple[list[int], list[int]]:
-    """Render ``messages`` once and return ``(input_ids, labels)`` with loss only on assistant
-    turns (:func:`grimoire.rows.chat.chat_labels`: no prefix stability needed)."""
-    return chat_labels(
-        tokenizer, messages, tools=tools, train_final_reasoning=train_final_reasoning
-    )
 
 
 _CUTS: ContextVar[dict[str, int] | None] = ContextVar("grimoire_cuts", default=None)
