@@ -92,6 +92,10 @@ def test_the_prefix_unstable_templates_of_the_issue_are_labelled(table):
     ):
         for kind in ("plain", "3-turn", "reasoning"):
             assert cells[name][kind] == "labelled", (name, kind, cells[name][kind])
+    # Tool-call turns that close with their own token (gpt-oss <|call|>, Gemma 4
+    # <|tool_response>) or share their turn with the tool result (Gemma 4).
+    for name in ("gptoss", "gemma4", "glm4moe", "qwen3", "qwen3_5_think", "llama3_1"):
+        assert cells[name]["tool-call"] == "labelled", (name, cells[name]["tool-call"])
 
 
 @pytest.mark.parametrize(

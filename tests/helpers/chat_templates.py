@@ -10,12 +10,8 @@ from pathlib import Path
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.rows.chat import (
-    answer_and_reasoning,
-    chat_labels,
-    has_generation_blocks,
-    render_text,
-)
+from grimoire.rows.chat import answer_and_reasoning, chat_labels, has_generation_blocks
+from grimoire.rows.rendering import render_text
 
 _SPECIAL = re.compile(
     r"<[|｜][^<>\s'\"{}]{1,40}?[|｜]?>|<[|｜]?[a-z_]{2,30}[|｜]>|<(?:start|end)_of_\w+>"

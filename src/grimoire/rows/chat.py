@@ -29,106 +29,16 @@ from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
+from grimoire.rows.rendering import render_text, template_shape
 
 Messages = list[dict[str, Any]]
 _GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 _ROLES = ("system", "developer", "user", "assistant", "tool", "ipython", "function")
-_PROBE = ("grimoireprobeuser", "grimoireprobeanswer", "grimoireprobenext")
-
-
-@dataclass(frozen=True)
-class TemplateShape:
-    """What a template writes around an assistant turn, learnt from one probe conversation."""
-
-    header: str  # the generation prompt (text add_generation_prompt appends); "" if unknown
-    header_min: int  # the length of the header's first token: the least of it that must match
-    closings: tuple[str, ...]  # texts that close an assistant turn (middle turn, final turn)
-
-
-_SHAPES: dict[tuple[str, str | None, str | None], TemplateShape] = {}
 
 
 def has_generation_blocks(template: str | None) -> bool:
     """True when ``template`` marks assistant output with ``{% generation %}`` blocks."""
     return bool(template) and _GENERATION_TAG.search(template) is not None
-
-
-def render_text(
-    tokenizer, messages: Messages, *, tools: Sequence[Any] | None = None, generation: bool = False
-) -> str:
-    """``messages`` rendered to text with the tokenizer's chat template (``tools`` passed)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            [
-                "the tokenizer has no chat_template; set tokenizer.chat_template or use "
-                "prompt/response fields"
-            ]
-        )
-    kwargs: dict[str, Any] = {"tools": list(tools)} if tools else {}
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation, **kwargs
-    )
-
-
-def _token_prefix(tokenizer, text: str, limit: str) -> str:
-    """The longest run of ``text``'s leading tokens that is a prefix of ``limit``."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    end = 0
-    for _, stop in enc["offset_mapping"]:
-        if not limit.startswith(text[:stop]):
-            break
-        end = stop
-    if end == 0 and enc["offset_mapping"]:
-        # No shared prefix (gpt-oss ends middle turns with <|end|>, the last with <|return|>):
-        # the first token closes the turn when it is one of the tokenizer's special tokens.
-        first = text[: enc["offset_mapping"][0][1]]
-        if first in set(getattr(tokenizer, "all_special_tokens", ())) | set(
-            tokenizer.get_added_vocab()
-        ):
-            end = len(first)
-    return text[:end]
-
-
-def _probe(tokenizer, parts: bool) -> tuple[str, list[str]]:
-    """``(header, closings)`` from rendering a two- and a three-message probe conversation."""
-    user, answer, nxt = _PROBE
-
-    def msg(role: str, text: str) -> dict[str, Any]:
-        return {"role": role, "content": [{"type": "text", "text": text}] if parts else text}
-
-    one = [msg("user", user)]
-    two = [*one, msg("assistant", answer)]
-    bare, prompted = render_text(tokenizer, one), render_text(tokenizer, one, generation=True)
-    header = prompted[len(bare) :] if prompted.startswith(bare) else ""
-    final = render_text(tokenizer, two)
-    final = final[final.rindex(answer) + len(answer) :]
-    middle = render_text(tokenizer, [*two, msg("user", nxt)])
-    at = middle.index(answer) + len(answer)
-    middle = middle[at : middle.index(nxt, at)]
-    return header, [_token_prefix(tokenizer, middle, final), final]
-
-
-def template_shape(tokenizer) -> TemplateShape:
-    """The template's assistant header and turn closings (cached per template)."""
-    key = (tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
-    if key in _SHAPES:
-        return _SHAPES[key]
-    header, closings = "", []
-    for parts in (False, True):  # vision-language templates render only text parts
-        try:
-            header, closings = _probe(tokenizer, parts)
-            break
-        except Exception:
-            continue  # a template that refuses the probe conversation just has no shape
-    first = tokenizer(header, add_special_tokens=False, return_offsets_mapping=True)
-    header_min = min(
-        (stop for _, stop in first["offset_mapping"] if header[:stop].strip()), default=0
-    )
-    shape = TemplateShape(
-        header, header_min, tuple(dict.fromkeys(c for c in closings if c.strip()))
-    )
-    _SHAPES[key] = shape
-    return shape
 
 
 def _content_text(message: Mapping[str, Any]) -> str:
@@ -211,12 +121,16 @@ def assistant_spans(
             continue
         start = cursor
         head = text.find(shape.header[: shape.header_min], cursor) if shape.header_min else -1
+        first = finder.find(anchor, cursor)
+        if head < 0 or 0 <= first < head:
+            start = head = -1  # no header of its own (Gemma 4 answers in the tool call's turn)
         if head >= 0:  # the earliest header after the previous message, as much of it as is there
             k = shape.header_min
             while k < len(shape.header) and text.startswith(shape.header[: k + 1], head):
                 k += 1
             start = head + k
-        at = finder.find(anchor, start)
+        at = finder.find(anchor, start) if start >= 0 else first
+        start = at if start < 0 else start
         if at < 0:
             raise DataError(
                 [
@@ -225,7 +139,8 @@ def assistant_spans(
                 ]
             )
         after = at + len(anchor)
-        ends = [(p, c) for c in shape.closings if (p := text.find(c, after)) >= 0]
+        closings = shape.closings + (shape.tool_closings if message.get("tool_calls") else ())
+        ends = [(p, c) for c in closings if (p := text.find(c, after)) >= 0]
         bound = _next_anchor(finder, messages, i, after)
         ends = [(p, c) for p, c in ends if bound < 0 or p < bound]
         if ends:
@@ -237,7 +152,7 @@ def assistant_spans(
             raise DataError(
                 [
                     f"message {i} (assistant): the end of its turn (one of "
-                    f"{list(shape.closings)}) is not in the chat template's rendering"
+                    f"{list(closings)}) is not in the chat template's rendering"
                 ]
             )
         if i == last and not train_final_reasoning:
@@ -395,15 +310,12 @@ def split_conversation(
 
 __all__ = [
     "ChatTokens",
-    "TemplateShape",
     "answer_and_reasoning",
     "assistant_spans",
     "chat_labels",
     "chat_tokens",
     "check_messages",
     "has_generation_blocks",
-    "render_text",
     "row_tools",
     "split_conversation",
-    "template_shape",
 ]

@@ -11,8 +11,8 @@ from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.rows.chat import render_text
 from grimoire.rows.formats import detect_format
+from grimoire.rows.rendering import render_text
 
 logger = logging.getLogger(__name__)
 
