@@ -135,3 +135,36 @@ def test_bad_conversations_are_reported_together_with_file_and_line(qwen3, tmp_p
         (5, "has tool_calls but the row has no 'tools'"),
     ):
         assert any(p.startswith(f"{path}:{line}:") and needle in p for p in problems), needle
+
+
+def test_think_block_in_content_trains_like_reasoning_content(qwen3):
+    messages, _ = conversations()["reasoning"]
+    inline = [
+        {
+            "role": m["role"],
+            "content": f"<think>\n{m['reasoning_content']}\n</think>\n\n{m['content']}",
+        }
+        if "reasoning_content" in m
+        else m
+        for m in messages
+    ]
+    # Qwen3's template splits the <think> block out of the content itself: the same rendering.
+    assert tokenize_sft({"messages": inline}, qwen3) == tokenize_sft({"messages": messages}, qwen3)
+
+
+def test_a_template_that_drops_tool_calls_is_reported_with_file_and_line(tmp_path):
+    llama3 = char_tokenizer((template_dir() / "llama3.jinja").read_text())
+    messages, tools = conversations()["tool-call"]
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps({"messages": messages, "tools": tools}) + "\n")
+    source = read_source({"path": str(path)})
+    with pytest.raises(DataError) as err:
+        tokenize_dataset(
+            source.dataset,
+            tokenize_sft,
+            source_name="dataset",
+            locations=source.locations,
+            tokenizer=llama3,
+        )
+    [problem] = err.value.problems
+    assert problem.startswith(f"{path}:1: message 1 (assistant): its text 'getweather' is not in")
