@@ -80,3 +80,22 @@ def test_collator_pads_right_with_masked_labels():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
     assert batch["input_ids"].dtype == torch.long
+
+
+def test_tiny_template_renders_tools_reasoning_and_tool_results(tokenizer):
+    tools = [{"type": "function", "function": {"name": "rev", "parameters": {}}}]
+    call = {"type": "function", "function": {"name": "rev", "arguments": {"word": "ab"}}}
+    messages = [
+        {"role": "user", "content": "reverse ab="},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "ba"},
+        {"role": "assistant", "content": "ba", "reasoning_content": "the tool said ba"},
+    ]
+    out = tokenize_sft({"messages": messages, "tools": tools}, tokenizer)
+    assert tokenizer.decode(out["input_ids"]) == (
+        "<bos><|system|>tools: rev<|end|><|user|>reverse ab=<|end|>"
+        "<|assistant|>call: rev(word=ab)<|end|><|user|>result: ba<|end|>"
+        "<|assistant|>think: the tool said ba\nba<|end|><eos>"
+    )
+    trained = tokenizer.decode([t for t in out["labels"] if t != IGNORE])
+    assert trained == "call: rev(word=ab)<|end|>think: the tool said ba\nba<|end|><eos>"

@@ -25,11 +25,26 @@ SPECIAL_TOKENS = [
     "<|end|>",
 ]
 CHARS = string.ascii_lowercase + string.digits + " \n+-=*?:.,>!()'\"_/"
-#: A minimal chat template: every turn is ``<|role|>content<|end|>``; the generation prompt is
-#: ``<|assistant|>``. Prefix-stable, which is what assistant-only loss masking relies on.
+#: The tiny tokenizer's chat template: every turn is ``<|role|>content<|end|>``; the generation
+#: prompt is ``<|assistant|>``. An assistant turn writes its ``reasoning_content`` first
+#: (``think: ...`` and a newline) and its ``tool_calls`` after the content
+#: (``call: name(key=value, ...)``, in the tokenizer's characters); ``tools`` are listed in a
+#: leading system turn; a ``tool`` result is a user turn ``<|user|>result: ...<|end|>`` (the
+#: vocabulary has no tool role token). Plain conversations render as ``<|role|>content<|end|>``.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|user|>result: {% else %}<|{{ m['role'] }}|>{% endif %}"
+    "{% if m['reasoning_content'] %}think: {{ m['reasoning_content'] }}\n{% endif %}"
+    "{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %}call: {{ c['function']['name'] }}("
+    "{% set args = c['function']['arguments'] %}"
+    "{% if args is string %}{{ args }}{% else %}"
+    "{% for k, v in args.items() %}{{ k }}={{ v }}{% if not loop.last %}, {% endif %}{% endfor %}"
+    "{% endif %}){% endfor %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
