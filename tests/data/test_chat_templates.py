@@ -19,12 +19,16 @@ import pytest
 pytest.importorskip("trl")
 
 from tests.helpers.chat_templates import (
+    as_parts,
     bpe_tokenizer,
     cell,
+    char_tokenizer,
     conversations,
     stock_templates,
     template_dir,
 )
+
+from grimoire.data import tokenize_preference
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "chat-templates.md"
 BEGIN, END = "<!-- table: begin -->", "<!-- table: end -->"
@@ -140,3 +144,34 @@ def test_docs_table_is_the_computed_one(table):
         )
         DOC.write_text(doc)
     assert f"{BEGIN}\n{text}\n{END}" in doc, "run with GRIMOIRE_WRITE_TABLE=1 to refresh the docs"
+
+
+@pytest.mark.parametrize("path", stock_templates(), ids=lambda p: p.stem)
+def test_preference_rows_train_only_their_responses_under_every_template(path):
+    # A multi-turn prompt (its assistant turn is context) and two one-turn responses: the
+    # response split comes from one rendering of each whole conversation.
+    tokenizer = char_tokenizer(path.read_text())
+    prompt = [
+        {"role": "user", "content": "userquestion one"},
+        {"role": "assistant", "content": "assistantanswer alpha"},
+        {"role": "user", "content": "userquestion two"},
+    ]
+    chosen = [{"role": "assistant", "content": "chosenreply good"}]
+    rejected = [{"role": "assistant", "content": "rejectedreply bad"}]
+    try:
+        out = tokenize_preference(
+            {"prompt": prompt, "chosen": chosen, "rejected": rejected}, tokenizer, 10_000
+        )
+    except Exception:  # the vision-language templates read content parts only
+        row = {
+            "prompt": as_parts(prompt),
+            "chosen": as_parts(chosen),
+            "rejected": as_parts(rejected),
+        }
+        out = tokenize_preference(row, tokenizer, 10_000)
+    for side, reply in (("chosen", "chosenreply good"), ("rejected", "rejectedreply bad")):
+        labels = out[f"{side}_labels"]
+        trained = "".join(tokenizer.convert_ids_to_tokens([t for t in labels if t != -100]))
+        assert reply in trained and "alpha" not in trained and "question" not in trained
+    n = next(i for i, t in enumerate(out["chosen_labels"]) if t != -100)
+    assert out["chosen_input_ids"][:n] == out["rejected_input_ids"][:n]
