@@ -34,6 +34,12 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         ["--set", "training.max_steps=20", "--set", "training.eval_steps=null"],
         "output/quickstart/final/model.safetensors",
     ),
+    "chat_sft.yaml": (
+        # 300 steps as written; multi-turn chat rows through the tiny tokenizer's chat template.
+        [GRIMOIRE, "train", "--config", "examples/chat_sft.yaml"],
+        ["--set", "training.max_steps=5"],
+        "output/chat_sft/final/model.safetensors",
+    ),
     "grpo_toy.yaml": (
         # Runs on its own: it starts from the bundled grimoire://assets/reverse_warm.
         [GRIMOIRE, "train", "--config", "examples/grpo_toy.yaml"],

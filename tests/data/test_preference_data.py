@@ -17,8 +17,9 @@ from grimoire.errors import DataError
 from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.kto import KTOLoss
+from grimoire.rows.common import counting_cuts
 from grimoire.rows.kto import tokenize_kto
-from grimoire.rows.preference import tokenize_preference
+from grimoire.rows.preference import PREFERENCE_COLUMNS, tokenize_preference
 from grimoire.rows.sources import tokenize_dataset
 
 IGN = -100
@@ -120,23 +121,29 @@ def test_assistant_turns_inside_the_prompt_are_not_trained(tok):
 
 def test_long_prompt_keeps_bos_prompt_end_and_whole_responses(tok):
     prompt = "reverse " + "abcdefghijkl" * 3 + "="
-    out = tokenize_preference({"prompt": prompt, "chosen": "abc", "rejected": "abd"}, tok, 16)
+    with counting_cuts() as cut:
+        out = tokenize_preference({"prompt": prompt, "chosen": "abc", "rejected": "abd"}, tok, 16)
     # Longest response: 3 chars + EOS = 4, so the prompt keeps 16 - 4 = 12 tokens: BOS + its
     # last 11 characters.
     kept_prompt = [tok.bos_token_id, *ids(tok, prompt[-11:])]
     assert out["chosen_input_ids"] == kept_prompt + ids(tok, "abc") + [tok.eos_token_id]
     assert out["chosen_labels"][:12] == [IGN] * 12
     assert len(out["rejected_input_ids"]) == 16
+    # Counted for the log: BOS + 45 prompt characters cut to 12 on each side, no response cut.
+    assert cut == {"rows": 1, "dropped": 0, "turns": 0, "tokens": 2 * 34, "open_turns": 0}
 
 
 def test_long_responses_keep_their_start_and_lose_eos(tok):
     chosen, rejected = "abcdefghijkl" * 3, "bbcdefghijkl" * 2
-    out = tokenize_preference({"prompt": "p=", "chosen": chosen, "rejected": rejected}, tok, 10)
+    with counting_cuts() as cut:
+        out = tokenize_preference({"prompt": "p=", "chosen": chosen, "rejected": rejected}, tok, 10)
     prompt = [tok.bos_token_id, *ids(tok, "p=")]  # short prompt: untouched
     assert out["chosen_input_ids"] == prompt + ids(tok, chosen[:7])
     assert out["rejected_input_ids"] == prompt + ids(tok, rejected[:7])
     assert out["chosen_labels"] == [IGN] * 3 + ids(tok, chosen[:7])  # no EOS: the text goes on
     assert tok.eos_token_id not in out["chosen_input_ids"]
+    # Counted: chosen 36 + EOS and rejected 24 + EOS cut to 7 each; both lose their end.
+    assert cut == {"rows": 1, "dropped": 0, "turns": 0, "tokens": 30 + 18, "open_turns": 2}
 
 
 def test_max_prompt_length_is_the_prompt_floor(tok):
@@ -155,15 +162,22 @@ def test_truncation_that_makes_the_pair_identical_is_an_error(tok):
         tokenize_preference(row, tok, max_length=6)
 
 
-def test_truncation_that_leaves_no_trained_token_is_an_error(tok):
-    # The response starts with a (masked) user turn long enough to fill the whole budget.
+def test_a_user_turn_opening_both_responses_is_shared_untrained_prompt(tok):
+    # The responses open with the same user turn: it is context, so it joins the shared prompt
+    # (cut from the front like any prompt) and each response starts at its assistant turn.
     row = {
         "prompt": [{"role": "user", "content": "ab"}],
         "chosen": [{"role": "user", "content": "x" * 30}, {"role": "assistant", "content": "a"}],
         "rejected": [{"role": "user", "content": "x" * 30}, {"role": "assistant", "content": "b"}],
     }
-    with pytest.raises(DataError, match="'chosen' has no trainable token left"):
-        tokenize_preference(row, tok, max_length=20)
+    out = tokenize_preference(row, tok, max_length=20)
+    for side, answer in (("chosen", "a"), ("rejected", "b")):
+        ids, labels = out[f"{side}_input_ids"], out[f"{side}_labels"]
+        assert len(ids) <= 20
+        trained = tok.decode([t for t in labels if t != -100])
+        assert trained == f"{answer}<|end|><eos>"
+    n = len(out["chosen_input_ids"]) - 3  # both share everything before the answer
+    assert out["chosen_input_ids"][:n] == out["rejected_input_ids"][:n]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -371,3 +385,20 @@ def test_cache_writes_kto_pairs_and_reduction(tok, tiny_model):
         n = int(batch["kl_attention_mask"][i].sum())
         assert ds[i]["kl_input_ids"] == batch["kl_input_ids"][i, :n].tolist()
     assert all(x < 0 for x in [*ds["ref_logps"], *ds["ref_kl_logps"]])
+
+
+def test_rows_keep_one_set_of_columns_whether_cut_or_not(tok):
+    # datasets.map needs every row to return the same keys: the cut count is a side channel.
+    from datasets import Dataset
+
+    rows = [
+        {"prompt": "p=", "chosen": "a" * 30, "rejected": "b"},
+        {"prompt": "p=", "chosen": "a", "rejected": "b"},
+    ]
+    with counting_cuts() as cut:
+        ds = Dataset.from_list(rows).map(
+            lambda r: tokenize_preference(r, tok, 10),
+            remove_columns=["prompt", "chosen", "rejected"],
+        )
+    assert sorted(ds.column_names) == sorted(PREFERENCE_COLUMNS)
+    assert cut["rows"] == 1

@@ -7,6 +7,7 @@ import torch
 
 from grimoire.data import SFTCollator, tokenize_sft
 from grimoire.errors import DataError
+from grimoire.rows.common import counting_cuts
 
 IGNORE = -100
 
@@ -45,12 +46,19 @@ def test_chat_messages_train_assistant_turns_only(tokenizer):
     assert trained == "yo<|end|>k<|end|><eos>"
 
 
-def test_truncation_and_no_trainable_tokens(tokenizer):
-    row = {"prompt": "abcdefgh", "response": "xy"}
-    out = tokenize_sft(row, tokenizer, max_length=11)
+def test_long_rows_are_errors_unless_truncation_asks(tokenizer):
+    row = {"prompt": "abcdefgh", "response": "xy"}  # bos + 8 + 2 + eos = 12 tokens
+    with pytest.raises(DataError, match="the row has 12 tokens, more than max_length=11"):
+        tokenize_sft(row, tokenizer, max_length=11)
+    with counting_cuts() as cut:
+        out = tokenize_sft(row, tokenizer, max_length=11, truncation="cut")
+        assert tokenize_sft(row, tokenizer, max_length=11, truncation="drop") is None
     assert len(out["input_ids"]) == 11 and out["labels"][-2:] == ids(tokenizer, "xy")
+    assert set(out) == {"input_ids", "attention_mask", "labels"}  # same columns as any row
+    # The EOS is cut: the only turn loses its end; one more row was dropped whole.
+    assert cut == {"rows": 1, "dropped": 1, "turns": 0, "tokens": 1, "open_turns": 1}
     with pytest.raises(DataError, match="no trainable tokens left after truncation"):
-        tokenize_sft(row, tokenizer, max_length=5)
+        tokenize_sft(row, tokenizer, max_length=5, truncation="cut")
 
 
 def test_bad_rows_name_the_field(tokenizer):
@@ -72,3 +80,22 @@ def test_collator_pads_right_with_masked_labels():
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["labels"].tolist() == [[IGNORE, 6, 7], [8, IGNORE, IGNORE]]
     assert batch["input_ids"].dtype == torch.long
+
+
+def test_tiny_template_renders_tools_reasoning_and_tool_results(tokenizer):
+    tools = [{"type": "function", "function": {"name": "rev", "parameters": {}}}]
+    call = {"type": "function", "function": {"name": "rev", "arguments": {"word": "ab"}}}
+    messages = [
+        {"role": "user", "content": "reverse ab="},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "ba"},
+        {"role": "assistant", "content": "ba", "reasoning_content": "the tool said ba"},
+    ]
+    out = tokenize_sft({"messages": messages, "tools": tools}, tokenizer)
+    assert tokenizer.decode(out["input_ids"]) == (
+        "<bos><|system|>tools: rev<|end|><|user|>reverse ab=<|end|>"
+        "<|assistant|>call: rev(word=ab)<|end|><|user|>result: ba<|end|>"
+        "<|assistant|>think: the tool said ba\nba<|end|><eos>"
+    )
+    trained = tokenizer.decode([t for t in out["labels"] if t != IGNORE])
+    assert trained == "call: rev(word=ab)<|end|>think: the tool said ba\nba<|end|><eos>"

@@ -76,7 +76,9 @@ def build_run(raw: Mapping[str, Any]) -> Run:
             source = read_source(section, where)
             if where == "eval_dataset":
                 raw_eval_rows = [dict(r) for r in source.dataset]
-            datasets[where] = tokenize(source, raw, where, tokenizer, config.max_length)
+            datasets[where] = tokenize(
+                source, raw, where, tokenizer, config.max_length, config.truncate_long_samples
+            )
         except DataError as exc:
             problems += exc.problems
     callbacks = build_callbacks(raw.get("callbacks") or [], raw_eval_rows, problems)
@@ -135,17 +137,26 @@ def save_path(raw: Mapping[str, Any], config: TrainingConfig) -> str | None:
 
 
 def tokenize(
-    source: LoadedSource, raw: Mapping[str, Any], where: str, tokenizer: Any, max_length: int
+    source: LoadedSource,
+    raw: Mapping[str, Any],
+    where: str,
+    tokenizer: Any,
+    max_length: int,
+    truncate: bool = False,
 ):
     """Tokenize a read source with its ``tokenize`` section (default: the loss's tokenizer).
 
     The source's unreadable lines are reported with the rows' own problems, in one error.
+    ``truncate`` (``training.truncate_long_samples``) makes the tokenizer's default
+    ``truncation`` ``"cut"``: over-long rows are cut, counted and logged instead of reported.
     """
     tok = dict(tokenize_section(raw, where) or {})
     loss_type = (raw.get("loss") or {"type": "sft"})["type"]
     name = tok.pop("type", loss_type)
     fn = registry.resolve(name, registry.TOKENIZERS, f"{where}.tokenize.type")
     tok.setdefault("max_length", max_length)
+    if truncate:
+        tok.setdefault("truncation", "cut")
     kwargs = {"tokenizer": tokenizer, **tok}
     if getattr(fn, "dataset_level", False):  # e.g. pretrain blocks: rows are regrouped
         if source.problems:

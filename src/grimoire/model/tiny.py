@@ -25,11 +25,26 @@ SPECIAL_TOKENS = [
     "<|end|>",
 ]
 CHARS = string.ascii_lowercase + string.digits + " \n+-=*?:.,>!()'\"_/"
-#: A minimal chat template: every turn is ``<|role|>content<|end|>``; the generation prompt is
-#: ``<|assistant|>``. Prefix-stable, which is what assistant-only loss masking relies on.
+#: The tiny tokenizer's chat template: every turn is ``<|role|>content<|end|>``; the generation
+#: prompt is ``<|assistant|>``. An assistant turn writes its ``reasoning_content`` first
+#: (``think: ...`` and a newline) and its ``tool_calls`` after the content
+#: (``call: name(key=value, ...)``, in the tokenizer's characters); ``tools`` are listed in a
+#: leading system turn; a ``tool`` result is a user turn ``<|user|>result: ...<|end|>`` (the
+#: vocabulary has no tool role token). Plain conversations render as ``<|role|>content<|end|>``.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
+    "{% endfor %}<|end|>{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}<|user|>result: {% else %}<|{{ m['role'] }}|>{% endif %}"
+    "{% if m['reasoning_content'] %}think: {{ m['reasoning_content'] }}\n{% endif %}"
+    "{{ m['content'] or '' }}"
+    "{% for c in m['tool_calls'] or [] %}call: {{ c['function']['name'] }}("
+    "{% set args = c['function']['arguments'] %}"
+    "{% if args is string %}{{ args }}{% else %}"
+    "{% for k, v in args.items() %}{{ k }}={{ v }}{% if not loop.last %}, {% endif %}{% endfor %}"
+    "{% endif %}){% endfor %}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
@@ -189,6 +204,22 @@ def kto_rows(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
+def reverse_chat_rows(n: int, seed: int, turns: int = 3) -> list[dict[str, Any]]:
+    """Multi-turn chats of the reverse task: a system turn, then ``turns`` user questions each
+    answered by the assistant (``{"messages": [...]}`` rows for the chat template)."""
+    words = reverse_rows(n * turns, seed)
+    rows = []
+    for i in range(n):
+        messages = [{"role": "system", "content": "reverse each word."}]
+        for r in words[i * turns : (i + 1) * turns]:
+            messages += [
+                {"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": r["response"]},
+            ]
+        rows.append({"messages": messages})
+    return rows
+
+
 def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +233,7 @@ def write_assets(folder: Path = ASSETS) -> None:
     """Regenerate the bundled toy datasets (deterministic)."""
     write_jsonl(reverse_rows(2000, seed=0), folder / "reverse_train.jsonl")
     write_jsonl(reverse_rows(200, seed=1), folder / "reverse_eval.jsonl")
+    write_jsonl(reverse_chat_rows(500, seed=2), folder / "reverse_chat.jsonl")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
+from grimoire.rows.chat import row_tools
 from grimoire.rows.preference import (
     _check_lengths,
     _is_conversational,
@@ -69,6 +70,8 @@ def tokenize_kto(
     label_field: str = "label",
     max_prompt_length: int | None = None,
     response_field: str | None = None,
+    tools_field: str = "tools",
+    tools: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """Tokenize one unpaired KTO example: ``input_ids``, ``attention_mask``, ``labels``, ``label``.
 
@@ -77,6 +80,7 @@ def tokenize_kto(
     trained; the same truncation: prompt end first, then completion start). ``label`` is a bool
     (True = desirable); 0/1 integers are accepted. grimoire-rl's rows name the completion
     ``response``: it is read when the row has no ``completion`` (or pass ``response_field=``).
+    Conversations may carry tool calls; the schemas come from ``tools_field`` or ``tools``.
 
     Raises:
         DataError: a missing/empty prompt or completion, a missing or non-boolean label, or no
@@ -114,6 +118,7 @@ def tokenize_kto(
         max_length=max_length,
         max_prompt_length=max_prompt_length,
         conversational=_is_conversational(prompt, completion),
+        tools=row_tools(example, tools_field, tools),
     )
     return {**row, "label": label}
 

@@ -11,7 +11,8 @@ Truncation (when ``prompt + longest response > max_length``): the prompt is shor
 keeping its END (the question right before the answer matters most; a leading BOS token is kept),
 but never below ``max_prompt_length`` tokens (default ``max_length // 2``); then the responses
 keep their START. A cut response loses its EOS, so the model is never taught to stop where the
-text did not. A row left with no trainable response token raises ``DataError``.
+text did not. A row left with no trainable response token raises ``DataError``. What is cut
+is counted (:func:`grimoire.rows.common.counting_cuts`; ``tokenize_dataset`` logs the totals).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.rows.common import chat_with_assistant_mask, render_chat
+from grimoire.rows.chat import check_messages, row_tools, split_conversation
+from grimoire.rows.common import report_cut
 
 Messages = list[dict[str, Any]]
 
@@ -83,14 +85,16 @@ def encode_prompt_response(
     response_field: str,
     fn: str,
     conversational: bool,
+    tools: Sequence[Any] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """Tokenize one ``(prompt, response)``: ``(prompt_ids, response_ids, response_labels)``.
 
     Strings: ``prompt`` with the tokenizer's special tokens (BOS), the response without, plus
-    EOS (trained, so the model learns to stop). Conversational: the prompt is rendered with the
-    generation prompt, the full conversation with the chat template, and the response is
-    whatever the full rendering adds; only assistant turns are trained (``response_labels`` is
-    -100 elsewhere), and EOS is appended when the template does not end with it.
+    EOS (trained, so the model learns to stop). Conversational: ``prompt + response`` is
+    rendered ONCE with the chat template (``tools`` handed to it) and the response starts where
+    its first assistant turn does (:func:`grimoire.rows.chat.split_conversation`); only its
+    assistant turns are trained (tool calls included, tool results never), and EOS is appended
+    when the template does not end with it.
     """
     eos = tokenizer.eos_token_id
     if not conversational:
@@ -102,19 +106,13 @@ def encode_prompt_response(
     response_msgs = _as_messages(response, "assistant", response_field, fn)
     if not any(m.get("role") == "assistant" for m in response_msgs):
         raise DataError([f"{fn}: field {response_field!r} has no assistant message to train on"])
-    # The generation prompt (e.g. "<|assistant|>") belongs to the prompt only when the response
-    # opens with an assistant turn; otherwise the full rendering would not extend the prompt.
-    opens_with_assistant = response_msgs[0].get("role") == "assistant"
-    prompt_ids = render_chat(tokenizer, prompt_msgs, add_generation_prompt=opens_with_assistant)
-    full, labels = chat_with_assistant_mask(tokenizer, prompt_msgs + response_msgs)
-    if full[: len(prompt_ids)] != prompt_ids:
-        raise DataError(
-            [
-                f"{fn}: the chat template renders {prompt_field!r} differently inside the full "
-                "conversation (not prefix-stable), so the response cannot be located"
-            ]
-        )
-    response_ids, response_labels = full[len(prompt_ids) :], labels[len(prompt_ids) :]
+    problems = check_messages(prompt_msgs, tools=tools, field=prompt_field, fn=fn)
+    problems += check_messages(response_msgs, tools=tools, field=response_field, fn=fn)
+    if problems:
+        raise DataError(problems)
+    prompt_ids, response_ids, response_labels = split_conversation(
+        tokenizer, prompt_msgs, response_msgs, tools=tools
+    )
     if eos is not None and (not response_ids or response_ids[-1] != eos):
         response_ids, response_labels = response_ids + [eos], response_labels + [eos]
     return prompt_ids, response_ids, response_labels
@@ -157,6 +155,7 @@ def tokenize_prompt_responses(
     max_length: int,
     max_prompt_length: int | None,
     conversational: bool,
+    tools: Sequence[Any] | None = None,
 ) -> list[dict[str, list[int]]]:
     """``prompt`` followed by each ``(field, response)``, truncated together: one
     ``{"input_ids", "attention_mask", "labels"}`` per response (prompt tokens labelled -100).
@@ -175,9 +174,17 @@ def tokenize_prompt_responses(
             response_field=field,
             fn=fn,
             conversational=conversational,
+            tools=tools,
         )
         for field, response in responses
     ]
+    if any(prompt_ids != encoded[0][0] for prompt_ids, _, _ in encoded):
+        raise DataError(
+            [
+                f"{fn}: the chat template renders {prompt_field!r} differently before each "
+                "response, so the responses would not share one prompt"
+            ]
+        )
     prompt_ids, cut = truncate_prompt_responses(
         encoded[0][0],
         [(ids, labels) for _, ids, labels in encoded],
@@ -199,6 +206,12 @@ def tokenize_prompt_responses(
             ]
         )
     mask = [IGNORE_INDEX] * len(prompt_ids)
+    removed = open_turns = 0
+    for (_, full_ids, full_labels), (ids, labels) in zip(encoded, cut):
+        removed += len(encoded[0][0]) + len(full_ids) - len(prompt_ids) - len(ids)
+        open_turns += len(labels) < len(full_labels) and full_labels[len(labels)] != IGNORE_INDEX
+    if removed:  # counted, so tokenize_dataset logs it: nothing is cut silently
+        report_cut(rows=1, tokens=removed, open_turns=open_turns)
     return [
         {
             "input_ids": prompt_ids + ids,
@@ -233,6 +246,18 @@ def split_implicit_prompt(
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+def split_implicit_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """``(prompt, chosen_rest, rejected_rest)`` of TRL's standard implicit-prompt rows: the
+    shared leading text is the prompt, ending before the space that precedes the first
+    difference (TRL's ``extract_prompt`` rule), so each response starts with its word."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if 0 < n < min(len(chosen), len(rejected)) + 1 and chosen[n - 1] == " ":
+        n -= 1
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
 # --------------------------------------------------------------------------- tokenize
 
 
@@ -245,6 +270,8 @@ def tokenize_preference(
     rejected_field: str = "rejected",
     max_prompt_length: int | None = None,
     margin_field: str | None = None,
+    tools_field: str = "tools",
+    tools: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
     """Tokenize one preference pair into chosen/rejected sequences sharing the prompt tokens.
 
@@ -256,9 +283,12 @@ def tokenize_preference(
       ``chosen``/``rejected`` message lists (or strings, read as one assistant message),
       rendered with the tokenizer's chat template; only assistant turns of the responses are
       trained;
-    - implicit prompt: no ``prompt`` field and ``chosen``/``rejected`` full conversations; their
-      shared leading messages are the prompt.
+    - implicit prompt: no ``prompt`` field and ``chosen``/``rejected`` full conversations (their
+      shared leading messages are the prompt) or full texts (their shared leading text, up to
+      the space before the first difference, as TRL splits them).
 
+    Conversations may carry assistant ``tool_calls`` (trained) and ``tool`` messages (never
+    trained); the tool schemas come from the row's ``tools_field`` column or ``tools``.
     Over-long rows are truncated as the module docstring describes. ``margin_field`` copies a
     numeric per-pair margin (for ``RewardModelLoss(margin_field=...)``) into the output under
     the same name.
@@ -278,8 +308,9 @@ def tokenize_preference(
         if (p := _missing_or_empty(example, f, fn, kwarg))
     ]
     chosen, rejected = example.get(chosen_field), example.get(rejected_field)
-    implicit = (
-        prompt_field not in example and isinstance(chosen, list) and isinstance(rejected, list)
+    implicit = prompt_field not in example and (
+        (isinstance(chosen, list) and isinstance(rejected, list))
+        or (isinstance(chosen, str) and isinstance(rejected, str))
     )
     if not implicit and (p := _missing_or_empty(example, prompt_field, fn, "prompt_field")):
         problems.append(p)
@@ -293,7 +324,16 @@ def tokenize_preference(
             ]
         )
     prompt: Any = example.get(prompt_field)
-    if implicit:
+    if implicit and isinstance(chosen, str):
+        prompt, chosen, rejected = split_implicit_text(chosen, rejected)
+        if not prompt:
+            raise DataError(
+                [
+                    f"{fn}: missing field {prompt_field!r}, and {chosen_field!r}/"
+                    f"{rejected_field!r} share no leading text to use as an implicit prompt"
+                ]
+            )
+    elif implicit:
         prompt, chosen, rejected = split_implicit_prompt(
             _as_messages(chosen, "assistant", chosen_field, fn),
             _as_messages(rejected, "assistant", rejected_field, fn),
@@ -314,6 +354,7 @@ def tokenize_preference(
         max_length=max_length,
         max_prompt_length=max_prompt_length,
         conversational=_is_conversational(prompt, chosen, rejected),
+        tools=row_tools(example, tools_field, tools),
     )
     if chosen_row["input_ids"] == rejected_row["input_ids"]:
         raise DataError(
@@ -344,6 +385,7 @@ __all__ = [
     "PREFERENCE_COLUMNS",
     "encode_prompt_response",
     "split_implicit_prompt",
+    "split_implicit_text",
     "tokenize_preference",
     "tokenize_prompt_responses",
     "truncate_prompt_responses",

@@ -1,16 +1,75 @@
-"""SFT data: ``tokenize_sft`` (prompt/response, plain text, or chat messages).
+"""SFT data: ``tokenize_sft`` (chat messages, prompt/completion, or plain text).
 
 Its collator is :class:`grimoire.collate.sft.SFTCollator`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.rows.common import chat_with_assistant_mask, require_fields
+from grimoire.rows.chat import chat_tokens, check_messages, row_tools, split_conversation
+from grimoire.rows.common import fit_length, require_fields
+
+
+def _chat_row(
+    example: Mapping[str, Any],
+    tokenizer,
+    messages_field: str,
+    tools: Sequence[Any] | None,
+    train_final_reasoning: bool,
+) -> tuple[list[int], list[int]]:
+    messages = example[messages_field]
+    problems = check_messages(messages, tools=tools, field=messages_field, fn="tokenize_sft")
+    if not problems and messages[-1].get("role") != "assistant":
+        problems.append(
+            f"tokenize_sft: {messages_field!r} ends with a {messages[-1].get('role')!r} turn; an "
+            "SFT conversation must end with the assistant turn it trains on"
+        )
+    if problems:
+        raise DataError(problems)
+    out = chat_tokens(
+        tokenizer, list(messages), tools=tools, train_final_reasoning=train_final_reasoning
+    )
+    return out.input_ids, out.labels
+
+
+def _prompt_completion(
+    example: Mapping[str, Any],
+    tokenizer,
+    prompt_field: str,
+    response_field: str,
+    tools: Sequence[Any] | None,
+    train_final_reasoning: bool,
+    max_prompt_length: int | None,
+) -> tuple[list[int], list[int]]:
+    require_fields(example, [prompt_field, response_field], "tokenize_sft")
+    prompt, response = example[prompt_field], example[response_field]
+    if isinstance(prompt, list) or isinstance(response, list):
+        # Conversational prompt-completion (TRL): one rendering, only the completion trained.
+        prompt_msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if isinstance(response, str):
+            response = [{"role": "assistant", "content": response}]
+        problems = check_messages(prompt_msgs, tools=tools, field=prompt_field, fn="tokenize_sft")
+        problems += check_messages(response, tools=tools, field=response_field, fn="tokenize_sft")
+        if problems:
+            raise DataError(problems)
+        p_ids, r_ids, r_labels = split_conversation(
+            tokenizer,
+            list(prompt_msgs),
+            list(response),
+            tools=tools,
+            train_final_reasoning=train_final_reasoning,
+        )
+    else:
+        p_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        r_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+        r_labels = list(r_ids)
+    if max_prompt_length is not None and len(p_ids) > max_prompt_length:
+        p_ids = p_ids[len(p_ids) - max_prompt_length :]
+    return list(p_ids) + list(r_ids), [IGNORE_INDEX] * len(p_ids) + list(r_labels)
 
 
 def tokenize_sft(
@@ -22,50 +81,71 @@ def tokenize_sft(
     text_field: str = "text",
     messages_field: str = "messages",
     max_prompt_length: int | None = None,
-) -> dict[str, list[int]]:
-    """Tokenize one SFT example; loss only on the response (prompt tokens get label -100).
+    truncation: str = "error",
+    tools_field: str = "tools",
+    tools: Sequence[Any] | None = None,
+    train_final_reasoning: bool = True,
+) -> dict[str, Any] | None:
+    """Tokenize one SFT example; loss only on what the model should write (prompt tokens -100).
 
-    Accepted shapes, checked in this order: ``messages`` (a chat list rendered with the
-    tokenizer's chat template, loss on assistant turns only), ``prompt`` + ``response``, or a
-    plain ``text`` (loss on every token). The EOS token is appended to the response (and to plain
-    text) and is part of the loss, so the model learns to stop. Rows are truncated to
-    ``max_length`` from the right; a row whose response is cut away entirely is an error.
-    ``max_prompt_length`` (grimoire-rl's argument; prompt + response rows) first cuts a longer
-    prompt to its LAST ``max_prompt_length`` tokens, so more of the response survives
-    ``max_length`` (grimoire-rl kept the prompt's first tokens; the end is what the response
-    answers, as in the preference tokenizers here and TRL).
+    Accepted shapes, checked in this order:
+
+    - ``messages``: a chat rendered once with the tokenizer's chat template (``tools`` from the
+      row's ``tools_field`` column or the ``tools`` argument handed to it); every assistant turn
+      is trained (content, reasoning as the template writes it, tool calls, the turn's closing
+      token), system/user/tool text never (:mod:`grimoire.rows.chat`). It must end with an
+      assistant turn. ``train_final_reasoning=False`` leaves the last turn's reasoning
+      untrained; earlier turns' reasoning is trained only where the template renders it.
+    - ``prompt`` + ``response`` (or TRL's ``completion``): strings, or messages (TRL's
+      conversational prompt-completion: only the completion is trained).
+    - ``text``: every token trained.
+
+    EOS is appended when the row does not already end with it, and trained, so the model learns
+    to stop. ``max_prompt_length`` (prompt + response rows) first cuts a longer prompt to its
+    LAST tokens. A row longer than ``max_length`` is a ``DataError`` unless ``truncation`` is
+    ``"drop"`` (returns ``None``; ``tokenize_dataset`` skips and counts it), ``"turn"`` (ends
+    after the last whole assistant turn that fits) or ``"cut"`` (cut at ``max_length``); what was
+    cut is counted (:func:`grimoire.rows.common.counting_cuts`) and ``tokenize_dataset`` logs it.
 
     Returns ``{"input_ids", "attention_mask", "labels"}`` (lists of equal length).
     """
     eos = tokenizer.eos_token_id
+    tools = row_tools(example, tools_field, tools)
+    if response_field == "response" and "response" not in example and "completion" in example:
+        response_field = "completion"  # TRL's prompt-completion column
     if example.get(messages_field):
-        input_ids, labels = chat_with_assistant_mask(tokenizer, list(example[messages_field]))
-        if eos is not None and input_ids and input_ids[-1] != eos:
-            # Templates that end turns with their own marker still get EOS so generation stops.
-            input_ids, labels = input_ids + [eos], labels + [eos]
+        input_ids, labels = _chat_row(
+            example, tokenizer, messages_field, tools, train_final_reasoning
+        )
     elif prompt_field in example or response_field in example:
-        require_fields(example, [prompt_field, response_field], "tokenize_sft")
-        prompt = tokenizer(example[prompt_field], add_special_tokens=True)["input_ids"]
-        if max_prompt_length is not None and len(prompt) > max_prompt_length:
-            prompt = prompt[len(prompt) - max_prompt_length :]
-        response = tokenizer(example[response_field], add_special_tokens=False)["input_ids"]
-        response = response + ([eos] if eos is not None else [])
-        input_ids = prompt + response
-        labels = [IGNORE_INDEX] * len(prompt) + response
+        input_ids, labels = _prompt_completion(
+            example,
+            tokenizer,
+            prompt_field,
+            response_field,
+            tools,
+            train_final_reasoning,
+            max_prompt_length,
+        )
     elif text_field in example:
         require_fields(example, [text_field], "tokenize_sft")
-        input_ids = tokenizer(example[text_field], add_special_tokens=True)["input_ids"]
-        input_ids = input_ids + ([eos] if eos is not None else [])
+        input_ids = list(tokenizer(example[text_field], add_special_tokens=True)["input_ids"])
         labels = list(input_ids)
     else:
         raise DataError(
             [
                 f"tokenize_sft: the row has none of {messages_field!r}, {prompt_field!r}+"
-                f"{response_field!r} or {text_field!r}; it has {sorted(example)} "
+                f"{response_field!r} (or 'completion') or {text_field!r}; it has {sorted(example)} "
                 "(pass prompt_field=/response_field=/text_field=/messages_field= to map columns)"
             ]
         )
-    input_ids, labels = input_ids[:max_length], labels[:max_length]
+    if eos is not None and (not input_ids or input_ids[-1] != eos):
+        # Templates that end turns with their own marker still get EOS so generation stops.
+        input_ids, labels = input_ids + [eos], labels + [eos]
+    fitted = fit_length(input_ids, labels, max_length, truncation, "tokenize_sft")
+    if fitted is None:
+        return None
+    input_ids, labels = fitted
     if all(label == IGNORE_INDEX for label in labels):
         raise DataError(
             [

@@ -32,6 +32,7 @@ from typing import Any
 
 from grimoire.columns import listed
 from grimoire.errors import ConfigError, DataError, did_you_mean
+from grimoire.rows.common import counting_cuts, log_cuts, log_format
 
 #: Prefix for files shipped inside the grimoire package.
 PACKAGE_PREFIX = "grimoire://"
@@ -323,12 +324,35 @@ def tokenize_dataset(
     ``locations`` (one ``file:line`` per row, from :func:`read_source`) lead each row's problem;
     ``problems`` found before (a JSONL file's unreadable lines) are reported in the same error.
     """
-    out: list[Mapping[str, Any]] = []
     found = list(problems)
+    with counting_cuts() as cut:
+        out = _tokenize_rows(dataset, fn, source_name, locations, found, fn_kwargs)
+    if found:
+        raise DataError(listed(found), title=f"invalid data in {source_name}")
+    log_cuts(source_name, cut)
+    if not out:
+        raise DataError([f"{source_name}: no rows to tokenize"])
+    return rows_to_dataset(out, source=source_name)
+
+
+def _tokenize_rows(
+    dataset: Any,
+    fn: Callable[..., Mapping[str, Any] | None],
+    source_name: str,
+    locations: Sequence[str] | None,
+    found: list[str],
+    fn_kwargs: Mapping[str, Any],
+) -> list[Mapping[str, Any]]:
+    """``fn`` over every row; each row's ``DataError`` problems are appended to ``found``."""
+    out: list[Mapping[str, Any]] = []
     for i, row in enumerate(dataset):
         example = {k: v for k, v in row.items() if v is not None}
+        if i == 0:
+            log_format(source_name, example)
         try:
-            out.append(fn(example, **fn_kwargs))
+            result = fn(example, **fn_kwargs)
+            if result is not None:  # None: the tokenizer's truncation="drop" (counted)
+                out.append(result)
         except DataError as exc:
             if locations is not None:
                 found.extend(f"{locations[i]}: {p} ({source_name} row {i})" for p in exc.problems)
@@ -339,11 +363,7 @@ def tokenize_dataset(
                 where = f" ({locations[i]})" if locations is not None else ""
                 exc.add_note(f"while tokenizing {source_name} row {i}{where}")
             raise
-    if found:
-        raise DataError(listed(found), title=f"invalid data in {source_name}")
-    if not out:
-        raise DataError([f"{source_name}: no rows to tokenize"])
-    return rows_to_dataset(out, source=source_name)
+    return out
 
 
 def _json_array(text: str, path: Path) -> list[dict[str, Any]]:
