@@ -4,7 +4,7 @@ A real run (``grimoire train``, shortened) and a real ``grimoire plot`` in an em
 the page in Chromium (tests/helpers/browser.py): it loads without a console error or warning,
 it has one panel per numeric metric of metrics.jsonl (read independently of the plot code), and
 moving the pointer onto a point of the loss line shows that point's step and logged value. A
-missing Chromium fails these tests (CI installs it in .ci/run); it never skips them.
+missing Chromium fails these tests (the README's first command installs it: scripts/install-chromium.sh); it never skips them.
 """
 
 from __future__ import annotations
