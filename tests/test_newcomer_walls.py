@@ -23,9 +23,7 @@ from tests.helpers.train_utils import quiet_config
 
 from grimoire import GrimoireTrainer
 from grimoire.cli.main import main
-from grimoire.cli.paths import hub_unreachable
 from grimoire.cli.schema import validate_config
-from grimoire.cli.wording import yaml_wording
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError, DataError
@@ -77,12 +75,16 @@ def test_python_api_keeps_python_wording_for_the_same_problem(tmp_path, tokenize
             train_dataset=rows,
         )
     # The CLI's rewording of that very message names the YAML keys.
+    from grimoire.cli.wording import yaml_wording
+
     worded = yaml_wording(str(err.value))
     assert "set loss.ref_model: copy" in worded and "add a peft: section" in worded
     assert "peft_config" not in worded
 
 
 def test_reference_message_with_cache_hint_is_reworded_whole():
+    from grimoire.cli.wording import yaml_wording
+
     message = Reference(None, "DPOLoss", REF_PAIR_COLUMNS)._missing("train")
     worded = yaml_wording(message)
     assert "training.precompute_ref_log_probs: true" in worded
@@ -147,6 +149,8 @@ def _closed_port() -> int:
 
 
 def test_hub_probe_tells_a_closed_port_from_a_listening_one():
+    from grimoire.cli.paths import hub_unreachable
+
     port = _closed_port()
     assert "127.0.0.1" in hub_unreachable(f"http://127.0.0.1:{port}")
     with socket.socket() as server:

@@ -28,6 +28,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from grimoire.columns import columns_of
 
 #: grimoire-rl's name for ``reward_funcs``.
@@ -55,7 +57,10 @@ def peer_prompt_row(row: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     gave its reward functions). Metadata columns stay as they are."""
     out = {PEER_PROMPT_COLUMNS.get(k, k): v for k, v in row.items()}
     if "prompt" not in out:
-        out["prompt"] = tokenizer.decode(list(row["input_ids"]), skip_special_tokens=True)
+        # batch_decode on a tensor, as grimoire-rl called it (a tokenizer written for it may
+        # have only that)
+        ids = torch.tensor([list(row["input_ids"])], dtype=torch.long)
+        out["prompt"] = tokenizer.batch_decode(ids, skip_special_tokens=True)[0]
     return out
 
 
