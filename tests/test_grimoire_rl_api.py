@@ -8,8 +8,12 @@ here by hand or by a naive re-implementation inside the test.
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
+import yaml
 from tests.helpers.train_utils import params_of, quiet_config
 
 from grimoire import GrimoireTrainer
@@ -223,3 +227,27 @@ def test_grpo_trains_from_grimoire_rl_tokenized_rows_saved_to_disk(tiny_dir, tok
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
     # The reward functions got grimoire-rl's prompt text: the ids decoded without special tokens.
     assert peer_prompts == ours_prompts and set(peer_prompts) <= {r["prompt"] for r in raw}
+
+
+def test_cli_trains_grpo_from_grimoire_rl_rows_saved_to_disk(tokenizer, tmp_path, monkeypatch):
+    from datasets import Dataset
+
+    from grimoire.cli.main import main
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the config's folder on it
+    rows = [peer_tokenize_grpo(r, tokenizer, ["answer"]) for r in reverse_rows(4, seed=2)]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "peer"))
+    config = {
+        "model": {"pretrained": "tiny:llama"},
+        "dataset": {"path": str(tmp_path / "peer")},  # no tokenize section: the rows are ready
+        "loss": {
+            "type": "grpo",
+            "args": {"reward_funcs": ["exact_match"], "num_generations": 2, "max_new_tokens": 4},
+        },
+        "training": {"output_dir": str(tmp_path / "out"), "max_steps": 1, "batch_size": 2},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["train", "--config", str(path)]) == 0
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert any("rewards/mean" in r for r in records)

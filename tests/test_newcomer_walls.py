@@ -14,6 +14,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,12 @@ from grimoire.model.tiny import build_model, preference_rows, reverse_rows, save
 from grimoire.rows.preference import tokenize_preference
 from grimoire.rows.sft import tokenize_sft
 from grimoire.training.callbacks import ProgressCallback
+
+
+@pytest.fixture(autouse=True)
+def _sys_path_back(monkeypatch):
+    """main() puts the config's folder and the working directory on sys.path: undo it."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
 
 
 def _config(tmp_path: Path, rows: list[dict], **sections) -> Path:

@@ -28,9 +28,11 @@ from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError, DataError, raise_if
 from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.base import GrimoireLoss, as_method
+from grimoire.losses.online_compat import is_peer_prompt_dataset
 from grimoire.model.precision import decide
 from grimoire.model.tiny import build_tokenizer, save_tiny
 from grimoire.parallel.accelerate import has_accelerator
+from grimoire.rows.prompts import tokenize_grpo
 from grimoire.rows.sources import (
     PACKAGE_PREFIX,
     LoadedSource,
@@ -215,6 +217,10 @@ def tokenize(
     loss_type = (raw.get("loss") or {"type": "sft"})["type"]
     name = tok.pop("type", loss_type)
     fn = registry.resolve(name, registry.TOKENIZERS, f"{where}.tokenize.type")
+    if fn is tokenize_grpo and is_peer_prompt_dataset(columns_of(source.dataset)):
+        # Prompt rows grimoire-rl's tokenize_grpo already wrote (input_ids / attention_mask):
+        # the online methods read them as they are (OnlineMethod.adapt_rows).
+        return source.dataset
     tok.setdefault("max_length", max_length)
     kwargs = {"tokenizer": tokenizer, **tok}
     if getattr(fn, "dataset_level", False):  # e.g. pretrain blocks: rows are regrouped
