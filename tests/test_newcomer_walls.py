@@ -116,6 +116,17 @@ def test_cli_data_error_names_the_tokenize_key_of_its_section(tmp_path, capsys, 
         tokenize_sft(rows[0], build_tokenizer_for_test())
 
 
+def test_row_with_none_of_the_fields_is_answered_with_the_tokenize_keys():
+    from grimoire.cli.wording import yaml_wording
+
+    with pytest.raises(DataError) as err:
+        tokenize_sft({"question": "q"}, build_tokenizer_for_test())
+    assert "pass prompt_field=/response_field=/text_field=/messages_field=" in str(err.value)
+    worded = yaml_wording(f"{err.value} (eval_dataset row 2)")
+    keys = ("prompt_field", "response_field", "text_field", "messages_field")
+    assert "(set " + " / ".join(f"eval_dataset.tokenize.{k}" for k in keys) in worded
+
+
 def build_tokenizer_for_test():
     from grimoire.model.tiny import build_tokenizer
 

@@ -4,7 +4,7 @@ the YAML key or section that makes it (``loss.ref_model: copy``, a ``peft:`` sec
 ``peft_config=LoraConfig(...)``, ``tokenize_sft(..., response_field=...)``).
 
 The library's messages stay in Python terms for Python callers; the CLI rewrites them on the
-way out (:func:`yaml_wording`). ``tests/test_cli_wording.py`` produces each message through the
+way out (:func:`yaml_wording`). ``tests/test_newcomer_walls.py`` produces each message through the
 real code path, so a reworded library message that no longer matches fails there.
 """
 
