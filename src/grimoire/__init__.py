@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from grimoire.config.training import TrainingConfig
     from grimoire.parallel.launcher import LaunchError, launch
+    from grimoire.rows.sources import resolve_path
     from grimoire.training.callbacks import ExactMatchCallback, TrainerCallback
     from grimoire.training.trainer import GrimoireTrainer
 
@@ -20,6 +21,7 @@ _LAZY = {
     "ExactMatchCallback": "grimoire.training.callbacks",
     "launch": "grimoire.parallel.launcher",
     "LaunchError": "grimoire.parallel.launcher",
+    "resolve_path": "grimoire.rows.sources",
 }
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "TrainingConfig",
     "__version__",
     "launch",
+    "resolve_path",
 ]
 
 

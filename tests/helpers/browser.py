@@ -1,8 +1,8 @@
 """Open a page in headless Chromium, hover a line, read back what happened; take screenshots.
 
-Chromium (Debian's ``chromium`` package; ``.ci/run`` installs it when missing) runs without
-any Python driver: ``--dump-dom`` prints the DOM after the page loaded, and a probe script
-appended to the page (after the page's own script) reports into that DOM what the test asks:
+Chromium (Debian's ``chromium`` package; the README's first command installs it when missing,
+with scripts/install-chromium.sh) runs without any Python driver: ``--dump-dom`` prints the DOM
+after the page loaded, and a probe script appended to the page (after the page's own script) reports into that DOM what the test asks:
 the panels, a hover over a line (a real ``mousemove`` at the screen position of one of the
 line's points, through the page's own listener), and every error and console warning (caught by
 a second probe at the top of ``<head>``, before any page code runs). Console messages also go to
@@ -46,14 +46,15 @@ pre.textContent=JSON.stringify(out);document.body.appendChild(pre);})();</script
 
 
 def chromium() -> str:
-    """The Chromium binary; a missing one FAILS the test (CI installs it: .ci/run)."""
+    """The Chromium binary; a missing one FAILS the test (the README's first command installs it:
+    scripts/install-chromium.sh)."""
     for name in CHROMIUM_NAMES:
         found = shutil.which(name)
         if found:
             return found
     raise AssertionError(
         "headless Chromium is needed for this test and was not found: install Debian's "
-        "`chromium` package (apt-get install -y chromium; .ci/run does it when missing)"
+        "`chromium` package (sh scripts/install-chromium.sh, which the README's first command runs)"
     )
 
 

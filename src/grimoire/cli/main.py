@@ -40,6 +40,7 @@ from grimoire.cli.schema import (
     check_config,
     load_config,
 )
+from grimoire.cli.wording import yaml_wording
 from grimoire.errors import GrimoireError
 from grimoire.training.records import metrics_path, read_records
 from grimoire.training.report import SUMMARY_FILE
@@ -273,18 +274,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _fail(command: str, exc: BaseException, message: str) -> int:
     logger.debug("grimoire %s failed; the traceback:", command, exc_info=exc)
+    if command in COMMANDS:  # a config run: name the YAML key that fixes it, not the argument
+        message = yaml_wording(message)
     print(f"grimoire {command}: {message}", file=sys.stderr)
     return 1
 
 
+def import_dirs(config: str | None) -> list[str]:
+    """Put the config file's folder, then the working directory, first on ``sys.path``, so a
+    ``package.module:Name`` spec finds the user's own modules beside the config or where the
+    command runs (the ``grimoire`` script, unlike ``python -m``, has neither on the path).
+    Importing such a module runs its code, as any spec does. Returns the folders added."""
+    folders = [str(Path(config).resolve().parent)] if config else []
+    folders.append(str(Path.cwd()))
+    added = [f for f in dict.fromkeys(folders) if f not in sys.path]
+    sys.path[:0] = added
+    return added
+
+
 def _train_or_validate(command: str, args: argparse.Namespace, argv: Sequence[str]) -> int:
     raw = config_from_args(args)
+    import_dirs(args.config)
+    check_config(raw)  # before the model stack is imported: config mistakes answer at once
+    # Imported once the config is valid: `grimoire --help` never loads the model stack.
+    from grimoire.cli.run import build_run, check_run
+
     if command == "validate":
-        check_config(raw)
+        # Every check train makes before loading weights: tokenizer, data rows, loss, reference.
+        check_run(raw, validate_only=True)
         print(f"OK: {args.config or 'embedded default config'} is valid")
         return 0
-    # Imported when a run starts: `grimoire --help` and `validate` never load the model stack.
-    from grimoire.cli.run import build_run
 
     run = build_run(raw)
     # For the model card: how to reproduce this run.

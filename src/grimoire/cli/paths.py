@@ -10,10 +10,13 @@ or a problem that says which key, where the path was looked for, and what to giv
 
 from __future__ import annotations
 
+import functools
 import re
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from huggingface_hub import constants as hub_constants
 from huggingface_hub.errors import HFValidationError
@@ -103,7 +106,37 @@ def pretrained_problems(
             f"the local Hugging Face cache ({cache}) while offline mode is on (HF_HUB_OFFLINE): "
             f"download it once with network access (hf download {name}), or give a local folder"
         ]
+    if not hub_cache_has(name, cache_dir):
+        down = hub_unreachable()
+        if down is not None:
+            return [
+                f"{where}: {name!r} is no folder here ({Path.cwd()}) and not in the local Hugging "
+                f"Face cache, and the hub cannot be reached ({down}): connect to the network, "
+                "give a local folder, or set HF_HUB_OFFLINE=1 to use only cached models"
+            ]
     return []  # a hub name: fetched (or read from the cache) when the run starts
+
+
+#: Seconds the hub's host may take to accept a connection before it counts as unreachable.
+HUB_PROBE_TIMEOUT = 5.0
+
+
+@functools.lru_cache(maxsize=4)
+def hub_unreachable(endpoint: str | None = None) -> str | None:
+    """Why the Hugging Face hub (``HF_ENDPOINT``) cannot be reached, or None when it can.
+
+    One TCP connection with a short timeout, made before any download: without it a model name
+    with the network down ends in huggingface_hub's retries (a dozen log lines over a minute)
+    before the one-line error.
+    """
+    url = urlsplit(endpoint or hub_constants.ENDPOINT)
+    host = url.hostname or ""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT):
+            return None
+    except OSError as exc:
+        return f"{url.scheme}://{host}:{port}: {exc.strerror or type(exc).__name__}"
 
 
 def _folder_problems(path: Path, where: str, kind: str, needs_tokenizer: bool) -> list[str]:

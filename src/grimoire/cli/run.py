@@ -22,15 +22,17 @@ from grimoire.cli.schema import (
     is_dataset_ref,
     tokenize_section,
 )
-from grimoire.columns import listed
+from grimoire.columns import columns_of, listed
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig
-from grimoire.errors import ConfigError, DataError
+from grimoire.errors import ConfigError, DataError, raise_if
 from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.base import GrimoireLoss, as_method
+from grimoire.losses.online_compat import is_peer_prompt_dataset
 from grimoire.model.precision import decide
-from grimoire.model.tiny import save_tiny
+from grimoire.model.tiny import build_tokenizer, save_tiny
 from grimoire.parallel.accelerate import has_accelerator
+from grimoire.rows.prompts import tokenize_grpo
 from grimoire.rows.sources import (
     PACKAGE_PREFIX,
     LoadedSource,
@@ -54,16 +56,35 @@ class Run:
 # --------------------------------------------------------------------------- building
 
 
-def build_run(raw: Mapping[str, Any]) -> Run:
-    """Validate ``raw``, then load tokenizer, data, callbacks, loss and model into a trainer.
+@dataclass
+class Checked:
+    """What :func:`check_run` built without loading any weights (``grimoire validate`` stops
+    here; ``grimoire train`` goes on from it)."""
 
-    Data is loaded and tokenized before the model so bad rows fail fast and cheaply.
-    """
+    raw: Mapping[str, Any]
+    config: TrainingConfig
+    model_path: str
+    tokenizer: Any
+    datasets: dict[str, Any]
+    callbacks: list[Any]
+    loss_cls: Any
+    loss_args: dict[str, Any]
+    loss_fn: Any
+
+
+def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
+    """Every check ``grimoire train`` makes before it loads weights: the config, the tokenizer,
+    every data row, the callbacks, the loss's arguments and whether the loss has the reference
+    it needs. Raises one error listing every problem found by the failing stage.
+    ``validate_only``: a ``tiny:`` model's tokenizer is built in memory (nothing is written)."""
     config = check_config(raw)
     raw, _ = canonical_model(raw)  # earlier spellings moved (check_config warned about them)
-    model_cfg, quantization = raw["model"], raw.get("quantization")
-    model_path = _materialize_model(model_cfg["pretrained"], config.output_dir)
-    tokenizer = load_tokenizer(model_cfg, model_path)
+    model_cfg = raw["model"]
+    if validate_only and model_cfg["pretrained"].startswith(TINY_PREFIX):
+        model_path, tokenizer = model_cfg["pretrained"], build_tokenizer()
+    else:
+        model_path = _materialize_model(model_cfg["pretrained"], config.output_dir)
+        tokenizer = load_tokenizer(model_cfg, model_path)
 
     raw_eval_rows: list[dict[str, Any]] | None = None
     datasets: dict[str, Any] = {}
@@ -87,6 +108,62 @@ def build_run(raw: Mapping[str, Any]) -> Run:
 
     loss_cfg = raw.get("loss") or {"type": "sft"}
     loss_cls = registry.resolve(loss_cfg["type"], registry.LOSSES, "loss.type")
+    args = dict(loss_cfg.get("args") or {})
+    if loss_cfg.get("ref_model") == REF_MODEL_COPY and not loss_cfg.get("cache_reference"):
+        args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
+    loss_fn = make_loss(loss_cls, loss_cfg["type"], args)
+    raise_if(missing_reference(loss_fn, raw, config, datasets), ConfigError)
+    return Checked(raw, config, model_path, tokenizer, datasets, callbacks, loss_cls, args, loss_fn)
+
+
+def make_loss(loss_cls: Any, name: str, args: dict[str, Any]) -> Any:
+    try:
+        return loss_cls(**args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError([f"loss: {name}: {exc}"]) from exc
+
+
+def missing_reference(
+    loss_fn: Any, raw: Mapping[str, Any], config: TrainingConfig, datasets: dict[str, Any]
+) -> list[str]:
+    """The loss needs a reference model and the config gives it none (checked from the config,
+    before any weights are loaded; the trainer checks the same again at set-up)."""
+    method = as_method(loss_fn)
+    if not method.needs_reference_model:
+        return []
+    loss_cfg = raw.get("loss") or {}
+    if loss_cfg.get("ref_model") or loss_cfg.get("cache_reference") or raw.get("peft"):
+        return []
+    if config.precompute_ref_log_probs:
+        return []
+    cached = tuple(getattr(method.reference, "cache_columns", ()) or ())
+    if cached and all(set(cached) <= set(columns_of(ds)) for ds in datasets.values()):
+        return []  # pre-tokenized rows that carry the reference log-probs
+    precompute = (
+        ", or training.precompute_ref_log_probs: true (the starting model scores the data once "
+        "before training, then is released)"
+        if cached
+        else ""
+    )
+    return [
+        f"loss.ref_model: {loss_cfg.get('type', 'the loss')!r} ({method.method_name}) needs a "
+        "reference model and the config gives none: set loss.ref_model: copy (a frozen copy of "
+        "the starting model: twice its memory) or loss.ref_model: <a path or hub name>, or add "
+        f"a peft: section (LoRA: the base with adapters disabled is the reference){precompute}"
+    ]
+
+
+def build_run(raw: Mapping[str, Any]) -> Run:
+    """:func:`check_run`, then load the reference (if any) and the model into a trainer.
+
+    Data is loaded and tokenized before the model so bad rows fail fast and cheaply.
+    """
+    checked = check_run(raw)
+    raw, config, datasets = checked.raw, checked.config, checked.datasets
+    model_cfg, quantization = raw["model"], raw.get("quantization")
+    model_path, tokenizer, callbacks = checked.model_path, checked.tokenizer, checked.callbacks
+    loss_cls, loss_fn = checked.loss_cls, checked.loss_fn
+    loss_cfg = raw.get("loss") or {"type": "sft"}
     model_kind = loss_cls.model_kind if issubclass(loss_cls, GrimoireLoss) else "causal_lm"
     ref_spec, cache = loss_cfg.get("ref_model"), loss_cfg.get("cache_reference")
     ref_path = ref_spec if ref_spec != REF_MODEL_COPY else None
@@ -97,16 +174,11 @@ def build_run(raw: Mapping[str, Any]) -> Run:
         ref_path = _materialize_model(ref_path or model_path, config.output_dir)
         where = "loss.ref_model" if ref_spec and ref_spec != REF_MODEL_COPY else "model.pretrained"
         ref_model = load_model(model_cfg, ref_path, model_kind, quantization, where=where)
-    args = dict(loss_cfg.get("args") or {})
-    if ref_spec == REF_MODEL_COPY and not cache:
-        args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
-    elif ref_model is not None and not cache:
-        args["ref_model"] = ref_model
-    try:
-        loss_fn = loss_cls(**args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError([f"loss: {loss_cfg['type']}: {exc}"]) from exc
-    if loss_cfg.get("cache_reference"):
+    if ref_model is not None and not cache:
+        loss_fn = make_loss(
+            loss_cls, loss_cfg["type"], {**checked.loss_args, "ref_model": ref_model}
+        )
+    if cache:
         datasets = {k: cache_reference(ref_model, v, loss_fn, config) for k, v in datasets.items()}
         del ref_model
 
@@ -154,6 +226,10 @@ def tokenize(
     loss_type = (raw.get("loss") or {"type": "sft"})["type"]
     name = tok.pop("type", loss_type)
     fn = registry.resolve(name, registry.TOKENIZERS, f"{where}.tokenize.type")
+    if fn is tokenize_grpo and is_peer_prompt_dataset(columns_of(source.dataset)):
+        # Prompt rows grimoire-rl's tokenize_grpo already wrote (input_ids / attention_mask):
+        # the online methods read them as they are (OnlineMethod.adapt_rows).
+        return source.dataset
     tok.setdefault("max_length", max_length)
     if truncate:
         tok.setdefault("truncation", "cut")

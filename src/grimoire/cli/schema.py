@@ -29,6 +29,7 @@ from grimoire.config.loading import (
     read_yaml_file,
 )
 from grimoire.config.training import TrainingConfig, check_type
+from grimoire.config.trl_names import TRL_NAMES, trl_hint
 from grimoire.errors import ConfigError
 from grimoire.rollout.backends import engine_problems
 from grimoire.rollout.rewards import resolve_reward_funcs
@@ -122,7 +123,9 @@ def _training_problems(training: Any) -> list[str]:
     if not isinstance(training, Mapping):
         return [f"training: expected a mapping, got {type(training).__name__} {training!r}"]
     names = [f.name for f in dataclasses.fields(TrainingConfig)]
-    p = unknown_keys(training, names, "training")
+    trl = [h for k, v in training.items() if k not in names and (h := trl_hint(k, v)) is not None]
+    rest = {k: v for k, v in training.items() if k in names or k not in TRL_NAMES}
+    p = trl + unknown_keys(rest, names, "training")
     try:
         TrainingConfig(**{k: v for k, v in training.items() if k in names})
     except ConfigError as exc:

@@ -48,7 +48,8 @@ TOKENIZERS: dict[str, str] = {
 # ``dataset.tokenize.type`` (it defaults to the loss's name).
 for _pair_loss in ("dpo", "ipo", "simpo", "cpo", "orpo", "reward"):
     TOKENIZERS[_pair_loss] = TOKENIZERS["preference"]
-for _online in ("rloo", "online_dpo", "raft"):  # prompt-only data, like GRPO
+# Prompt-only data, like GRPO; "prompt" is grimoire-rl's name for it.
+for _online in ("rloo", "online_dpo", "raft", "prompt"):
     TOKENIZERS[_online] = TOKENIZERS["grpo"]
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).

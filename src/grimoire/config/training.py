@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from grimoire.config.trl_names import trl_hint
 from grimoire.errors import ConfigError, did_you_mean
 
 OPTIMIZERS = (
@@ -148,7 +149,9 @@ class TrainingConfig:
         """Build from a mapping, rejecting unknown keys with a "did you mean" hint."""
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [
-            f"{where}.{k}: unknown key{did_you_mean(k, names)}" for k in values if k not in names
+            trl_hint(k, v, where) or f"{where}.{k}: unknown key{did_you_mean(k, names)}"
+            for k, v in values.items()
+            if k not in names
         ]
         if unknown:
             raise ConfigError(unknown, title="invalid TrainingConfig")

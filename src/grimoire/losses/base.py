@@ -163,6 +163,11 @@ class GrimoireLoss(abc.ABC):
         """The rows as a reference cache holds them (KTO fixes its KL pairs); default: as is."""
         return dataset
 
+    def adapt_rows(self, dataset: Any, tokenizer: Any) -> Any:
+        """The tokenized rows as this method reads them, called once by the trainer before any
+        check (the online methods read grimoire-rl's prompt columns); default: as is."""
+        return dataset
+
 
 class TokenLogpsLoss(GrimoireLoss):
     """A method whose forward passes are per-token log-probs from
@@ -204,6 +209,7 @@ FORWARDED: tuple[str, ...] = (
     "setup",
     "validate_dataset",
     "cache_rows",
+    "adapt_rows",
 )
 
 _ABSENT = object()

@@ -40,6 +40,7 @@ from grimoire.losses.preference import (
     check_reduction,
     policy_compute,
     reduce_logps,
+    with_peer_names,
 )
 from grimoire.rows.kto import KTO_COLUMNS, PEER_LABEL_COLUMN, label_column
 
@@ -285,6 +286,12 @@ class KTOLoss(ReferenceLoss):
         }
         metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         metrics.update(sums)
+        # grimoire-rl's reward_accuracy: a desirable row is right when its reward is > 0, an
+        # undesirable one when it is < 0 (TRL's KTO logs no accuracy).
+        desirable = batch["label"].to(policy.device).bool()
+        right = torch.where(desirable, policy > ref, policy < ref)
+        metrics["rewards/accuracies"] = right.float().mean()
+        metrics = with_peer_names(metrics)
         return losses.mean(), {k: v.detach() for k, v in metrics.items()}
 
 

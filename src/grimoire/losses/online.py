@@ -34,7 +34,11 @@ from grimoire.columns import column_values, columns_of, listed
 from grimoire.errors import ConfigError, DataError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
-from grimoire.losses.online_compat import accepts_peer_spelling, tokenizer_problem
+from grimoire.losses.online_compat import (
+    accepts_peer_spelling,
+    peer_prompt_rows,
+    tokenizer_problem,
+)
 from grimoire.losses.online_functional import truncated_importance_weights
 from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
@@ -68,6 +72,9 @@ class OnlineMethod(GrimoireLoss):
             passed to it), or an engine object, whose own ``temperature`` /
             ``max_new_tokens`` then override the arguments above.
         log_entropy: compute the policy's token entropy as a metric (one extra softmax).
+        fused, fused_chunk_size: the training log-probs (policy and reference) use the fused,
+            chunked LM-head path (as every loss does by default), or the full logits with
+            ``fused=False``; the rollout's own scoring is unchanged.
 
     Subclasses list only their own arguments and end with ``**kwargs`` passed on to this
     constructor; their signature (for the YAML CLI's checks and ``help()``) is completed with
@@ -102,6 +109,8 @@ class OnlineMethod(GrimoireLoss):
         generation_batch_size: int | None = None,
         engine: EngineSpec = None,
         log_entropy: bool = True,
+        fused: bool = True,
+        fused_chunk_size: int = 1024,
     ):
         name = type(self).__name__
         if not isinstance(num_generations, int) or num_generations < self.min_generations:
@@ -111,6 +120,8 @@ class OnlineMethod(GrimoireLoss):
             )
         if beta < 0:
             raise ValueError(f"{name}: beta must be >= 0, got {beta}")
+        if fused_chunk_size <= 0:
+            raise ValueError(f"{name}: fused_chunk_size must be > 0, got {fused_chunk_size}")
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
         if isinstance(engine, RolloutEngine):  # it samples, so its settings are the ones held
             temperature, max_new_tokens = engine.temperature, engine.max_new_tokens
@@ -121,6 +132,8 @@ class OnlineMethod(GrimoireLoss):
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
+        self.fused = fused
+        self.fused_chunk_size = fused_chunk_size
         #: Emit packed TRAINING micro-batches (padding-free run or token budget); set in setup.
         self.pack_training = False
         self._ctx: Any = None
@@ -223,6 +236,11 @@ class OnlineMethod(GrimoireLoss):
                 )
         return problems
 
+    def adapt_rows(self, dataset: Any, tokenizer: Any) -> Any:
+        """Rows tokenized by grimoire-rl's ``tokenize_grpo`` (``input_ids`` / ``attention_mask``
+        as the prompt) read as :func:`~grimoire.rows.prompts.tokenize_grpo`'s columns."""
+        return peer_prompt_rows(dataset, tokenizer)
+
     def setup(self, ctx: Any) -> None:
         """Check prompt lengths, place the reference."""
         self._ctx = ctx
@@ -308,7 +326,9 @@ class OnlineMethod(GrimoireLoss):
         """``[N, C]`` reference log-probs of a training batch's completions (masked)."""
         ctx = self._ctx
         with self.reference.model(ctx.unwrapped_model) as ref, ctx.accelerator.autocast():
-            logps, _ = batch_completion_logps(ref, batch, self.logp_temperature)
+            logps, _ = batch_completion_logps(
+                ref, batch, self.logp_temperature, **self._fused_args()
+            )
         return logps
 
     def importance_weights(
@@ -330,7 +350,12 @@ class OnlineMethod(GrimoireLoss):
         self, model: torch.nn.Module, batch: dict[str, Any]
     ) -> tuple[Tensor, Tensor | None]:
         """``[N, C]`` policy log-probs (with grad, masked) and the detached entropy if logged."""
-        return batch_completion_logps(model, batch, self.logp_temperature, self.log_entropy)
+        return batch_completion_logps(
+            model, batch, self.logp_temperature, self.log_entropy, **self._fused_args()
+        )
+
+    def _fused_args(self) -> dict[str, Any]:
+        return {"fused": self.fused, "chunk_size": self.fused_chunk_size}
 
     # ------------------------------------------------------------------ loss protocol
 

@@ -15,6 +15,10 @@ spellings work:
   binds today changes meaning. grimoire-rl's positional arguments after the tokenizer are
   refused with a message: their positions differ here, and a silent shift would bind a value to
   the wrong name.
+
+grimoire-rl's ``tokenize_grpo`` writes the prompt as ``input_ids`` / ``attention_mask`` (and no
+prompt text); :func:`peer_prompt_rows` reads such a dataset (e.g. one saved with
+``save_to_disk``) as Grimoire's prompt columns.
 """
 
 from __future__ import annotations
@@ -24,10 +28,54 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from grimoire.columns import columns_of
+
 #: grimoire-rl's name for ``reward_funcs``.
 PEER_REWARD = "reward_fn"
 #: grimoire-rl's tokenizer argument (Grimoire's methods use the trainer's tokenizer).
 PEER_TOKENIZER = "tokenizer"
+#: grimoire-rl's prompt columns (its ``tokenize_grpo``) -> Grimoire's.
+PEER_PROMPT_COLUMNS = {
+    "input_ids": "prompt_input_ids",
+    "attention_mask": "prompt_attention_mask",
+}
+
+
+def is_peer_prompt_dataset(columns: Any) -> bool:
+    """True for rows tokenized by grimoire-rl's ``tokenize_grpo``: its prompt columns, none of
+    Grimoire's."""
+    names = set(columns)
+    return set(PEER_PROMPT_COLUMNS) <= names and not names & set(PEER_PROMPT_COLUMNS.values())
+
+
+def peer_prompt_row(row: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
+    """One grimoire-rl prompt row as Grimoire's: ``input_ids`` / ``attention_mask`` become
+    ``prompt_input_ids`` / ``prompt_attention_mask``; without a ``prompt`` column the prompt text
+    reward functions receive is decoded from the ids without special tokens (what grimoire-rl
+    gave its reward functions). Metadata columns stay as they are."""
+    out = {PEER_PROMPT_COLUMNS.get(k, k): v for k, v in row.items()}
+    if "prompt" not in out:
+        # batch_decode on a tensor, as grimoire-rl called it (a tokenizer written for it may
+        # have only that)
+        ids = torch.tensor([list(row["input_ids"])], dtype=torch.long)
+        out["prompt"] = tokenizer.batch_decode(ids, skip_special_tokens=True)[0]
+    return out
+
+
+def peer_prompt_rows(dataset: Any, tokenizer: Any) -> Any:
+    """``dataset`` with grimoire-rl's prompt columns read as Grimoire's (:func:`peer_prompt_row`),
+    a ``datasets.Dataset`` or a list of row dicts; any other dataset is returned unchanged."""
+    if dataset is None or not is_peer_prompt_dataset(columns_of(dataset)):
+        return dataset
+    if hasattr(dataset, "map") and hasattr(dataset, "column_names"):
+        return dataset.map(
+            lambda row: peer_prompt_row(row, tokenizer),
+            remove_columns=list(PEER_PROMPT_COLUMNS),
+            desc="grimoire-rl prompt columns",
+        )
+    return [peer_prompt_row(dict(row), tokenizer) for row in dataset]
 
 
 def looks_like_tokenizer(value: Any) -> bool:

@@ -13,7 +13,12 @@ from torch import Tensor
 
 from grimoire.losses.checks import _check_beta
 from grimoire.losses.functional import orpo_loss
-from grimoire.losses.preference import PairwiseLoss, chosen_nll, scalar_metrics
+from grimoire.losses.preference import (
+    PairwiseLoss,
+    chosen_nll,
+    scalar_metrics,
+    with_peer_names,
+)
 
 
 class ORPOLoss(PairwiseLoss):
@@ -46,7 +51,7 @@ class ORPOLoss(PairwiseLoss):
         out = scalar_metrics(metrics)
         out["nll_loss"] = nll.detach()  # TRL's ORPOTrainer name
         out["or_loss"] = or_loss.detach()  # the odds-ratio term; grimoire-rl's name
-        return loss, out
+        return loss, with_peer_names(out)
 
 
 __all__ = ["ORPOLoss"]

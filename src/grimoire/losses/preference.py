@@ -55,6 +55,23 @@ def reduce_logps(logps: TokenLogps, reduction: str) -> Tensor:
     return logps.sum() if reduction == "sum" else logps.mean()
 
 
+#: grimoire-rl's flat metric names -> ours, for the same quantity (ORPO and KTO log both, so
+#: dashboards built on grimoire-rl's names keep working).
+PEER_METRIC_NAMES: dict[str, str] = {
+    "chosen_rewards": "rewards/chosen",
+    "rejected_rewards": "rewards/rejected",
+    "reward_margin": "rewards/margins",
+    "reward_accuracy": "rewards/accuracies",
+    "kl_ref": "kl",
+}
+
+
+def with_peer_names(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``metrics`` plus grimoire-rl's name for each of them that it has one for."""
+    peers = {peer: metrics[ours] for peer, ours in PEER_METRIC_NAMES.items() if ours in metrics}
+    return {**metrics, **peers}
+
+
 def scalar_metrics(metrics: dict[str, Tensor]) -> dict[str, Tensor]:
     """Per-example ``[B]`` metrics -> detached float scalars (means over the micro-batch)."""
     return {k: v.detach().float().mean() for k, v in metrics.items()}

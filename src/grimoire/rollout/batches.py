@@ -112,7 +112,13 @@ def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def packed_completion_logps(
-    model: torch.nn.Module, batch: dict[str, Any], temperature: float, with_entropy: bool = False
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    temperature: float,
+    with_entropy: bool = False,
+    *,
+    fused: bool = True,
+    chunk_size: int = 1024,
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`~grimoire.rollout.engine.completion_logps` for a :func:`pack_rollout_batch` batch:
     ``[N, C]`` completion log-probs (0 on padding) and the detached entropy, same layout."""
@@ -124,7 +130,13 @@ def packed_completion_logps(
     ids, pos = batch["input_ids"], batch["position_ids"]
     if temperature == 1.0:
         out = compute_token_logps(
-            model, ids, batch["labels"], position_ids=pos, return_entropy=with_entropy
+            model,
+            ids,
+            batch["labels"],
+            position_ids=pos,
+            fused=fused,
+            chunk_size=chunk_size,
+            return_entropy=with_entropy,
         )
         logps = out.logps[0][src]
         entropy = out.entropy[0][src].detach() if with_entropy else None
@@ -138,7 +150,13 @@ def packed_completion_logps(
 
 
 def batch_completion_logps(
-    model: torch.nn.Module, batch: dict[str, Any], temperature: float, with_entropy: bool = False
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    temperature: float,
+    with_entropy: bool = False,
+    *,
+    fused: bool = True,
+    chunk_size: int = 1024,
 ) -> tuple[Tensor, Tensor | None]:
     """``[N, C]`` completion log-probs of a training batch, packed or padded, masked.
 
@@ -148,11 +166,20 @@ def batch_completion_logps(
     applied to the logits, not per-sample rows of label log-probs.
     """
     if isinstance(layout_of(batch), Packed):
-        logps, entropy = packed_completion_logps(model, batch, temperature, with_entropy)
+        logps, entropy = packed_completion_logps(
+            model, batch, temperature, with_entropy, fused=fused, chunk_size=chunk_size
+        )
     else:
         c = batch["completion_mask"].shape[1]
         logps, entropy = completion_logps(
-            model, batch["input_ids"], batch["attention_mask"], c, temperature, with_entropy
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            c,
+            temperature,
+            with_entropy,
+            fused=fused,
+            chunk_size=chunk_size,
         )
     return logps * batch["completion_mask"], entropy
 

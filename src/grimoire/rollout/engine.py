@@ -104,6 +104,9 @@ def completion_logps(
     completion_width: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    *,
+    fused: bool = True,
+    chunk_size: int = 1024,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs of the last ``C = completion_width`` tokens of each row.
 
@@ -115,7 +118,8 @@ def completion_logps(
         logps[b, t] = log softmax(logits[b, P - 1 + t] / T)[input_ids[b, P + t]]
 
     ``T == 1`` goes through :func:`grimoire.forward.logprobs.compute_token_logps` (its fused, memory-lean
-    LM-head path where the model supports it); other temperatures run one forward with
+    LM-head path where the model supports it, unless ``fused=False``; ``chunk_size`` is its
+    chunk); other temperatures run one forward with
     ``logits_to_keep = C + 1`` (the LM head only over the completion) and scale the logits.
 
     Shapes: ``input_ids, attention_mask [N, P + C]`` -> ``logps [N, C]`` float32 (0 on
@@ -133,6 +137,8 @@ def completion_logps(
             labels,
             attention_mask,
             position_ids,
+            fused=fused,
+            chunk_size=chunk_size,
             return_entropy=with_entropy,
         )
         # Predicting positions P-1 .. P+C-2 hold the completion's targets.

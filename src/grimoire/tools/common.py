@@ -151,6 +151,7 @@ def load_for_inference(
     else:
         raise GrimoireError(
             f"{path} holds neither a model (config.json) nor a LoRA adapter (adapter_config.json)"
+            + saved_model_hint(path)
         )
     # Reward models are trained as sequence classifiers; their adapters say so, and carry the
     # trained head, whose size the base's config.json does not know (it says 2 labels).
@@ -181,6 +182,28 @@ def load_for_inference(
         model.config.pad_token_id = tokenizer.pad_token_id
     model.eval()
     return model, tokenizer, base_path
+
+
+def saved_model_hint(path: Path) -> str:
+    """For a training run's folder (``output_dir``): where its saved model is, e.g.
+    ``; it is a training run's folder: its final model is out/final (give --model out/final)``."""
+    saved = [
+        sub
+        for sub in sorted(path.iterdir())
+        if sub.is_dir()
+        and not sub.name.startswith("checkpoint-")
+        and any((sub / f).is_file() for f in ("config.json", "adapter_config.json"))
+    ]
+    if not saved:
+        return ""
+    final = path / "final"
+    pick = final if final in saved else saved[0]
+    others = [str(s) for s in saved if s != pick]
+    also = f" (also saved here: {', '.join(others)})" if others else ""
+    return (
+        f"; it is a training run's folder: its {'final ' if pick == final else ''}model is "
+        f"{pick} (give --model {pick}){also}"
+    )
 
 
 def _head_size(adapter_dir: Path) -> int:

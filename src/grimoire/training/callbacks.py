@@ -54,10 +54,22 @@ class ProgressCallback(TrainerCallback):
     """One tqdm bar on the main process: step/total, loss, trained tokens/s, ETA, and the mean
     rollout reward of methods that generate.
 
-    Off on the other processes, and when ``stream`` (default: ``sys.stderr`` at train begin) is
-    not a terminal: a bar's carriage returns in a log file are noise, and the metrics are in
-    ``metrics.jsonl`` anyway. Loss and reward follow every step; tokens/s each logged window.
+    Off on the other processes. When ``stream`` (default: ``sys.stderr`` at train begin) is not
+    a terminal (nohup, Slurm, CI logs) there is no bar, whose carriage returns are noise in a
+    file: one plain line per logging step instead (``step 20/1000  loss 3.7057  lr ...``) and one
+    per evaluation, flushed as they come. Loss and reward follow every step; tokens/s each
+    logged window.
     """
+
+    #: What a plain log line shows, in order: (metric key, label, format).
+    PLAIN_KEYS = (
+        ("loss", "loss", "{:.4f}"),
+        ("rewards/mean", "reward", "{:.3f}"),
+        ("lr", "lr", "{:.3g}"),
+        ("grad_norm", "grad_norm", "{:.3g}"),
+        ("tokens_per_sec", "tok/s", "{:.0f}"),
+        ("elapsed", "elapsed", "{:.0f}s"),
+    )
 
     #: The step metric shown as ``reward``: the rollout stage's mean over the step's completions.
     REWARD_KEY = "rewards/mean"
@@ -65,6 +77,8 @@ class ProgressCallback(TrainerCallback):
     def __init__(self, stream: Any = None) -> None:
         self.stream = stream
         self.bar = None
+        #: The stream plain log lines go to (not a terminal); None with a bar or on other ranks.
+        self.plain: Any = None
         self.postfix: dict[str, str] = {}
 
     @staticmethod
@@ -81,11 +95,11 @@ class ProgressCallback(TrainerCallback):
 
         stream = self.stream if self.stream is not None else sys.stderr
         others = [cb for cb in trainer.callbacks.callbacks if isinstance(cb, ProgressCallback)]
-        if (
-            not trainer.accelerator.is_main_process
-            or not self.is_terminal(stream)
-            or others[0] is not self  # a second ProgressCallback (passed in as well): one bar
-        ):
+        self.plain = None
+        if not trainer.accelerator.is_main_process or others[0] is not self:
+            return  # a second ProgressCallback (passed in as well): one bar
+        if not self.is_terminal(stream):
+            self.plain = stream
             return
         self.postfix = {}
         self.bar = tqdm(
@@ -107,14 +121,28 @@ class ProgressCallback(TrainerCallback):
         self.bar.update(step - self.bar.n)
 
     def on_log(self, trainer, metrics: dict[str, float]) -> None:
+        if self.plain is not None:
+            shown = [
+                f"{label} {fmt.format(metrics[key])}"
+                for key, label, fmt in self.PLAIN_KEYS
+                if isinstance(metrics.get(key), int | float)
+            ]
+            step = f"step {trainer.global_step}/{trainer.max_steps}"
+            print("  ".join([step, *shown]), file=self.plain, flush=True)
         if self.bar is not None and "tokens_per_sec" in metrics:
             self.postfix["tok/s"] = f"{metrics['tokens_per_sec']:.0f}"
             self.bar.set_postfix(self.postfix, refresh=False)
 
     def on_evaluate(self, trainer, metrics: dict[str, float]) -> None:
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
         if self.bar is not None:
-            shown = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float))
             self.bar.write(f"step {trainer.global_step}: {shown}", file=self.bar.fp)
+        elif self.plain is not None:
+            print(
+                f"step {trainer.global_step}/{trainer.max_steps} eval: {shown}",
+                file=self.plain,
+                flush=True,
+            )
 
     def on_train_end(self, trainer) -> None:
         if self.bar is not None:

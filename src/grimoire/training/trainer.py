@@ -74,6 +74,9 @@ class GrimoireTrainer:
         self.accelerator = acc = setup.build_accelerator(config)
         self.loss_fn = loss_fn = as_method(loss_fn)  # duck-typed methods get the defaults
         self.tokenizer = tokenizer
+        train_dataset, eval_dataset = (
+            loss_fn.adapt_rows(d, tokenizer) for d in (train_dataset, eval_dataset)
+        )
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pad_id = pad_token_id_of(tokenizer, model)
         #: Whether micro-batches are packed rows (padding_free: auto / forced).

@@ -21,8 +21,11 @@ from grimoire.config.loading import apply_overrides, read_yaml_file
 from grimoire.errors import ConfigError
 from grimoire.tools.common import ToolParser, run_tool
 from grimoire.tools.memory.estimate import GIB, estimate
-from grimoire.tools.memory.report import fit_grid, render
+from grimoire.tools.memory.report import fit_grid, render, verdict
 from grimoire.tools.memory.run_config import plan_from_config
+
+#: Exit code when the run's estimated peak does not fit the device.
+DOES_NOT_FIT = 2
 
 
 def build_parser() -> ToolParser:
@@ -98,8 +101,10 @@ def main(argv: Sequence[str]) -> int:
             print(f"{plan.shape.name}: {args.world_size} x {args.device_memory:g} GiB")
             print(fit_grid(plan.shape, plan.setup, args.nodes, device))
             return 0
-        print(render(estimate(plan.shape, plan.setup), device, args.nodes, plan.tokens_from))
-        return 0
+        est = estimate(plan.shape, plan.setup)
+        print(render(est, device, args.nodes, plan.tokens_from))
+        # A script can stop before training a run that cannot fit (errors exit 1).
+        return DOES_NOT_FIT if verdict(est.peak, device) == "does not fit" else 0
 
     return run_tool("estimate-memory", body)
 

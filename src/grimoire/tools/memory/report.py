@@ -29,12 +29,25 @@ def verdict(peak: float, device_bytes: float) -> str:
 
 
 def gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f}"
+    """GiB with one decimal; a non-zero amount under 0.1 GiB with enough decimals to show it
+    (a tiny model is not 0.0 GiB)."""
+    value = nbytes / GIB
+    if 0 < value < 0.1:
+        return f"{value:.2g}"
+    return f"{value:.1f}"
+
+
+def count(n: float) -> str:
+    """A parameter count with the unit that fits it: ``8.03B``, ``124M``, ``105.5K``, ``512``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}" if n / size >= 100 else f"{n / size:.4g}{unit}"
+    return f"{n:.0f}"
 
 
 def describe_model(shape: ModelShape) -> str:
     return (
-        f"{shape.name}: {shape.total_params / 1e9:.2f}B parameters (hidden {shape.hidden}, "
+        f"{shape.name}: {count(shape.total_params)} parameters (hidden {shape.hidden}, "
         f"{shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, MLP "
         f"{shape.intermediate}, vocab {shape.vocab}{', tied' if shape.tied else ''}; "
         f"checkpoint dtype {shape.dtype})"
@@ -97,6 +110,8 @@ def render(est: Estimate, device_bytes: float, nodes: int = 1, tokens_from: str 
         f"{verdict(other.peak, device_bytes)}"
     )
     lines += [f"note: {n}" for n in est.notes]
+    if word == "does not fit":
+        lines += suggestions(est, device_bytes)
     return "\n".join(lines)
 
 
@@ -155,14 +170,52 @@ def fit_grid(shape: ModelShape, base: Setup, nodes: int, device_bytes: float) ->
     return "\n".join(lines)
 
 
+#: Settings tried when a run does not fit, in the order a user would reach for them:
+#: (what to write, the change to the estimate's setup).
+FIXES: tuple[tuple[str, dict], ...] = (
+    ("training.gradient_checkpointing: true", {"checkpointing": True}),
+    (
+        "training.distributed: fsdp2 (shard the weights, gradients and optimizer)",
+        {"distributed": "fsdp2"},
+    ),
+    ("training.fsdp_cpu_offload: true (with fsdp2)", {"distributed": "fsdp2", "cpu_offload": True}),
+    ("a peft: section (LoRA r=16 on every linear layer)", {"lora": GRID_LORA}),
+)
+
+
+def suggestions(est: Estimate, device_bytes: float) -> list[str]:
+    """For a run that does not fit: each of :data:`FIXES` (cumulative with checkpointing) that
+    makes it fit, with its peak; or a line saying none does."""
+    setup, out = est.setup, []
+    for label, change in FIXES:
+        if all(getattr(setup, k) == v for k, v in change.items()):
+            continue  # already so
+        changes = {"checkpointing": True, **change}
+        if change.get("distributed") == "fsdp2" and setup.world_size == 1:
+            continue  # sharding needs several processes
+        peak = estimate(est.shape, setup.with_(**changes)).peak
+        if verdict(peak, device_bytes) == "fits":
+            out.append(f"  - {label}: peak {gib(peak)} GiB per rank, fits")
+    if not out:
+        return [
+            "suggestion: none of checkpointing, fsdp2, CPU offload or LoRA makes it fit on "
+            "this device: more or larger devices (--world-size, --device-memory), or a "
+            "smaller micro-batch (training.batch_size / training.max_tokens_per_device)"
+        ]
+    return ["what fits (each change alone, with gradient checkpointing on):", *out]
+
+
 __all__ = [
     "CONTEXT_BYTES",
+    "FIXES",
     "FRAGMENTATION",
+    "count",
     "describe_model",
     "describe_setup",
     "fit_grid",
     "grid_rows",
     "render",
     "reserve",
+    "suggestions",
     "verdict",
 ]

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from grimoire.errors import GrimoireError
-from grimoire.tools.plot.runs import COLORS, RunCurves, panel_keys, smooth
+from grimoire.tools.plot.runs import COLORS, RunCurves, panel_groups, panel_title, smooth
 
 
 def build_figure(runs: Sequence[RunCurves], spec: float | int) -> Any:
@@ -23,7 +23,8 @@ def build_figure(runs: Sequence[RunCurves], spec: float | int) -> Any:
             "PNG output needs matplotlib: pip install matplotlib (or write --out FILE.html, "
             "which needs nothing)"
         ) from exc
-    keys = panel_keys(runs)
+    groups = panel_groups(runs)
+    keys = [g[0] for g in groups]
     ncols = min(3, len(keys))
     nrows = math.ceil(len(keys) / ncols)
     fig = Figure(figsize=(5.2 * ncols, 3.1 * nrows + 0.6), layout="constrained")
@@ -45,7 +46,7 @@ def build_figure(runs: Sequence[RunCurves], spec: float | int) -> Any:
                 markersize=3,
                 label=run.label,
             )
-        ax.set_title(key, fontsize=10)
+        ax.set_title(panel_title(groups[keys.index(key)]), fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from grimoire.tools.plot.runs import COLORS, RunCurves, panel_keys, smooth
+from grimoire.tools.plot.runs import COLORS, RunCurves, panel_groups, panel_title, smooth
 
 W, H, LEFT, RIGHT, TOP, BOTTOM = 440, 240, 58, 12, 10, 26
 
@@ -133,11 +133,12 @@ def render_html(runs: Sequence[RunCurves], spec: float | int) -> str:
         for i, r in enumerate(runs)
     )
     panels, data = [], {"labels": {i: r.label for i, r in enumerate(runs)}, "panels": {}}
-    for key in panel_keys(runs):
+    for group in panel_groups(runs):
+        key = group[0]
         svg, data["panels"][key] = _panel_svg(key, runs, spec)
         panels.append(
             f'<figure class="panel" data-metric="{html.escape(key)}"><figcaption>'
-            f'{html.escape(key)}</figcaption>{svg}<div class="tip"></div></figure>'
+            f'{html.escape(panel_title(group))}</figcaption>{svg}<div class="tip"></div></figure>'
         )
     # "</" inside the JSON would end the <script> element early (a run named "</script>").
     blob = json.dumps(data).replace("</", "<\\/")

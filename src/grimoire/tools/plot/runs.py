@@ -114,6 +114,25 @@ def panel_keys(runs: Sequence[RunCurves]) -> list[str]:
     return first + train + [k for k in seen if k.startswith("eval/")]
 
 
+def panel_groups(runs: Sequence[RunCurves]) -> list[list[str]]:
+    """:func:`panel_keys` with the metrics whose curves are identical in every run (the same
+    steps and values: ``reward`` / ``rewards/mean`` / ``rewards/<fn>/mean`` with one reward
+    function, SFT's ``loss`` / ``nll``) in one panel, named by the first key of each group."""
+    groups: dict[tuple, list[str]] = {}
+    for key in panel_keys(runs):
+        curves = tuple(
+            (tuple(r.series[key][0]), tuple(r.series[key][1])) if key in r.series else None
+            for r in runs
+        )
+        groups.setdefault(curves, []).append(key)
+    return list(groups.values())
+
+
+def panel_title(group: Sequence[str]) -> str:
+    """``reward (= rewards/mean, rewards/length/mean)``: the panel's key and its duplicates."""
+    return group[0] + (f" (= {', '.join(group[1:])})" if len(group) > 1 else "")
+
+
 def parse_smooth(text: str) -> float | int:
     """``--smooth``: an integer N >= 1 is a trailing moving average over N points; a number in
     [0, 1) is an exponential moving average weight (TensorBoard-style; 0 = no smoothing)."""
@@ -163,7 +182,9 @@ __all__ = [
     "DEFAULT_SMOOTH",
     "FIRST",
     "RunCurves",
+    "panel_groups",
     "panel_keys",
+    "panel_title",
     "parse_smooth",
     "read_run",
     "read_runs",
