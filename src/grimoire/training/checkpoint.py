@@ -43,6 +43,7 @@ class TrainerState:
     step_in_epoch: int = 0  # optimizer steps already done in ``epoch``
     tokens_seen: int = 0  # real (non-pad) input tokens of trained micro-batches, all ranks
     loss_units_seen: float = 0.0  # the method's loss units (SFT: labelled tokens; DPO: pairs)
+    skipped_steps: int = 0  # steps not applied: a non-finite loss or gradient norm
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -224,14 +225,17 @@ def resume_if_any(
         logger.info("resume_from_checkpoint='latest' but no checkpoint yet: starting fresh")
         return None
     state = resume(path, load_model, scheduler, rank)
-    logger.info("resumed from %s at step %d", path, state.global_step)
+    if rank == 0:  # a warning so the command shows it: which checkpoint this run continues
+        logger.warning("resumed from %s at step %d", path, state.global_step)
     return state
 
 
 def report_preemption(signal_name: str, step: int, path: Path) -> None:
+    """The one message of a run stopped by a signal: where its checkpoint is, how to resume."""
     logger.warning(
         "stopped by %s after step %d; checkpoint: %s. Resume with resume_from_checkpoint="
-        "'latest' (CLI: --set training.resume_from_checkpoint=latest) and the same output_dir.",
+        "'latest' and the same output_dir (CLI: the same command plus "
+        "--set training.resume_from_checkpoint=latest).",
         signal_name,
         step,
         path,

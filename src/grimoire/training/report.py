@@ -86,6 +86,8 @@ def run_summary(trainer: Any, started: float, tokens_before: int = 0) -> dict[st
         "max_steps": trainer.max_steps,
         "stopped_early": bool(trainer.stopped_early),
         "preempted_by": trainer.preempted_by,
+        "skipped_steps": state.skipped_steps,
+        "diverged": getattr(getattr(trainer, "guard", None), "failure", None),
         "epoch": state.epoch,
         "tokens": state.tokens_seen,
         "loss_units": state.loss_units_seen,
