@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import time
 
 from grimoire import TrainerCallback
 from grimoire.training import checkpoint
@@ -52,3 +53,14 @@ class StopAt(TrainerCallback):
     def on_step_end(self, trainer, step, loss, metrics):
         if step == self.step:
             trainer.request_stop()
+
+
+class SlowSteps(TrainerCallback):
+    """Each step ends ``seconds`` later, so a signal sent after the first logged step arrives
+    mid-run."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def on_step_end(self, trainer, step, loss, metrics):
+        time.sleep(self.seconds)

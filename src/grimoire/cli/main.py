@@ -41,7 +41,7 @@ from grimoire.cli.schema import (
     load_config,
 )
 from grimoire.errors import GrimoireError
-from grimoire.training.interrupts import exit_code
+from grimoire.training.interrupts import SecondInterrupt, exit_code
 from grimoire.training.records import metrics_path, read_records
 from grimoire.training.report import SUMMARY_FILE
 
@@ -267,8 +267,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train_or_validate(command, args, argv)
         except GrimoireError as exc:
             return _fail(command, exc, str(exc))
-        except KeyboardInterrupt as exc:  # a second Ctrl-C: abort now, one line, no traceback
-            _fail(command, exc, "interrupted twice: aborted at once, without a checkpoint")
+        except KeyboardInterrupt as exc:  # one line, no traceback
+            twice = "twice" if isinstance(exc, SecondInterrupt) else "(Ctrl-C)"
+            _fail(command, exc, f"interrupted {twice}: aborted at once, without a checkpoint")
             return exit_code("SIGINT")
         except Exception as exc:  # a library's error for a mistake validation missed: one message
             hint = "" if level == "DEBUG" else "\n(rerun with --log-level DEBUG for the traceback)"

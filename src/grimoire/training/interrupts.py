@@ -23,11 +23,15 @@ logger = logging.getLogger(__name__)
 OTHER_PROCESS_EXIT = 128 + signal.SIGTERM
 
 
+class SecondInterrupt(KeyboardInterrupt):
+    """A second Ctrl-C while the run was already stopping: abort now, without a checkpoint."""
+
+
 def on_signal(name: str, earlier: str | None) -> None:
     """Called when ``name`` arrives (``earlier``: the signal that already asked for a stop, if
     any): a second SIGINT aborts now; the first says what will happen."""
     if name == "SIGINT" and earlier is not None:
-        raise KeyboardInterrupt
+        raise SecondInterrupt
     if name == "SIGINT":
         logger.warning(
             "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)"
@@ -43,4 +47,4 @@ def exit_code(stopped_by: str | None) -> int:
     return 128 + int(number) if number is not None else OTHER_PROCESS_EXIT
 
 
-__all__ = ["OTHER_PROCESS_EXIT", "exit_code", "on_signal"]
+__all__ = ["OTHER_PROCESS_EXIT", "SecondInterrupt", "exit_code", "on_signal"]
