@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from tests.helpers.commands import grimoire_command, run
+from tests.test_faults_nonfinite import _params, _run
 
 from grimoire.model.tiny import reverse_rows, write_jsonl
+from grimoire.training.checkpoint import resolve_resume_path
+from grimoire.training.integrity import CheckpointDamaged, damage
 
 SPEC = "tests.scripts.fault_callbacks"
 
@@ -138,3 +143,44 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, un
     assert f"skipped the damaged checkpoint-4 ({shard}" in resumed.stderr
     assert f"resumed from {out / 'checkpoint-2'} at step 2" in resumed.stderr
     _same_as(out / "final", uninterrupted)
+
+
+def test_a_damaged_fsdp2_shard_of_rank_1_falls_back_and_resumes_to_the_same_weights(
+    tiny_dir, tmp_path
+):
+    """2 gloo processes, FSDP2: each rank writes its own DCP shard; rank 1's is truncated."""
+    out = tmp_path / "run"
+    settings = {"distributed": "fsdp2", "save_steps": 2}
+    _run(tiny_dir, out, bad=[], processes=2, **settings)
+    reference = _params(out, 0, 4)
+    shard = out / "checkpoint-4" / "dcp" / "__1_0.distcp"
+    assert shard.is_file()
+    _damage(shard, "truncated")
+    assert damage(out / "checkpoint-4").startswith(f"{shard} has ")
+    with pytest.raises(CheckpointDamaged, match=f"is damaged: {shard} has"):
+        resolve_resume_path(str(out / "checkpoint-4"), out)
+    assert resolve_resume_path("latest", out) == out / "checkpoint-2"
+    (out / "params_0_4.pt").unlink()
+    _run(tiny_dir, out, bad=[], processes=2, resume_from_checkpoint="latest", **settings)
+    resumed = _params(out, 0, 4)
+    assert all(torch.equal(resumed[k], reference[k]) for k in reference)
+
+
+def test_a_real_full_disk_on_a_small_tmpfs(tmp_path, uninterrupted):
+    """The reported case: a tmpfs with room for one checkpoint (needs mount rights: root)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("mounting a tmpfs needs root (the RLIMIT_FSIZE test covers the fault)")
+    try:
+        config = _config(mnt, "run")
+        done = _train(tmp_path, config, expect=1)
+        (error,) = _grimoire_errors(done.stderr)
+        out = mnt / "run"
+        # Whichever writer meets the full disk: DCP's (errno 28) or torch.save's (short write).
+        assert "No space left on device" in error or "a full disk" in error, error
+        assert f"The last complete checkpoint is {out / 'checkpoint-2'}" in error
+        assert not list(out.glob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

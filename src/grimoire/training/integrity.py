@@ -149,18 +149,25 @@ def reported_write(
     except (OSError, RuntimeError, SafetensorError, CheckpointException) as exc:
         if isinstance(exc, RuntimeError) and not _write_error(str(exc)):
             raise
+        rank = ""
+        if isinstance(exc, CheckpointException) and exc.failures:  # each rank's (error, trace)
+            first = min(exc.failures)
+            rank, exc = f" (rank {first})", exc.failures[first][0]
         removed = ""
         if temporary is not None and temporary.exists():
             shutil.rmtree(temporary, ignore_errors=True)
             removed = f" (its temporary folder {temporary} was removed)"
         reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else ""
-        error = f"{type(exc).__name__}: {exc}" + (f" [{reason}]" if reason else "")
+        error = f"{type(exc).__name__}: {exc}"
+        error += f" [{reason}]" if reason and reason not in error else ""
+        if "unexpected pos" in error:  # torch's zip writer, when a write came up short
+            error += " (torch's zip writer could not write it all: a full disk or a size limit)"
         full = (
             isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
         ) or any(s in str(exc) for s in ("os error 28", "os error 27", "unexpected pos"))
         last = last_complete(output_dir)
         raise WriteFailed(
-            f"could not write {what} to {path}: {error}{_free(Path(path))}{removed}. "
+            f"could not write {what} to {path}{rank}: {error}{_free(Path(path))}{removed}. "
             f"The last complete checkpoint is {last or 'none (nothing to resume from yet)'}"
             + (
                 "; resume from it with resume_from_checkpoint: latest once there is room"
