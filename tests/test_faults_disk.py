@@ -28,7 +28,9 @@ from tests.test_faults_nonfinite import _params, _run
 
 from grimoire.model.tiny import reverse_rows, write_jsonl
 from grimoire.training.checkpoint import resolve_resume_path
-from grimoire.training.integrity import CheckpointDamaged, damage
+from grimoire.training.integrity import PREFIX, STATE_FILE, CheckpointDamaged, WriteFailed, damage
+from grimoire.training.metrics import JsonlLogger
+from grimoire.training.report import write_atomic
 
 SPEC = "tests.scripts.fault_callbacks"
 
@@ -66,11 +68,16 @@ def _resume(tmp_path, config):
     return _train(tmp_path, config, "--set", "training.resume_from_checkpoint=latest")
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted_weights(tmp_path_factory) -> dict:
+    """The final weights of the run without a fault."""
     tmp = tmp_path_factory.mktemp("clean")
     _train(tmp, _config(tmp, "clean"))
     return load_file(tmp / "clean" / "final" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return uninterrupted_weights(tmp_path_factory)
 
 
 def _same_as(final: Path, reference: dict) -> None:
@@ -184,3 +191,23 @@ def test_a_real_full_disk_on_a_small_tmpfs(tmp_path, uninterrupted):
         assert not list(out.glob(".tmp-*"))
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_failed_metrics_and_summary_writes_name_the_path_and_the_last_checkpoint(tmp_path):
+    """Both writers of a run's records: a file where the summary's folder should be,
+    a folder where metrics.jsonl should be (EISDIR); the run's checkpoint-2 is named."""
+    (tmp_path / f"{PREFIX}2").mkdir()
+    (tmp_path / f"{PREFIX}2" / STATE_FILE).write_text("{}")
+    blocker = tmp_path / "records"
+    blocker.write_text("not a folder")
+    summary = blocker / "run_summary.json"
+    with pytest.raises(WriteFailed) as err:
+        write_atomic(summary, "{}")
+    assert str(err.value).startswith(f"could not write run_summary.json to {summary}: ")
+    assert "FileExistsError" in str(err.value) or "NotADirectoryError" in str(err.value)
+    path = tmp_path / "metrics.jsonl"
+    path.mkdir()
+    with pytest.raises(WriteFailed) as err:
+        JsonlLogger(path, enabled=True).write({"step": 1})
+    assert str(err.value).startswith(f"could not write metrics to {path}: IsADirectoryError")
+    assert f"The last complete checkpoint is {tmp_path / 'checkpoint-2'}" in str(err.value)

@@ -14,8 +14,14 @@ import signal
 import subprocess
 import time
 
+import pytest
 from tests.helpers.commands import command_env, grimoire_command
-from tests.test_faults_disk import _config, _resume, _same_as, uninterrupted  # noqa: F401
+from tests.test_faults_disk import _config, _resume, _same_as, uninterrupted_weights
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return uninterrupted_weights(tmp_path_factory)
 
 
 def _start(tmp_path, seconds: float):
@@ -36,7 +42,7 @@ def _start(tmp_path, seconds: float):
 
 
 def _finish(proc):
-    out, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=300)
     return proc.returncode, err
 
 

@@ -130,10 +130,14 @@ def resume_problems(spec: Any, output_dir: Any = None) -> list[str]:
     its files checked against the checkpoint's manifest as the resume will."""
     where = "training.resume_from_checkpoint"
     if spec == "latest" and isinstance(output_dir, str):
-        found = list_checkpoints(Path(output_dir).expanduser())
-        damaged = [f"{p.name} ({why})" for p in found if (why := damage(p)) is not None]
-        if found and len(damaged) == len(found):  # "latest" falls back unless all are damaged
-            return [f"{where}: 'latest' finds only damaged checkpoints: {'; '.join(damaged)}"]
+        damaged = []  # newest first, up to the first complete one ("latest" falls back to it)
+        for found in reversed(list_checkpoints(Path(output_dir).expanduser())):
+            if (why := damage(found)) is None:
+                break
+            damaged.append(f"{found.name} ({why})")
+        else:
+            if damaged:
+                return [f"{where}: 'latest' finds only damaged checkpoints: {'; '.join(damaged)}"]
     if not isinstance(spec, str) or spec == "latest":
         return []  # the type is TrainingConfig's check; "latest" may find none (a fresh start)
     path = Path(spec).expanduser()

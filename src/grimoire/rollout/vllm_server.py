@@ -25,6 +25,7 @@ weights of the step before.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import http.client
 import ipaddress
@@ -273,10 +274,9 @@ class VLLMServerEngine(RolloutEngine):
             headers = {"Content-Type": kind}
             if self.api_key:
                 headers["Authorization"] = f"Bearer {self.api_key}"
-            try:
+            # The server may answer (a 401) before reading the body: then read its answer.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 conn.request(method, path, body=body, headers=headers)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the server answered before reading the body (a 401): read its answer
             response = conn.getresponse()
             data = response.read()
         finally:

@@ -27,12 +27,13 @@ class SecondInterrupt(KeyboardInterrupt):
     """A second Ctrl-C while the run was already stopping: abort now, without a checkpoint."""
 
 
-def on_signal(name: str, earlier: str | None) -> None:
+def on_signal(name: str, earlier: str | None, main: bool = True) -> None:
     """Called when ``name`` arrives (``earlier``: the signal that already asked for a stop, if
-    any): a second SIGINT aborts now; the first says what will happen."""
+    any): a second SIGINT aborts now; the first says what will happen (on the ``main``
+    process only: Ctrl-C reaches every process of a launch)."""
     if name == "SIGINT" and earlier is not None:
         raise SecondInterrupt
-    if name == "SIGINT":
+    if name == "SIGINT" and main:
         logger.warning(
             "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again aborts now)"
         )

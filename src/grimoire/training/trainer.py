@@ -222,7 +222,7 @@ class GrimoireTrainer:
 
     def _on_signal(self, name: str) -> None:
         """A checkpoint signal: stop at the next step boundary that every rank agrees on."""
-        on_signal(name, self._signal)  # a second Ctrl-C raises KeyboardInterrupt: abort now
+        on_signal(name, self._signal, self.accelerator.is_main_process)  # 2nd Ctrl-C: abort
         self._signal = name
         self.request_stop()
 
