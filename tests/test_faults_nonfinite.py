@@ -22,6 +22,7 @@ from tests.helpers.train_utils import free_port
 from tests.test_distributed import LAUNCH, _env
 
 from grimoire.model.tiny import reverse_rows, write_jsonl
+from grimoire.training.step import mark_nonfinite, marked, nonfinite
 
 SCRIPT = Path(__file__).parent / "scripts" / "nan_step.py"
 
@@ -106,3 +107,17 @@ save_to: {out / "final"}
     assert not (out / "final").exists()
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["skipped_steps"] >= 3 and summary["steps"] < 30
+
+
+def test_the_flags_read_with_the_step():
+    """The mask names the micro-batches whose loss is not finite (a weight-0 filler is not
+    marked); an engine's float norm of nan means "no norm" (DeepSpeed), never a skip."""
+    mask = 0.0
+    losses = [1.0, float("nan"), 2.0, float("inf"), float("nan")]
+    for i, (loss, weight) in enumerate(zip(losses, [1, 1, 1, 1, 0])):
+        mask = mark_nonfinite(mask, torch.tensor(loss), i, weight)
+    assert marked(float(mask)) == [1, 3]
+    assert nonfinite(float("nan")) == 0.0 and nonfinite(float("inf")) == 1.0
+    assert nonfinite(float("nan"), measured=True) == 1.0 and nonfinite(3.0, measured=True) == 0.0
+    assert float(nonfinite(torch.tensor(float("nan")))) == 1.0
+    assert float(nonfinite(torch.tensor(2.0))) == 0.0

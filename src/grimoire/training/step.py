@@ -12,8 +12,8 @@ GPU then idles while the host catches up. The step keeps them to the ones it can
   (:func:`~grimoire.forward.head.function.deferred_promise_checks`);
 - :func:`finish_step` reads everything else, the metric sums, the flags, the gradient norm, the
   broken-promise flag, the non-finite flags (which micro-batches' losses, the gradient norm: the
-  non-finite guard, :mod:`grimoire.training.guard`) in ONE transfer: on one process after clipping (the gradient scale is a
-  host number there); with several processes the all-reduced loss units are needed before the
+  non-finite guard, :mod:`grimoire.training.guard`) in ONE transfer: on one process after
+  clipping (the gradient scale is a host number there); with several processes the all-reduced loss units are needed before the
   gradients can be scaled, so that is one read and the gradient norm a second.
 
 ``tests/test_gpu_step.py`` counts the reads of an SFT and a DPO step.
@@ -113,9 +113,8 @@ def finish_step(
         # Every rank holds the same norm (DDP's averaged or FSDP2's reduced gradients): every
         # rank flags the same step.
         totals["grad_norm"] = float(grad_norm)  # the one read of the norm, then a host check
-        totals["bad_grad"] = nonfinite(
-            totals["grad_norm"] if isinstance(grad_norm, torch.Tensor) else grad_norm, True
-        )
+        measured = isinstance(grad_norm, torch.Tensor)  # else the engine's (nan: none)
+        totals["bad_grad"] = nonfinite(totals["grad_norm"], measured)
     # NaN gradients are never equal: a non-finite step is the guard's to skip, not a broken promise.
     finite = totals.get("bad_loss", 0.0) == 0 and totals.get("bad_grad", 0.0) == 0
     if totals.get("broken_promise", 0.0) > 0 and finite:
