@@ -196,7 +196,7 @@ def main(argv: Sequence[str]) -> int:
         '"http://127.0.0.1:8000"}}\'.',
         example=(
             "grimoire vllm-serve --model output/sft/final --port 8000",
-            "VLLM_API_KEY=secret grimoire vllm-serve --model output/sft/final --host 10.0.0.5",
+            'grimoire vllm-serve --model output/sft/final --host 10.0.0.5 --api-key "$SECRET"',
         ),
     )
     p.add_argument("--model", required=True, help="the policy's folder (or hub name)")
