@@ -16,12 +16,15 @@ from grimoire.errors import ConfigError
 from grimoire.rollout.backends import build_engine, engine_problems
 from grimoire.rollout.stage import SamplingConfig
 from grimoire.rollout.vllm_server import (
+    API_KEY_ENV,
     ChunkedReader,
     VLLMServerEngine,
+    frame_problems,
+    is_loopback,
     read_frames,
     weight_frames,
 )
-from grimoire.tools.vllm_serve import handler
+from grimoire.tools.vllm_serve import checkpoint_weights, handler
 
 TENSORS = [
     ("a.weight", torch.randn(3, 5)),
@@ -159,3 +162,71 @@ def test_vllm_serve_errors_are_one_line(tmp_path):
     res = run(argv, tmp_path, expect=1)
     want = "no such folder" if vllm_available() else "pip install 'grimoire[vllm]'"
     assert want in res.stderr and "Traceback" not in res.stderr
+
+
+# --------------------------------------------------------------------------- access
+
+
+@pytest.fixture
+def keyed(tiny_model):
+    stand_in = StandIn(tiny_model.config)
+    server = HTTPServer(("127.0.0.1", 0), handler(stand_in, api_key="s3cret"))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield stand_in, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_keyed_server_answers_only_the_trainer_with_its_key(keyed, tiny_model, tokenizer,
+                                                              monkeypatch):  # fmt: skip
+    stand_in, url = keyed
+    ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(ConfigError, match="answered 401: this trainer sent no API key"):
+        VLLMServerEngine(url=url, timeout=5).bind(tiny_model, *ids)
+    with pytest.raises(ConfigError, match="answered 401: this trainer sent a wrong API key"):
+        VLLMServerEngine(url=url, timeout=5, api_key="guess").bind(tiny_model, *ids)
+    # A push without the key is refused before a byte of it is read: nothing loaded.
+    engine = VLLMServerEngine(url=url, timeout=5, api_key="guess")
+    engine.model = tiny_model
+    with pytest.raises(PermissionError):
+        engine._request("POST", "/weights", body=weight_frames(tiny_model.state_dict().items()))
+    assert stand_in.pushed == [] and stand_in.requests == []
+    monkeypatch.setenv(API_KEY_ENV, "s3cret")  # the trainer's key from the environment
+    engine = VLLMServerEngine(max_new_tokens=4, url=url, timeout=5, seed=1)
+    engine.bind(tiny_model, *ids)
+    engine.generate([[10, 11]], 1)
+    assert len(stand_in.pushed) == 1 and len(stand_in.requests) == 1
+
+
+def test_the_server_refuses_a_public_address_without_a_key(tmp_path):
+    from tests.helpers.commands import grimoire_command, run
+
+    argv = [*grimoire_command(), "vllm-serve", "--model", str(tmp_path), "--host", "0.0.0.0"]
+    res = run(argv, tmp_path, expect=1, **{API_KEY_ENV: ""})
+    assert res.stderr.startswith("grimoire vllm-serve: --host 0.0.0.0 lets other machines reach")
+    assert "--api-key" in res.stderr and "Traceback" not in res.stderr
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("10.0.0.5") and not is_loopback("0.0.0.0")
+
+
+def test_pushed_frames_are_checked_against_the_served_checkpoint(tmp_path, tiny_model):
+    tiny_model.save_pretrained(tmp_path)
+    expected = checkpoint_weights(tmp_path)
+    frames = list(tiny_model.state_dict().items())
+    tied = ["lm_head.weight"] if tiny_model.config.tie_word_embeddings else []
+    assert frame_problems(frames, expected, tied) == []
+    name, weight = frames[1]
+    bad = [
+        (name, weight[:1]),  # another shape
+        ("model.extra.weight", weight),  # not in the served model
+        (name, weight.to(torch.int64)),  # integers for a floating weight
+        (name, weight.to(torch.bfloat16)),  # another floating dtype: vLLM casts, allowed
+    ]
+    problems = frame_problems(bad, expected, tied)
+    assert problems == [
+        f"{name}: shape [1, {weight.shape[1]}], the served model's {list(weight.shape)}",
+        "model.extra.weight: not a weight of the served model",
+        f"{name}: dtype torch.int64, the served model's torch.float32",
+    ]

@@ -42,6 +42,7 @@ from grimoire.cli.schema import (
 )
 from grimoire.cli.wording import yaml_wording
 from grimoire.errors import GrimoireError
+from grimoire.training.interrupts import SecondInterrupt, exit_code
 from grimoire.training.records import metrics_path, read_records
 from grimoire.training.report import SUMMARY_FILE
 
@@ -267,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train_or_validate(command, args, argv)
         except GrimoireError as exc:
             return _fail(command, exc, str(exc))
+        except KeyboardInterrupt as exc:  # one line, no traceback
+            twice = "twice" if isinstance(exc, SecondInterrupt) else "(Ctrl-C)"
+            _fail(command, exc, f"interrupted {twice}: aborted at once, without a checkpoint")
+            return exit_code("SIGINT")
         except Exception as exc:  # a library's error for a mistake validation missed: one message
             hint = "" if level == "DEBUG" else "\n(rerun with --log-level DEBUG for the traceback)"
             return _fail(command, exc, f"{type(exc).__name__}: {exc}{hint}")
@@ -309,17 +314,9 @@ def _train_or_validate(command: str, args: argparse.Namespace, argv: Sequence[st
     # For the model card: how to reproduce this run.
     run.trainer.launch = {"command": shlex.join(["grimoire", *argv]), "config": raw}
     run.trainer.train()
-    if run.trainer.preempted_by is not None:  # checkpointed; the final model comes later
-        if getattr(run.trainer.accelerator, "is_main_process", True):
-            print(
-                f"grimoire {command}: stopped by {run.trainer.preempted_by} after step "
-                f"{run.trainer.global_step} with a checkpoint in {run.config.output_dir}; "
-                "resume with the same command plus "
-                "--set training.resume_from_checkpoint=latest",
-                file=sys.stderr,
-            )
-        run.trainer.close()
-        return 0
+    if run.trainer.preempted_by is not None:  # checkpointed (the trainer said where and how
+        run.trainer.close()  # to resume); the final model comes later: not a success (exit code)
+        return exit_code(run.trainer.preempted_by)
     if run.save_to:
         run.trainer.save_model(run.save_to)
     if getattr(run.trainer.accelerator, "is_main_process", True):

@@ -24,7 +24,8 @@ from huggingface_hub.utils import validate_repo_id
 
 from grimoire.cli.model import REF_MODEL_COPY, TINY_PREFIX
 from grimoire.rows.sources import PACKAGE_PREFIX, hub_offline, resolve_path
-from grimoire.training.checkpoint import STATE_FILE, list_checkpoints
+from grimoire.training.checkpoint import STATE_FILE, damaged_message, list_checkpoints
+from grimoire.training.integrity import damage
 
 #: Files ``AutoTokenizer.from_pretrained`` reads a tokenizer from (any one is enough).
 TOKENIZER_FILES = (
@@ -157,14 +158,25 @@ def _folder_problems(path: Path, where: str, kind: str, needs_tokenizer: bool) -
     return []
 
 
-def resume_problems(spec: Any) -> list[str]:
-    """Problems with ``training.resume_from_checkpoint`` (``"latest"`` or a checkpoint folder)."""
+def resume_problems(spec: Any, output_dir: Any = None) -> list[str]:
+    """Problems with ``training.resume_from_checkpoint`` (``"latest"`` or a checkpoint folder),
+    its files checked against the checkpoint's manifest as the resume will."""
     where = "training.resume_from_checkpoint"
+    if spec == "latest" and isinstance(output_dir, str):
+        damaged = []  # newest first, up to the first complete one ("latest" falls back to it)
+        for found in reversed(list_checkpoints(Path(output_dir).expanduser())):
+            if (why := damage(found)) is None:
+                break
+            damaged.append(f"{found.name} ({why})")
+        else:
+            if damaged:
+                return [f"{where}: 'latest' finds only damaged checkpoints: {'; '.join(damaged)}"]
     if not isinstance(spec, str) or spec == "latest":
         return []  # the type is TrainingConfig's check; "latest" may find none (a fresh start)
     path = Path(spec).expanduser()
     if (path / STATE_FILE).is_file():
-        return []
+        why = damage(path)
+        return [] if why is None else [f"{where}: {damaged_message(spec, path, why)}"]
     found = [p.name for p in list_checkpoints(path)]
     if found:  # an output_dir: say which checkpoints it holds
         return [
@@ -206,7 +218,7 @@ def reference_problems(raw: Mapping[str, Any]) -> list[str]:
             p += pretrained_problems(ref, "loss.ref_model", cache_dir=cache_dir)
     training = raw.get("training")
     if isinstance(training, Mapping):
-        p += resume_problems(training.get("resume_from_checkpoint"))
+        p += resume_problems(training.get("resume_from_checkpoint"), training.get("output_dir"))
     return p
 
 

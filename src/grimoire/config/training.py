@@ -120,7 +120,10 @@ class TrainingConfig:
     # every process (flat FSDP2). The world size must be a multiple (checked at start).
     fsdp_shard_group_size: int | None = None
     # Signals that make every process checkpoint and stop at the next step boundary.
-    checkpoint_signals: list[str] = dataclasses.field(default_factory=lambda: ["SIGTERM"])
+    checkpoint_signals: list[str] = dataclasses.field(default_factory=lambda: ["SIGTERM", "SIGINT"])
+    # A step whose loss or gradient norm is not finite is skipped (no optimizer or scheduler
+    # step); this many skipped steps in a row stop the run with an error and no final model.
+    max_consecutive_skipped_steps: int = 3
 
     def __post_init__(self) -> None:
         problems = _type_problems(self)
@@ -208,6 +211,11 @@ class TrainingConfig:
             p.append(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             p.append(f"max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
+        if self.max_consecutive_skipped_steps < 1:
+            p.append(
+                "max_consecutive_skipped_steps must be >= 1 (1: stop at the first non-finite "
+                f"step), got {self.max_consecutive_skipped_steps}"
+            )
         if self.dataloader_num_workers < 0:
             p.append(f"dataloader_num_workers must be >= 0, got {self.dataloader_num_workers}")
         if isinstance(self.gradient_checkpointing, str) and self.gradient_checkpointing != "auto":

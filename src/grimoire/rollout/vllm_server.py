@@ -10,6 +10,13 @@ stream of frames (8-byte little-endian length, then one tensor as ``safetensors`
 pickle), sent with chunked transfer encoding so neither side holds more than one tensor of the
 stream; an empty frame ends it. :func:`weight_frames` / :func:`read_frames` are the two ends.
 
+Access: a server started with an API key (``--api-key`` or the ``VLLM_API_KEY`` environment
+variable, as vLLM's own server) answers only requests carrying ``Authorization: Bearer <key>``;
+the client sends its ``api_key`` (default: the same environment variable) and a refused key is
+a :class:`~grimoire.errors.ConfigError` at :meth:`VLLMServerEngine.bind`, before training.
+Pushed weight frames are checked (names, shapes, dtypes) against the served model before any
+is loaded (:func:`frame_problems`).
+
 Several ranks: each rank sends its own prompts (the server serves one request at a time). Every
 rank walks the policy's weights (under FSDP2 each gather is a collective), rank 0 alone sends
 them, and all ranks wait for the push before sampling again, so no rank samples with the
@@ -18,8 +25,12 @@ weights of the step before.
 
 from __future__ import annotations
 
+import contextlib
+import hmac
 import http.client
+import ipaddress
 import json
+import os
 import struct
 import time
 import urllib.parse
@@ -37,6 +48,48 @@ from grimoire.rollout.vllm_common import RequestSeeds, sampling_args, setting_pr
 from grimoire.rollout.vllm_weights import policy_weights, weights_version
 
 _FRAME = struct.Struct("<Q")
+#: The environment variable holding the shared secret (vLLM's own server reads the same one).
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def authorized(header: str | None, api_key: str | None) -> bool:
+    """Whether an ``Authorization`` header carries ``api_key`` (always, when there is none);
+    compared in constant time."""
+    if not api_key:
+        return True
+    return hmac.compare_digest((header or "").encode(), f"Bearer {api_key}".encode())
+
+
+def frame_problems(
+    frames: Iterable[tuple[str, Tensor]], expected: dict[str, tuple[tuple[int, ...], str]],
+    tied: Iterable[str] = (),
+) -> list[str]:  # fmt: skip
+    """What in pushed weight ``frames`` does not fit the served model's ``expected``
+    ``{name: (shape, dtype)}`` (its checkpoint's): unknown names (``tied`` ones allowed), other
+    shapes, a non-floating tensor for a floating weight or the reverse (a floating dtype may
+    differ: vLLM casts to its own)."""
+    problems = []
+    for name, tensor in frames:
+        if name not in expected:
+            if name not in set(tied):
+                problems.append(f"{name}: not a weight of the served model")
+            continue
+        shape, dtype = expected[name]
+        if tuple(tensor.shape) != tuple(shape):
+            problems.append(f"{name}: shape {list(tensor.shape)}, the served model's {list(shape)}")
+        if tensor.dtype.is_floating_point != getattr(torch, dtype).is_floating_point:
+            problems.append(f"{name}: dtype {tensor.dtype}, the served model's torch.{dtype}")
+    return problems
 
 
 def weight_frames(weights: Iterable[tuple[str, Tensor]]) -> Iterator[bytes]:
@@ -98,6 +151,7 @@ class VLLMServerEngine(RolloutEngine):
         seed: base of the per-request seeds; default: torch's seed at :meth:`bind` (the run's).
         importance_sampling: correct the losses for the sampler/learner mismatch.
         importance_sampling_cap: the truncation ``C`` of the token weight ``min(ratio, C)``.
+        api_key: the server's shared secret; default: the ``VLLM_API_KEY`` environment variable.
     """
 
     def __init__(
@@ -113,6 +167,7 @@ class VLLMServerEngine(RolloutEngine):
         seed: int | None = None,
         importance_sampling: bool = True,
         importance_sampling_cap: float = 2.0,
+        api_key: str | None = None,
     ):
         super().__init__(max_new_tokens, temperature, generation_batch_size)
         parsed = urllib.parse.urlsplit(url)
@@ -122,6 +177,7 @@ class VLLMServerEngine(RolloutEngine):
         if problems:
             raise ValueError("VLLMServerEngine: " + "; ".join(problems))
         self.url, self.timeout = url, timeout
+        self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.host, self.port = parsed.hostname, parsed.port or 80
         self.top_p, self.top_k = top_p, top_k
         self.seed = seed
@@ -155,6 +211,11 @@ class VLLMServerEngine(RolloutEngine):
         while True:
             try:
                 return self._request("GET", "/health")
+            except PermissionError as exc:
+                raise ConfigError(
+                    [f"engine: vllm-server at {self.url}: {exc}"],
+                    title="the vLLM server refused this trainer (nothing was trained)",
+                ) from exc
             except OSError as exc:
                 if time.monotonic() > deadline:
                     raise ConfigError(
@@ -210,11 +271,22 @@ class VLLMServerEngine(RolloutEngine):
             # a body of unknown length): one weight frame at a time.
             stream = body is not None and not isinstance(body, bytes)
             kind = "application/octet-stream" if stream else "application/json"
-            conn.request(method, path, body=body, headers={"Content-Type": kind})
+            headers = {"Content-Type": kind}
+            if self.api_key:
+                headers["Authorization"] = f"Bearer {self.api_key}"
+            # The server may answer (a 401) before reading the body: then read its answer.
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                conn.request(method, path, body=body, headers=headers)
             response = conn.getresponse()
             data = response.read()
         finally:
             conn.close()
+        if response.status == 401:
+            how = "a wrong" if self.api_key else "no"
+            raise PermissionError(
+                f"{self.url}{path} answered 401: this trainer sent {how} API key; pass the "
+                f"server's --api-key as the engine's args.api_key or in ${API_KEY_ENV}"
+            )
         if response.status != 200:
             raise RuntimeError(
                 f"vLLM server {self.url}{path} answered {response.status}: "
@@ -236,4 +308,13 @@ def _model_mismatch(info: dict[str, Any], model: torch.nn.Module) -> list[str]:
     ]
 
 
-__all__ = ["ChunkedReader", "VLLMServerEngine", "read_frames", "weight_frames"]
+__all__ = [
+    "API_KEY_ENV",
+    "ChunkedReader",
+    "VLLMServerEngine",
+    "authorized",
+    "frame_problems",
+    "is_loopback",
+    "read_frames",
+    "weight_frames",
+]

@@ -2,15 +2,19 @@
 
 Usage::
 
-    grimoire vllm-serve --model path/to/policy [--host 127.0.0.1] [--port 8000]
+    grimoire vllm-serve --model path/to/policy [--host 127.0.0.1] [--port 8000] [--api-key K]
 
 One vLLM ``LLM`` in this process, behind a small HTTP server that answers one request at a
 time (``GET /health``, ``POST /generate``, ``POST /weights``; the format is in
 :mod:`grimoire.rollout.vllm_server`). Samples are token ids with the drawn tokens' log-probs;
 ``/weights`` loads a pushed weight stream into vLLM (``reload_weights``) and drops the prefix
-cache. Everything decoded is JSON or ``safetensors`` (no pickle). There is no authentication:
-anyone who reaches the port can replace the weights, so keep the default ``127.0.0.1`` or a
-private network.
+cache. Everything decoded is JSON or ``safetensors`` (no pickle).
+
+Access: with ``--api-key`` (or ``VLLM_API_KEY`` in the environment) every request must carry
+``Authorization: Bearer <key>`` (else 401); binding to an address other machines reach without
+a key is refused, since whoever reaches the port could replace the policy that generates every
+rollout, or read it. Pushed weights are checked against the served checkpoint (names, shapes,
+dtypes) before any is loaded, so a push from another model changes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ from typing import Any
 
 from grimoire.errors import GrimoireError
 from grimoire.rollout.vllm_common import completions, llm_args, require_vllm
-from grimoire.rollout.vllm_server import ChunkedReader, read_frames
+from grimoire.rollout.vllm_server import (
+    API_KEY_ENV,
+    ChunkedReader,
+    authorized,
+    frame_problems,
+    is_loopback,
+    read_frames,
+)
 from grimoire.tools.common import DTYPES, ToolParser, run_tool
 
 log = logging.getLogger(__name__)
@@ -55,6 +66,9 @@ class Sampler:
             settings["dtype"] = str(saved or "float32").removeprefix("torch.")
         self.llm = LLM(**llm_args(self.config, model=model, **settings))
         self.pushes = 0
+        #: The served checkpoint's {name: (shape, dtype)}: what a push is checked against.
+        self.expected = checkpoint_weights(Path(model))
+        self.tied = ["lm_head.weight"] if getattr(self.config, "tie_word_embeddings", False) else []
 
     def info(self) -> dict[str, Any]:
         keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
@@ -78,33 +92,67 @@ class Sampler:
         return {"ids": ids, "logps": logps if with_logps else None}
 
     def load_weights(self, stream: Any) -> dict[str, Any]:
-        count = [0]
-
-        def weights():
-            for name, tensor in read_frames(stream):
-                count[0] += 1
-                yield name, tensor
-
+        # Received whole (one host copy) and checked before vLLM loads any of it.
+        frames = list(read_frames(stream))
+        problems = frame_problems(frames, self.expected, self.tied) if self.expected else []
+        if problems:
+            raise ValueError(f"weights not loaded ({len(problems)} problems): " + "; ".join(
+                problems[:20]))  # fmt: skip
         self.llm.collective_rpc(
-            "reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True}
+            "reload_weights",
+            kwargs={"weights_iterator": iter(frames), "is_checkpoint_format": True},
         )
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.pushes += 1
-        return {"ok": True, "tensors": count[0], "weight_pushes": self.pushes}
+        return {"ok": True, "tensors": len(frames), "weight_pushes": self.pushes}
 
 
-def handler(sampler: Sampler) -> type[BaseHTTPRequestHandler]:
-    """The request handler class serving ``sampler`` (errors answered as 400/500 + message)."""
+def checkpoint_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``{name: (shape, dtype)}`` of a model folder's safetensors files (headers only); empty
+    for a hub name or a folder without them (pushes are then not checked)."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                piece = f.get_slice(name)
+                out[name] = (
+                    tuple(piece.get_shape()),
+                    _DTYPE_NAMES.get(piece.get_dtype(), "float32"),
+                )
+    return out
+
+
+#: safetensors' dtype names -> torch's.
+_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                "BOOL": "bool"}  # fmt: skip
+
+
+def handler(sampler: Sampler, api_key: str | None = None) -> type[BaseHTTPRequestHandler]:
+    """The request handler class serving ``sampler`` (errors answered as 400/500 + message);
+    with ``api_key``, every request without it is answered 401 before anything is read."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def _refused(self) -> bool:
+            if authorized(self.headers.get("Authorization"), api_key):
+                return False
+            self._answer(401, {"error": "missing or wrong API key (Authorization: Bearer ...)"})
+            return True
+
         def do_GET(self) -> None:
+            if self._refused():
+                return
             if self.path != "/health":
                 return self._answer(404, {"error": f"no such path {self.path}"})
             self._answer(200, sampler.info())
 
         def do_POST(self) -> None:
+            if self._refused():
+                return
             try:
                 if self.path == "/generate":
                     size = int(self.headers.get("Content-Length", 0))
@@ -148,12 +196,14 @@ def main(argv: Sequence[str]) -> int:
         '"http://127.0.0.1:8000"}}\'.',
         example=(
             "grimoire vllm-serve --model output/sft/final --port 8000",
-            "grimoire vllm-serve --model output/sft/final --host 10.0.0.5 --dtype bfloat16",
+            'grimoire vllm-serve --model output/sft/final --host 10.0.0.5 --api-key "$SECRET"',
         ),
     )
     p.add_argument("--model", required=True, help="the policy's folder (or hub name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (no auth: keep it "
-                   "local or private)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (another than "
+                   "loopback needs --api-key)")  # fmt: skip
+    p.add_argument("--api-key", default=None, help=f"shared secret every request must carry "
+                   f"(default: ${API_KEY_ENV}); trainers pass it as the engine's args.api_key")  # fmt: skip
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="vLLM's weights")
     p.add_argument("--max-model-len", type=int, help="longest prompt + completion")
@@ -165,6 +215,13 @@ def main(argv: Sequence[str]) -> int:
 
     def body() -> int:
         args = p.parse_args(list(argv))
+        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+        if api_key is None and not is_loopback(args.host):
+            raise GrimoireError(
+                f"--host {args.host} lets other machines reach this server, and without a key "
+                "anyone who can would replace the policy's weights or read them: pass --api-key "
+                f"(or set {API_KEY_ENV}) and give the trainer the same key, or keep 127.0.0.1"
+            )
         require_vllm("grimoire vllm-serve")  # before loading anything
         sampler = Sampler(
             args.model,
@@ -176,7 +233,7 @@ def main(argv: Sequence[str]) -> int:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             max_num_seqs=args.max_num_seqs,
         )
-        server = HTTPServer((args.host, args.port), handler(sampler))
+        server = HTTPServer((args.host, args.port), handler(sampler, api_key))
         host, port = server.server_address[:2]  # --port 0: a free port, printed here
         print(f"grimoire vllm-serve: serving {args.model} at http://{host}:{port}", flush=True)
         try:

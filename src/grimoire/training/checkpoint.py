@@ -6,8 +6,10 @@ of processes; under DeepSpeed ``deepspeed/`` instead, the engine's own checkpoin
 many processes as wrote it), ``model.safetensors`` + ``config.json`` (or ``adapter_model.safetensors`` for
 LoRA) and tokenizer files (the ``from_pretrained`` export, gathered on the main process),
 ``scheduler.pt``, ``rng_state_<rank>.pt`` and ``trainer_state.json``.
-Everything is written into ``.tmp-checkpoint-<step>`` first and renamed when complete, so a crash
-mid-save never leaves a checkpoint that looks valid but is not.
+Everything is written into ``.tmp-checkpoint-<step>`` first, fsynced and listed with sizes and
+checksums in ``manifest.json`` (training/integrity.py), then renamed, so a crash mid-save never
+leaves a checkpoint that looks valid but is not, and a checkpoint damaged later is recognised:
+``latest`` falls back to the newest complete one, an explicit damaged path is refused.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,8 +26,17 @@ from typing import Any
 import numpy as np
 import torch
 
-PREFIX = "checkpoint-"
-STATE_FILE = "trainer_state.json"
+from grimoire.training.integrity import (
+    PREFIX,
+    STATE_FILE,
+    CheckpointDamaged,
+    damage,
+    fsync_dir,
+    list_checkpoints,
+    reported_write,
+    seal,
+)
+
 #: Where a checkpoint keeps the model and optimizer state it resumes from: DCP shards, or a
 #: DeepSpeed engine's own checkpoint (parallel/deepspeed.py's ENGINE_DIR).
 MODEL_STATE_DIRS = ("dcp", "deepspeed")
@@ -43,33 +53,55 @@ class TrainerState:
     step_in_epoch: int = 0  # optimizer steps already done in ``epoch``
     tokens_seen: int = 0  # real (non-pad) input tokens of trained micro-batches, all ranks
     loss_units_seen: float = 0.0  # the method's loss units (SFT: labelled tokens; DPO: pairs)
+    skipped_steps: int = 0  # steps not applied: a non-finite loss or gradient norm
 
 
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in ``output_dir``, oldest first."""
-    folder = Path(output_dir)
-    if not folder.is_dir():
-        return []
-    found = []
-    for p in folder.iterdir():
-        m = re.fullmatch(rf"{PREFIX}(\d+)", p.name)
-        if m and p.is_dir() and (p / STATE_FILE).exists():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
+def resolve_resume_path(spec: str, output_dir: str | Path, rank: int = 0) -> Path | None:
+    """``"latest"`` -> the newest complete checkpoint in ``output_dir`` (None if there is none;
+    damaged newer ones are skipped, and said so); else the path, refused when damaged.
 
-
-def resolve_resume_path(spec: str, output_dir: str | Path) -> Path | None:
-    """``"latest"`` -> newest checkpoint in ``output_dir`` (None if there is none); else the path."""
+    Raises:
+        CheckpointDamaged: the explicit checkpoint, or every checkpoint for ``"latest"``, does
+            not match its manifest (the message names the file).
+    """
     if spec == "latest":
-        ckpts = list_checkpoints(output_dir)
-        return ckpts[-1] if ckpts else None
+        skipped = []
+        for path in reversed(list_checkpoints(output_dir)):
+            why = damage(path)
+            if why is None:
+                if skipped and rank == 0:
+                    logger.warning(
+                        "resume_from_checkpoint='latest': skipped the damaged %s; resuming from "
+                        "the newest complete checkpoint, %s", "; ".join(skipped), path,
+                    )  # fmt: skip
+                return path
+            skipped.append(f"{path.name} ({why})")
+        if skipped:
+            raise CheckpointDamaged(
+                f"resume_from_checkpoint='latest': every checkpoint in {output_dir} is damaged: "
+                f"{'; '.join(skipped)}. Start without resume_from_checkpoint, or restore a copy."
+            )
+        return None
     path = Path(spec)
     if not (path / STATE_FILE).exists():
         raise FileNotFoundError(
             f"resume_from_checkpoint={spec!r}: no {STATE_FILE} there; pass a checkpoint-<step> "
             f"folder or 'latest'"
         )
+    why = damage(path)
+    if why is not None:
+        raise CheckpointDamaged(damaged_message(spec, path, why))
     return path
+
+
+def damaged_message(spec: str, path: Path, why: str) -> str:
+    """Why an explicitly named checkpoint is refused, and what to resume from instead."""
+    others = [p for p in list_checkpoints(path.parent) if p != path and damage(p) is None]
+    instead = f"; the newest complete checkpoint beside it is {others[-1]}" if others else ""
+    return (
+        f"resume_from_checkpoint={spec!r} is damaged: {why}{instead}. Resume from another "
+        "checkpoint (or 'latest', which skips damaged ones), or restore this one from a copy."
+    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -119,10 +151,13 @@ def begin(output_dir: Path, step: int) -> tuple[Path, Path]:
 
 
 def commit(tmp: Path, final: Path) -> None:
-    """Atomically publish a fully written checkpoint folder."""
+    """Atomically and durably publish a fully written checkpoint folder: its files and manifest
+    fsynced before the rename, the parent folder after it."""
+    seal(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
 
 
 def rotate(output_dir: Path, limit: int | None) -> list[Path]:
@@ -179,19 +214,21 @@ def save(
     and optimizer state, every rank taking part).
     """
     tmp, final = begin(root, step)
+    with reported_write(f"checkpoint {final.name}", tmp, root, temporary=tmp):
+        if accelerator.is_main_process:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        write_model(tmp)
+        if accelerator.is_main_process:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            write_state(tmp, state, extra_state)
+        torch.save(rng_state(), tmp / f"rng_state_{accelerator.process_index}.pt")
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            commit(tmp, final)
     if accelerator.is_main_process:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    write_model(tmp)
-    if accelerator.is_main_process:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        write_state(tmp, state, extra_state)
-    torch.save(rng_state(), tmp / f"rng_state_{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        commit(tmp, final)
         rotate(root, save_total_limit)
     accelerator.wait_for_everyone()
     return final
@@ -219,19 +256,22 @@ def resume_if_any(
 ) -> TrainerState | None:
     """:func:`resume` from ``spec`` (a folder or ``"latest"``); None when ``"latest"`` finds no
     checkpoint yet (a fresh start, so a preemptible job can always pass ``"latest"``)."""
-    path = resolve_resume_path(spec, output_dir)
+    path = resolve_resume_path(spec, output_dir, rank)
     if path is None:
         logger.info("resume_from_checkpoint='latest' but no checkpoint yet: starting fresh")
         return None
     state = resume(path, load_model, scheduler, rank)
-    logger.info("resumed from %s at step %d", path, state.global_step)
+    if rank == 0:  # a warning so the command shows it: which checkpoint this run continues
+        logger.warning("resumed from %s at step %d", path, state.global_step)
     return state
 
 
 def report_preemption(signal_name: str, step: int, path: Path) -> None:
+    """The one message of a run stopped by a signal: where its checkpoint is, how to resume."""
     logger.warning(
         "stopped by %s after step %d; checkpoint: %s. Resume with resume_from_checkpoint="
-        "'latest' (CLI: --set training.resume_from_checkpoint=latest) and the same output_dir.",
+        "'latest' and the same output_dir (CLI: the same command plus "
+        "--set training.resume_from_checkpoint=latest).",
         signal_name,
         step,
         path,

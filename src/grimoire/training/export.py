@@ -12,6 +12,7 @@ from accelerate import Accelerator
 
 from grimoire.parallel.deepspeed import is_engine, load_engine, save_engine
 from grimoire.parallel.fsdp import full_state_dict, is_sharded, load_dcp, save_dcp, tie_shared
+from grimoire.training.integrity import reported_write
 from grimoire.training.report import note_saved_model, write_model_card
 
 
@@ -56,10 +57,11 @@ def save_hf(
 def export_model(trainer: Any, out: Path, merge_adapter: bool = False) -> Path:
     """``trainer.save_model``: the HF model, its model card, and a note in the run summary."""
     acc = trainer.accelerator
-    save_hf(out, acc, trainer.model, trainer.tokenizer, trainer.step_hooks, merge_adapter)
-    if acc.is_main_process:
-        write_model_card(trainer, out)
-        note_saved_model(trainer.config.output_dir, out)
+    with reported_write("the model", out, trainer.config.output_dir):
+        save_hf(out, acc, trainer.model, trainer.tokenizer, trainer.step_hooks, merge_adapter)
+        if acc.is_main_process:
+            write_model_card(trainer, out)
+            note_saved_model(trainer.config.output_dir, out)
     acc.wait_for_everyone()
     return out
 

@@ -18,6 +18,7 @@ import torch
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError
 from grimoire.normalise.reduction import WeightedMeans
+from grimoire.training.integrity import reported_write
 from grimoire.training.records import metrics_path
 
 
@@ -44,7 +45,7 @@ class JsonlLogger:
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
+            with reported_write("metrics", self.path, self.path.parent), self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
 
 

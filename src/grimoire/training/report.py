@@ -19,6 +19,7 @@ import yaml
 
 from grimoire.model.precision import cpu_capability, decide
 from grimoire.training.checkpoint import PREFIX
+from grimoire.training.integrity import reported_write
 from grimoire.training.metrics import peak_memory_mb
 from grimoire.training.records import metrics_path, read_records
 
@@ -45,10 +46,15 @@ def last_records(records: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[st
 def write_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and ``os.replace``: a reader (or a
     crash) never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    with reported_write(path.name, path, path.parent):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.write_text(text, encoding="utf-8")
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, path)
 
 
 def grimoire_version() -> str:
@@ -86,6 +92,8 @@ def run_summary(trainer: Any, started: float, tokens_before: int = 0) -> dict[st
         "max_steps": trainer.max_steps,
         "stopped_early": bool(trainer.stopped_early),
         "preempted_by": trainer.preempted_by,
+        "skipped_steps": state.skipped_steps,
+        "diverged": getattr(getattr(trainer, "guard", None), "failure", None),
         "epoch": state.epoch,
         "tokens": state.tokens_seen,
         "loss_units": state.loss_units_seen,

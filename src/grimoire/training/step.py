@@ -11,8 +11,9 @@ GPU then idles while the host catches up. The step keeps them to the ones it can
   backward checks its uniform-gradient promise on the device
   (:func:`~grimoire.forward.head.function.deferred_promise_checks`);
 - :func:`finish_step` reads everything else, the metric sums, the flags, the gradient norm, the
-  broken-promise flag, in ONE transfer: on one process after clipping (the gradient scale is a
-  host number there); with several processes the all-reduced loss units are needed before the
+  broken-promise flag, the non-finite flags (which micro-batches' losses, the gradient norm: the
+  non-finite guard, :mod:`grimoire.training.guard`) in ONE transfer: on one process after
+  clipping (the gradient scale is a host number there); with several processes the all-reduced loss units are needed before the
   gradients can be scaled, so that is one read and the gradient norm a second.
 
 ``tests/test_gpu_step.py`` counts the reads of an SFT and a DPO step.
@@ -20,8 +21,11 @@ GPU then idles while the host catches up. The step keeps them to the ones it can
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from grimoire.forward.head.function import PromiseChecks
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
@@ -36,6 +40,35 @@ def host_units(
     from batches still on the host (on device batches they would be host syncs)."""
     weights = [loss_units(method, b) * keep for b, keep in micro]
     return weights, sum(count_tokens(b) * keep for b, keep in micro)
+
+
+#: Micro-batches beyond this index share its bit in :func:`mark_nonfinite` (a float64 sum is
+#: exact up to 2**53).
+MAX_MARKED = 50
+
+
+def mark_nonfinite(mask: Any, loss: torch.Tensor, index: int, weight: float) -> Any:
+    """``mask`` plus bit ``index`` when micro-batch ``index``'s loss is not finite, on the device
+    (no read); a micro-batch with nothing to train (``weight`` 0) is not marked."""
+    if weight <= 0:
+        return mask
+    bad = (~torch.isfinite(loss.detach().float())).to(torch.float64).reshape(())
+    return mask + bad * float(2 ** min(index, MAX_MARKED))
+
+
+def marked(mask: float) -> list[int]:
+    """The micro-batch indices set in a :func:`mark_nonfinite` mask read back on one process."""
+    bits = int(mask) if math.isfinite(mask) else 0
+    return [i for i in range(MAX_MARKED + 1) if bits >> i & 1]
+
+
+def nonfinite(value: Any, measured: bool = False) -> Any:
+    """1.0 where a gradient norm is not finite, as a device scalar for a tensor (read with the
+    step's other numbers). A float norm is the engine's own, nan when it gives none (DeepSpeed):
+    only an infinite one is flagged, unless ``measured`` says it was read from a tensor."""
+    if isinstance(value, torch.Tensor):
+        return (~torch.isfinite(value.detach().float())).to(torch.float64).reshape(())
+    return float(not math.isfinite(value) if measured else math.isinf(value))
 
 
 class BrokenPromiseError(RuntimeError):
@@ -70,14 +103,21 @@ def finish_step(
         if rescale:
             scale_gradients(model, gradient_scale(norm, 1, float(scalars["units"])))
         grad_norm = _hooks_then_clip(model, accelerator, hooks, max_grad_norm)
-        totals, metrics = reduction.reduce({**scalars, "grad_norm": grad_norm}, means)
+        extra = {"grad_norm": grad_norm, "bad_grad": nonfinite(grad_norm)}
+        totals, metrics = reduction.reduce({**scalars, **extra}, means)
     else:  # the all-reduced units first (read 1), then the clipped norm (read 2)
         totals, metrics = reduction.reduce(scalars, means)
         if rescale:
             scale_gradients(model, gradient_scale(norm, world, totals["units"]))
         grad_norm = _hooks_then_clip(model, accelerator, hooks, max_grad_norm)
-        totals["grad_norm"] = float(grad_norm)
-    if totals.get("broken_promise", 0.0) > 0:
+        # Every rank holds the same norm (DDP's averaged or FSDP2's reduced gradients): every
+        # rank flags the same step.
+        totals["grad_norm"] = float(grad_norm)  # the one read of the norm, then a host check
+        measured = isinstance(grad_norm, torch.Tensor)  # else the engine's (nan: none)
+        totals["bad_grad"] = nonfinite(totals["grad_norm"], measured)
+    # NaN gradients are never equal: a non-finite step is the guard's to skip, not a broken promise.
+    finite = totals.get("bad_loss", 0.0) == 0 and totals.get("bad_grad", 0.0) == 0
+    if totals.get("broken_promise", 0.0) > 0 and finite:
         raise BrokenPromiseError(
             "a loss computed with uniform_grad=True (a promise that its gradient is the same "
             "scalar for every token log-prob) back-propagated unequal gradients; the LM head's "
@@ -95,4 +135,11 @@ def _hooks_then_clip(
     return clip_gradients(model, accelerator, max_grad_norm)
 
 
-__all__ = ["BrokenPromiseError", "finish_step", "host_units"]
+__all__ = [
+    "BrokenPromiseError",
+    "finish_step",
+    "host_units",
+    "mark_nonfinite",
+    "marked",
+    "nonfinite",
+]

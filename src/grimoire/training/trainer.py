@@ -37,9 +37,11 @@ from grimoire.training import checkpoint as ckpt
 from grimoire.training import setup
 from grimoire.training.callbacks import TrainerCallback
 from grimoire.training.export import export_model, read_checkpoint_model, write_checkpoint_model
+from grimoire.training.guard import NonFiniteGuard, apply_step
+from grimoire.training.interrupts import on_signal
 from grimoire.training.metrics import RunLog
 from grimoire.training.report import write_run_summary
-from grimoire.training.step import finish_step, host_units
+from grimoire.training.step import finish_step, host_units, mark_nonfinite
 
 
 class GrimoireTrainer:
@@ -131,6 +133,7 @@ class GrimoireTrainer:
         self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
         self.metrics_log = self.records.jsonl
         self._reduction = StepReduction(acc)
+        self.guard = NonFiniteGuard.for_run(self.config, acc)  # non-finite steps are skipped
         self._stop = self._stop_requested = False
         #: The signal that stopped the run with a checkpoint (preemption), else None.
         self.preempted_by: str | None = None
@@ -177,7 +180,9 @@ class GrimoireTrainer:
             self._train_loop()
         if self._signal is not None and self.accelerator.num_processes == 1:
             self.preempted_by = self._signal  # (several processes agree in the reduction)
-        if self.preempted_by is not None:
+        if self.guard.failure is not None:
+            pass  # diverged: no checkpoint of it, no evaluation (raised below)
+        elif self.preempted_by is not None:
             done = Path(cfg.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
             path = done if done.is_dir() else self.save_checkpoint()
             if self.accelerator.is_main_process:
@@ -188,6 +193,7 @@ class GrimoireTrainer:
         self.records.end()
         write_run_summary(self, *started)
         release_buffers()  # the head's CPU logits buffer: not held past training
+        self.guard.raise_if_failed()  # TrainingDiverged: no final model
         return self.state
 
     def _train_loop(self) -> None:
@@ -219,6 +225,7 @@ class GrimoireTrainer:
 
     def _on_signal(self, name: str) -> None:
         """A checkpoint signal: stop at the next step boundary that every rank agrees on."""
+        on_signal(name, self._signal, self.accelerator.is_main_process)  # 2nd Ctrl-C: abort
         self._signal = name
         self.request_stop()
 
@@ -252,12 +259,8 @@ class GrimoireTrainer:
         return result
 
     def close(self) -> None:
-        """End a multi-process run cleanly: wait for every rank, then destroy the process group.
-
-        A rank that exits while its peers still use the group can abort in the collective
-        library's background threads (seen with gloo); scripts launched with torchrun or
-        ``accelerate launch`` should call this last.
-        """
+        """End a multi-process run cleanly: wait for every rank, then destroy the process group
+        (a rank exiting while its peers still use it can abort in gloo's threads); call it last."""
         self.accelerator.wait_for_everyone()
         if self.rollouts is not None:  # a sampler in process (vLLM) leaves the group as it was
             self.rollouts.close()
@@ -289,7 +292,7 @@ class GrimoireTrainer:
 
     def _optimizer_step(self, micro: list[tuple[dict[str, Any], float]]) -> None:
         """One optimizer step over this rank's micro-batches, as collated (on the host)."""
-        acc, loss_fn, means = self.accelerator, self.loss_fn, WeightedMeans()
+        acc, loss_fn, means, bad = self.accelerator, self.loss_fn, WeightedMeans(), 0.0
         ctx = self.context.step
         ctx.epoch, ctx.step_in_epoch = self.state.epoch, self.state.step_in_epoch
         ctx.global_step = self.global_step
@@ -316,8 +319,9 @@ class GrimoireTrainer:
                     loss, metrics = loss_fn(self.model, batch, training=True)
                 acc.backward(loss * backward_scale(weight, norm))
                 means.add({"loss": loss, **metrics}, weight)
+                bad = mark_nonfinite(bad, loss, i, weight)  # on the device: read with the rest
         flags = {"stop": float(self._stop_requested), "signal": float(self._signal is not None)}
-        scalars = {"units": local, "tokens": tokens, **flags}
+        scalars = {"units": local, "tokens": tokens, "bad_loss": bad, **flags}
         # ONE read of the step's numbers (two with several processes): training/step.py.
         totals, self._step_metrics, self._last_grad_norm = finish_step(
             self.model, acc, self._reduction, scalars, means, norm=norm,
@@ -328,13 +332,14 @@ class GrimoireTrainer:
             self._stop = True
         if totals["signal"] > 0:  # some rank was signalled: all checkpoint before stopping
             self.preempted_by = self._signal or "a signal on another process"
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for hook in self.step_hooks:
-            hook.after_optimizer_step()
+        # Every rank reads the same totals, so every rank skips the same step.
+        skip = self.guard.check(self.global_step + 1, totals, self._step_metrics.get("loss", 0.0))
+        self._stop = self._stop or self.guard.failure is not None
+        apply_step(skip, self.optimizer, self.scheduler, self.step_hooks)
         self.state.global_step += 1
-        self.records.add_step(self._step_metrics, totals["units"], totals["tokens"])
+        self.state.skipped_steps += int(skip)
+        if not skip:  # a skipped step's NaN stays out of the logged window's mean
+            self.records.add_step(self._step_metrics, totals["units"], totals["tokens"])
         self.state.loss_units_seen += totals["units"]
         self.state.tokens_seen += int(totals["tokens"])
 
@@ -353,6 +358,7 @@ class GrimoireTrainer:
             "grad_norm": self._last_grad_norm,
             "tokens": self.state.tokens_seen,
             "loss_units": self.state.loss_units_seen,
+            "skipped_steps": self.state.skipped_steps,
         }
         record = self.records.train_record(self.global_step, self._epoch_float(), progress)
         self.callbacks("on_log", self, record)
