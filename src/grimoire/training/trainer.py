@@ -76,10 +76,9 @@ class GrimoireTrainer:
         self.accelerator = acc = setup.build_accelerator(config)
         self.loss_fn = loss_fn = as_method(loss_fn)  # duck-typed methods get the defaults
         self.tokenizer = tokenizer
-        train_dataset, eval_dataset = (
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset = tuple(
             loss_fn.adapt_rows(d, tokenizer) for d in (train_dataset, eval_dataset)
         )
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         pad_id = pad_token_id_of(tokenizer, model)
         #: Whether micro-batches are packed rows (padding_free: auto / forced).
         self.packed = packed = setup.decide_packing(
@@ -131,7 +130,6 @@ class GrimoireTrainer:
         #: How the run was launched, for the model card: the CLI sets {"command", "config"}.
         self.launch: dict[str, Any] | None = None
         self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
-        self.metrics_log = self.records.jsonl
         self._reduction = StepReduction(acc)
         self.guard = NonFiniteGuard.for_run(self.config, acc)  # non-finite steps are skipped
         self._stop = self._stop_requested = False
@@ -259,8 +257,7 @@ class GrimoireTrainer:
         return result
 
     def close(self) -> None:
-        """End a multi-process run cleanly: wait for every rank, then destroy the process group
-        (a rank exiting while its peers still use it can abort in gloo's threads); call it last."""
+        """Wait for every rank, then destroy the group (an early exit can abort gloo); call it last."""
         self.accelerator.wait_for_everyone()
         if self.rollouts is not None:  # a sampler in process (vLLM) leaves the group as it was
             self.rollouts.close()
