@@ -19,8 +19,9 @@ sign, wrong pairing, no gradient) cannot reach:
   gradient route; 40 steps gave 0.07-0.13, too close to the bar).
 - Reward model: the toy task is too hard for a 2-layer reward model to generalise in a few steps
   (held-out accuracy stays ~0.5), so this checks that it FITS its training pairs: accuracy on
-  them rises by >= 0.15 (observed 0.49 -> 0.79 and 0.84 from the two warm-ups above; at lr
-  1e-3 one of them reached only 0.64) and the loss falls.
+  them rises by >= 0.15 and the loss falls by >= 0.05 in 240 steps (observed 0.48 -> 0.84, loss
+  0.69 -> 0.40, on an Intel Xeon; 120 steps, enough on an AMD EPYC, reached only 0.64 and a 0.04
+  fall there: the fresh score head's start differs in the last bits between CPUs).
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def test_reward_model_fits_its_training_pairs(warm_dir, tok, tmp_path):
     trainer = GrimoireTrainer(
         model,
         tok,
-        config(tmp_path, batch_size=8, learning_rate=2e-3, max_steps=120),
+        config(tmp_path, batch_size=8, learning_rate=2e-3, max_steps=240),
         RewardModelLoss(),
         train,
         train,
