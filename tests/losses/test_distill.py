@@ -25,6 +25,7 @@ from grimoire.losses.distill_functional import (
     sampled_reverse_kl_loss,
 )
 from grimoire.model.tiny import reverse_rows, save_tiny
+from grimoire.rollout.batches import pack_rollout_batch
 from grimoire.rows.prompts import tokenize_grpo
 from grimoire.training.setup import build_rollouts
 
@@ -223,6 +224,13 @@ def test_distill_method_loss_is_per_token_reverse_kl_to_the_teacher(
                 pos = len(p) - 1 + t
                 exact.append(float((s_lp[pos].exp() * (s_lp[pos] - t_lp[pos])).sum()))
         assert float(loss.detach()) == pytest.approx(sum(exact) / len(exact), rel=1e-4)
+    # The packed layout of the same rows (padding-free runs) gives the same loss and metrics.
+    packed = pack_rollout_batch(batch)
+    p_loss, p_metrics = method(tiny_model, packed)
+    assert float(p_loss.detach()) == pytest.approx(float(loss.detach()), rel=1e-4)
+    assert float(p_metrics["distill/reverse_kl"]) == pytest.approx(
+        float(metrics["distill/reverse_kl"]), rel=1e-4
+    )
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tiny_model.parameters())
     assert all(p.grad is None for p in teacher.parameters())
