@@ -159,10 +159,7 @@ class DistillMethod(OnlineMethod):
             raise ValueError(
                 f"DistillMethod: jsd_chunk_size must be an int >= 1, got {jsd_chunk_size!r}"
             )
-        self.teacher_vocab: dict[str, int] | None = None
-        if isinstance(teacher, str):
-            teacher, self.teacher_vocab = load_teacher(teacher)
-        elif not isinstance(teacher, torch.nn.Module):
+        if not isinstance(teacher, str | torch.nn.Module):
             raise ValueError(
                 f"DistillMethod: teacher must be a model or a path / hub name ({TEACHER_KEY}), "
                 f"got {type(teacher).__name__}"
@@ -180,6 +177,9 @@ class DistillMethod(OnlineMethod):
         self.loss_type = loss_type
         self.beta = float(beta)  # the JSD's (the base's KL strength has no meaning here)
         self.jsd_chunk_size = jsd_chunk_size
+        self.teacher_vocab: dict[str, int] | None = None
+        if isinstance(teacher, str):  # loaded last: every cheap argument check has passed
+            teacher, self.teacher_vocab = load_teacher(teacher)
         self.reference = Reference(teacher, "DistillMethod (teacher)")
 
     @property
