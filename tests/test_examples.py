@@ -46,6 +46,13 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         ["--set", "training.max_steps=4", "--set", "eval_dataset.max_samples=8"],
         "output/grpo_toy/final/model.safetensors",
     ),
+    "distill_toy.yaml": (
+        # Runs on its own: a tiny:llama student, the bundled reverse_warm teacher.
+        [GRIMOIRE, "train", "--config", "examples/distill_toy.yaml"],
+        ["--set", "training.max_steps=4", "--set", "training.logging_steps=2"]
+        + ["--set", "eval_dataset.max_samples=8"],
+        "output/distill_toy/final/model.safetensors",
+    ),
     "grimoire_rl_schema.yaml": (
         # Its header's command; `--set quantization=null` only where bitsandbytes is missing.
         [GRIMOIRE, "train", "--config", "examples/grimoire_rl_schema.yaml"]
@@ -129,3 +136,6 @@ def test_example_runs_as_written(example, tmp_path):
         assert records[-1]["step"] == 2 and records[-1]["epoch"] == 0.5
     if example == "grpo_toy.yaml":
         assert "rewards/char_match_reward/mean" in done.stdout
+    if example == "distill_toy.yaml":
+        records = [json.loads(x) for x in (root / "output/distill_toy/metrics.jsonl").open()]
+        assert any("distill/reverse_kl" in r for r in records)

@@ -22,6 +22,7 @@ from grimoire.collate.sft import SFTCollator
 from grimoire.config.context import TrainingContext
 from grimoire.losses import (
     CPOLoss,
+    DistillMethod,
     DPOLoss,
     GRPOMethod,
     IPOLoss,
@@ -99,6 +100,9 @@ def _online(name, tiny_dir, tokenizer):
         "RLOO": lambda: RLOOMethod([length], beta=0.1, ref_model="copy", **common),
         "Online DPO": lambda: OnlineDPOMethod([length], ref_model="copy", **common),
         "RAFT": lambda: RAFTMethod([length], **common),
+        "Distill": lambda: DistillMethod(
+            AutoModelForCausalLM.from_pretrained(tiny_dir), reward_funcs=[length], **common
+        ),
     }[name]()
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(4, seed=11)]
@@ -111,7 +115,7 @@ def _online(name, tiny_dir, tokenizer):
 
 
 OFFLINE = ["SFT", "DPO", "IPO", "SimPO", "CPO", "ORPO", "KTO", "Reward model"]
-ONLINE = ["GRPO", "RLOO", "Online DPO", "RAFT"]
+ONLINE = ["GRPO", "RLOO", "Online DPO", "RAFT", "Distill"]
 
 
 def test_every_method_has_a_metrics_table():

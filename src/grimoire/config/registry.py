@@ -32,6 +32,7 @@ LOSSES: dict[str, str] = {
     "rloo": "grimoire.losses.rloo:RLOOMethod",
     "online_dpo": "grimoire.losses.online_dpo:OnlineDPOMethod",
     "raft": "grimoire.losses.raft:RAFTMethod",
+    "distill": "grimoire.losses.distill:DistillMethod",
 }
 
 #: ``dataset.tokenize.type`` -> row-level tokenize function ``fn(example, tokenizer, max_length,
@@ -49,7 +50,7 @@ TOKENIZERS: dict[str, str] = {
 for _pair_loss in ("dpo", "ipo", "simpo", "cpo", "orpo", "reward"):
     TOKENIZERS[_pair_loss] = TOKENIZERS["preference"]
 # Prompt-only data, like GRPO; "prompt" is grimoire-rl's name for it.
-for _online in ("rloo", "online_dpo", "raft", "prompt"):
+for _online in ("rloo", "online_dpo", "raft", "distill", "prompt"):
     TOKENIZERS[_online] = TOKENIZERS["grpo"]
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).

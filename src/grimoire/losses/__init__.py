@@ -2,6 +2,7 @@
 
 from grimoire.losses.base import GrimoireLoss
 from grimoire.losses.cpo import CPOLoss
+from grimoire.losses.distill import DistillMethod
 from grimoire.losses.dpo import DPOLoss
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.ipo import IPOLoss
@@ -18,6 +19,7 @@ from grimoire.losses.simpo import SimPOLoss
 __all__ = [
     "CPOLoss",
     "DPOLoss",
+    "DistillMethod",
     "GRPOMethod",
     "GrimoireLoss",
     "IPOLoss",
