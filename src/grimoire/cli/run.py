@@ -131,6 +131,8 @@ def missing_reference(
     method = as_method(loss_fn)
     if not method.needs_reference_model:
         return []
+    if isinstance(getattr(method.reference, "ref_model", None), torch.nn.Module):
+        return []  # the method holds its own (distillation's teacher, loaded with the loss)
     loss_cfg = raw.get("loss") or {}
     if loss_cfg.get("ref_model") or loss_cfg.get("cache_reference") or raw.get("peft"):
         return []
