@@ -73,19 +73,11 @@ def stock_templates() -> list[Path]:
     return sorted(template_dir().glob("*.jinja"))
 
 
-def char_tokenizer(template: str):
-    """A character-level fast tokenizer whose added tokens are ``template``'s special tokens."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+def _fast_tokenizer(tok, template: str):
+    """``tok`` as a transformers fast tokenizer with the tiny models' four special tokens and
+    ``template`` as its chat template."""
     from transformers import PreTrainedTokenizerFast
 
-    specials = sorted(set(_SPECIAL.findall(template)) | {"<bos>", "<eos>", "<pad>", "<unk>"})
-    chars = set(string.printable) | set(template)
-    vocab: dict[str, int] = {}
-    for tok in [*specials, *sorted(chars)]:
-        vocab.setdefault(tok, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
-    tok.add_special_tokens(specials)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<bos>",
@@ -95,6 +87,21 @@ def char_tokenizer(template: str):
     )
     hf.chat_template = template
     return hf
+
+
+def char_tokenizer(template: str):
+    """A character-level fast tokenizer whose added tokens are ``template``'s special tokens."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    specials = sorted(set(_SPECIAL.findall(template)) | {"<bos>", "<eos>", "<pad>", "<unk>"})
+    chars = set(string.printable) | set(template)
+    vocab: dict[str, int] = {}
+    for tok in [*specials, *sorted(chars)]:
+        vocab.setdefault(tok, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tok.add_special_tokens(specials)
+    return _fast_tokenizer(tok, template)
 
 
 def _labelled_chars(tokenizer, text: str, labels: list[int]) -> list[bool]:
@@ -157,7 +164,6 @@ def bpe_tokenizer(template: str, vocab_size: int = 400):
     with ``template``, carrying its special tokens: its tokens merge characters (a space with
     the next word, several letters), unlike :func:`char_tokenizer`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     char = char_tokenizer(template)
     corpus = []
@@ -177,15 +183,7 @@ def bpe_tokenizer(template: str, vocab_size: int = 400):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus * 3, trainer)
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-    )
-    hf.chat_template = template
-    return hf
+    return _fast_tokenizer(tok, template)
 
 
 def cell(path: Path, messages, tools, tokenizer=None) -> str:
