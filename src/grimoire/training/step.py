@@ -13,8 +13,9 @@ GPU then idles while the host catches up. The step keeps them to the ones it can
 - :func:`finish_step` reads everything else, the metric sums, the flags, the gradient norm, the
   broken-promise flag, the non-finite flags (which micro-batches' losses, the gradient norm: the
   non-finite guard, :mod:`grimoire.training.guard`) in ONE transfer: on one process after
-  clipping (the gradient scale is a host number there); with several processes the all-reduced loss units are needed before the
-  gradients can be scaled, so that is one read and the gradient norm a second.
+  clipping (the gradient scale is a host number there); with several processes the all-reduced
+  loss units are needed before the gradients can be scaled, so that is one read and the
+  gradient norm a second.
 
 ``tests/test_gpu_step.py`` counts the reads of an SFT and a DPO step.
 """
