@@ -12,7 +12,7 @@ import torch
 
 from grimoire.collate.common import collate_prefixed
 from grimoire.collate.kto import KTOCollator, PackedKTOCollator
-from grimoire.collate.layout import LAYOUT_KEY, Packed, Padded, layout_of
+from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of
 from grimoire.collate.packing import PackedCollator, pack_row_sides, pack_samples
 from grimoire.collate.preference import PAIR_SIDES, PackedPairCollator, PreferenceCollator
 from grimoire.collate.prompts import GRPOCollator

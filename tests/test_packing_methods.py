@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
 from grimoire.collate.kto import KTOCollator, PackedKTOCollator
-from grimoire.collate.layout import Packed, layout_of
+from grimoire.contract.layout import Packed, layout_of
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.config.context import TrainingContext
 from grimoire.data import cache_reference_log_probs, tokenize_kto

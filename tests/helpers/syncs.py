@@ -13,7 +13,7 @@ On CUDA each of these makes the host wait for every kernel queued before it:
 which over-counts host-side work if there is any in the counted region, never under-counts the
 ops above). What it cannot see on a CPU: a blocking host-to-device copy (``.to(device)``
 without ``non_blocking``), which on CUDA waits for the stream too; the step's code makes those
-non-blocking by construction (``grimoire.collate.layout.to_device``).
+non-blocking by construction (``grimoire.contract.layout.to_device``).
 """
 
 from __future__ import annotations

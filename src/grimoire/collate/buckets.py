@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import LAYOUT_KEY, Padded
+from grimoire.contract.layout import LAYOUT_KEY, Padded
 from grimoire.columns import IGNORE_INDEX
 
 #: How each token column of a right-padded group is extended, by its un-prefixed name.

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from grimoire.collate.layout import LAYOUT_KEY, Padded, shifted_targets
+from grimoire.contract.layout import LAYOUT_KEY, Padded, shifted_targets
 from grimoire.columns import IGNORE_INDEX
 
 
@@ -30,7 +30,7 @@ def collate_prefixed(
     """Right-pad ``{prefix}input_ids`` / ``labels`` / ``attention_mask`` for each prefix.
 
     Other numeric columns (e.g. cached reference log-probs) are stacked as tensors; strings are
-    passed through as lists. The batch states its layout: :class:`~grimoire.collate.layout.Padded`,
+    passed through as lists. The batch states its layout: :class:`~grimoire.contract.layout.Padded`,
     right-padded, with each prefix's trained targets counted here on the host.
     """
     batch: dict[str, Any] = {}

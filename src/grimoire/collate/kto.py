@@ -26,7 +26,7 @@ class KTOCollator:
     per-device batch size of at least 2, or cache the pairs at dataset level. Rows that already
     hold ``kl_input_ids``/``kl_labels`` (cached pairs) keep them. ``max_length`` (the trainer's
     ``max_length``, set by ``KTOLoss.setup`` when left None) bounds a pair's length. Layout:
-    :class:`~grimoire.collate.layout.Padded`.
+    :class:`~grimoire.contract.layout.Padded`.
     """
 
     pad_token_id: int
@@ -78,7 +78,7 @@ class PackedKTOCollator(KTOCollator):
 
     Output: :func:`grimoire.collate.packing.pack_samples`' keys (``input_ids``, ``labels``,
     ``position_ids``, ``sample_index``, and ``layout``: a
-    :class:`~grimoire.collate.layout.Packed` of ``2B`` samples) plus every other per-row column
+    :class:`~grimoire.contract.layout.Packed` of ``2B`` samples) plus every other per-row column
     (``label`` as bool, cached ``ref_logps``/``ref_kl_logps`` as tensors; non-numeric ones, e.g.
     ``ref_logps_reduction``, as lists). A subclass of :class:`KTOCollator` so that
     ``KTOLoss.setup`` bounds its pairs with the trainer's ``max_length`` the same way.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import LAYOUT_KEY, Packed, shifted_targets
+from grimoire.contract.layout import LAYOUT_KEY, Packed, shifted_targets
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
 
@@ -39,8 +39,8 @@ def pack_samples(
       sample boundaries: varlen attention derives the per-sample causal blocks from it, and
       :func:`grimoire.forward.logprobs.shift_labels` drops every target at a ``position_ids == 0``
       position, so a sample's last token never learns to predict the next sample's first token;
-    - ``layout`` (:data:`~grimoire.collate.layout.LAYOUT_KEY`): a
-      :class:`~grimoire.collate.layout.Packed` with the samples' host-side lengths (and so
+    - ``layout`` (:data:`~grimoire.contract.layout.LAYOUT_KEY`): a
+      :class:`~grimoire.contract.layout.Packed` with the samples' host-side lengths (and so
       ``cu_seqlens``); the losses cut the row back into samples with it;
     - ``sample_index``: ``[1, L]`` long, which sample each position belongs to (for
       :func:`segment_sum`).
@@ -151,7 +151,7 @@ def pack_row_sides(
 
     ``f"{side}input_ids"`` / ``f"{side}labels"`` go through :func:`pack_samples`, so sample
     ``j * len(rows) + i`` is row ``i``'s side ``j`` (the batch's
-    :class:`~grimoire.collate.layout.Packed` layout lists them in that order). Every other
+    :class:`~grimoire.contract.layout.Packed` layout lists them in that order). Every other
     column (those ``is_token_column`` rejects) rides along per row: numeric values as a
     ``[len(rows)]`` tensor, anything else as a list.
     """

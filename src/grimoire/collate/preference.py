@@ -32,7 +32,7 @@ class PreferenceCollator:
 
     A common width lets the loss run chosen and rejected through the model in a single forward
     without re-padding. Extra numeric columns (cached reference log-probs, margins) become
-    tensors; strings pass through as lists. Layout: :class:`~grimoire.collate.layout.Padded`.
+    tensors; strings pass through as lists. Layout: :class:`~grimoire.contract.layout.Padded`.
     """
 
     pad_token_id: int
@@ -53,7 +53,7 @@ class PackedPairCollator:
     """Padding-free pairs: the micro-batch's chosen then rejected responses as one packed row.
 
     Other numeric columns (cached reference log-probs, margins) are stacked as tensors. Layout:
-    :class:`~grimoire.collate.layout.Packed` of ``2B`` samples, the chosen ones first.
+    :class:`~grimoire.contract.layout.Packed` of ``2B`` samples, the chosen ones first.
     """
 
     def __init__(self, pad_token_id: int):

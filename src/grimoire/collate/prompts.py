@@ -11,14 +11,14 @@ from typing import Any
 import torch
 
 from grimoire.collate.common import pad_sequences
-from grimoire.collate.layout import LAYOUT_KEY, Padded
+from grimoire.contract.layout import LAYOUT_KEY, Padded
 
 
 @dataclass
 class GRPOCollator:
     """Left-pads ``prompt_input_ids`` / ``prompt_attention_mask`` to ``[B, P]``; every other
     column is passed through as a list (reward functions get plain Python values). Layout:
-    :class:`~grimoire.collate.layout.Padded` (generation takes padded prompts)."""
+    :class:`~grimoire.contract.layout.Padded` (generation takes padded prompts)."""
 
     pad_token_id: int
 

@@ -14,7 +14,7 @@ from grimoire.columns import IGNORE_INDEX
 @dataclass
 class SFTCollator:
     """Right-pads ``input_ids``/``labels``/``attention_mask`` into ``[B, T]`` tensors (layout
-    :class:`~grimoire.collate.layout.Padded`)."""
+    :class:`~grimoire.contract.layout.Padded`)."""
 
     pad_token_id: int
 
@@ -25,7 +25,7 @@ class SFTCollator:
 class PackedSFTCollator(PackedCollator):
     """grimoire-rl's packed SFT collator, by its name and arguments: a micro-batch becomes ONE
     packed ``[1, L]`` row (position_ids restarting per sample, no attention mask; layout
-    :class:`~grimoire.collate.layout.Packed`).
+    :class:`~grimoire.contract.layout.Packed`).
 
     ``GrimoireTrainer(..., data_collator=PackedSFTCollator(tok.pad_token_id))`` trains packed:
     the collator says so (``packed = True``), so the trainer switches the model's attention to

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import BatchLayout, Packed, Padded
+from grimoire.contract.layout import BatchLayout, Packed, Padded
 
 #: The attention implementation name :mod:`grimoire.model.packed_attention` registers under.
 PACKED_ATTENTION = "grimoire_packed_sdpa"

@@ -1,11 +1,11 @@
 """One forward per batch layout: per-sample token log-probs from padded rows or a packed row.
 
-A batch states its layout (:func:`grimoire.collate.layout.layout_of`); :func:`sample_token_logps`
+A batch states its layout (:func:`grimoire.contract.layout.layout_of`); :func:`sample_token_logps`
 is the one place that turns it into a forward:
 
-- :class:`~grimoire.collate.layout.Padded`: one call on the ``[B, T]`` rows with their
+- :class:`~grimoire.contract.layout.Padded`: one call on the ``[B, T]`` rows with their
   ``attention_mask``; the result is already one row per sample;
-- :class:`~grimoire.collate.layout.Packed`: one call on the ``[1, L]`` row with its
+- :class:`~grimoire.contract.layout.Packed`: one call on the ``[1, L]`` row with its
   ``position_ids`` and NO mask (a 2-D mask cannot express the per-sample causal blocks), then
   :func:`unpack_rows` lays the result out as ``[num_samples, max_len]`` rows, exactly what the
   same samples padded would give.
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import BatchLayout, Packed, Padded, layout_of
+from grimoire.contract.layout import BatchLayout, Packed, Padded, layout_of
 from grimoire.collate.preference import pad_right
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import TokenLogps

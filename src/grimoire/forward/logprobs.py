@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import BatchLayout
+from grimoire.contract.layout import BatchLayout
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.attention_hints import attention_hint
 from grimoire.forward.fused_head import fused_parts, fused_token_logps
@@ -202,7 +202,7 @@ def compute_token_logps(
             gradients during the forward (one head matmul fewer, no logits recompute). Backward
             checks the promise and recomputes if it does not hold, so results are exact either
             way; a loss that mostly breaks it only loses time.
-        layout: the rows' :class:`~grimoire.collate.layout.Packed` / ``Padded`` layout as the
+        layout: the rows' :class:`~grimoire.contract.layout.Packed` / ``Padded`` layout as the
             collator built it, with what it counted on the host: then the forward reads nothing
             back from the device (no host sync) to build the attention mask
             (:mod:`grimoire.forward.attention_hints`, on a model with grimoire's attention) or to

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import Packed, layout_of
+from grimoire.contract.layout import Packed, layout_of
 from grimoire.errors import ConfigError
 from grimoire.forward.logprobs import logps_from_logits
 from grimoire.forward.reference import Reference, unwrap

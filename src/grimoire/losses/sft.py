@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import layout_of
+from grimoire.contract.layout import layout_of
 from grimoire.collate.packing import PackedCollator
 from grimoire.collate.sft import SFTCollator
 from grimoire.columns import IGNORE_INDEX

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from grimoire.collate.layout import Padded, layout_of
+from grimoire.contract.layout import Padded, layout_of
 from grimoire.losses.base import GrimoireLoss
 
 

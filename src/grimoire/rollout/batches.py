@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.layout import LAYOUT_KEY, Packed, Padded, layout_of
+from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of
 from grimoire.collate.prompts import prompt_token_lists
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
@@ -75,7 +75,7 @@ def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
 
     Only ``input_ids`` / ``attention_mask`` change (to ``input_ids``, ``labels``,
     ``position_ids``, ``sample_index`` as from :func:`grimoire.collate.packing.pack_samples`)
-    and the layout becomes :class:`~grimoire.collate.layout.Packed` (the samples' host-side
+    and the layout becomes :class:`~grimoire.contract.layout.Packed` (the samples' host-side
     lengths); the per-token tensors (``completion_mask``, ``old_logps``, advantages, reference
     log-probs) keep their padded ``[N, C]`` completion layout, and ``completion_index [N, C]``
     (each completion token's position in the packed row, -1 on padding) lets

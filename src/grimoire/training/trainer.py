@@ -20,7 +20,7 @@ import torch
 
 from grimoire.batching.budget import TokenBudget
 from grimoire.batching.loader import StepLoader
-from grimoire.collate.layout import to_device
+from grimoire.contract.layout import to_device
 from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
