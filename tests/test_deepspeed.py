@@ -26,6 +26,7 @@ from tests.test_distributed import LAUNCH, _env
 
 from grimoire import TrainingConfig
 from grimoire.errors import ConfigError
+from grimoire.losses import GRPOMethod
 from grimoire.parallel.deepspeed import (
     check_deepspeed,
     configure_deepspeed,
@@ -204,7 +205,7 @@ def test_deepspeed_refuses_what_cannot_run_under_an_engine(tmp_path):
 
 
 def test_deepspeed_refuses_generation_under_zero3():
-    method = type("Online", (), {"needs_generation": True, "method_name": "grpo"})()
+    method = GRPOMethod(["exact_match"])
     context = type(
         "Context", (), {"accelerator": _Accelerator({"zero_optimization": {"stage": 3}})}
     )

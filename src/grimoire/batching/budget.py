@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grimoire.columns import IGNORE_INDEX, column_values, columns_of, listed, sequence_prefixes
+from grimoire.contract.method import Method
 
 #: Columns that are token-aligned with their sequence's ``input_ids`` and are cut with it.
 _ALIGNED = ("input_ids", "attention_mask", "labels", "position_ids")
@@ -76,10 +77,9 @@ def default_budget_tokens(lengths: Mapping[str, int], packed: bool) -> int:
     return len(lengths) * max(lengths.values())
 
 
-def method_budget_tokens(method: Any, lengths: Mapping[str, int], packed: bool) -> int:
-    """Tokens a row puts into its largest forward pass for ``method`` (a
-    :class:`~grimoire.losses.base.GrimoireLoss`, whose default is :func:`default_budget_tokens`;
-    a duck-typed loss goes through :func:`~grimoire.losses.base.as_method` first)."""
+def method_budget_tokens(method: Method, lengths: dict[str, int], packed: bool) -> int:
+    """Tokens a row puts into its largest forward pass for ``method`` (its ``budget_tokens``;
+    :class:`~grimoire.losses.base.GrimoireLoss`'s default is :func:`default_budget_tokens`)."""
     return int(method.budget_tokens(lengths, packed))
 
 
@@ -133,7 +133,7 @@ class TokenBudget:
 
     Args:
         max_tokens: ``TrainingConfig.max_tokens_per_device``.
-        method: the method (a :class:`~grimoire.losses.base.GrimoireLoss`): its
+        method: the method (:class:`~grimoire.contract.method.Method`): its
             ``budget_tokens(lengths, packed)``, ``fit_to_budget(row, budget)`` and
             ``budget_hint`` (defaults: :func:`default_budget_tokens`, :func:`truncate_sequences`).
         packed: whether micro-batches are packed rows (else padded tensors).
@@ -141,14 +141,14 @@ class TokenBudget:
     """
 
     max_tokens: int
-    method: Any
+    method: Method
     packed: bool
     truncate: bool = False
     #: ``(dataset, its sequence_lengths)`` already read: validation and planning both need them,
     #: and reading every ``*input_ids`` column of a large dataset is the costly part.
     _seen: list[tuple[Any, list[dict[str, int]]]] = field(default_factory=list, repr=False)
 
-    def cost(self, lengths: Mapping[str, int]) -> int:
+    def cost(self, lengths: dict[str, int]) -> int:
         return method_budget_tokens(self.method, lengths, self.packed)
 
     def _lengths(self, dataset: Any) -> list[dict[str, int]]:
@@ -161,7 +161,7 @@ class TokenBudget:
     def row_cost(self, row: Mapping[str, Any]) -> int:
         return self.cost({p: len(row[f"{p}input_ids"]) for p in sequence_prefixes(row)})
 
-    def fit(self, row: Mapping[str, Any]) -> Mapping[str, Any]:
+    def fit(self, row: dict[str, Any]) -> dict[str, Any]:
         """The row as it enters a micro-batch: cut to fit when it must and may be."""
         if not self.truncate or self.row_cost(row) <= self.max_tokens:
             return row

@@ -17,6 +17,8 @@ import torch
 
 from grimoire.batching.budget import TokenBudget, padding_ratio
 from grimoire.batching.steps import StepPlanner
+from grimoire.config.training import TrainingConfig
+from grimoire.contract.method import Collator, Method
 from grimoire.errors import ConfigError
 
 
@@ -31,7 +33,7 @@ class StepLoader:
     """
 
     def __init__(
-        self, dataset: Any, collator: Any, planner: StepPlanner, budget: TokenBudget | None
+        self, dataset: Any, collator: Collator, planner: StepPlanner, budget: TokenBudget | None
     ):
         self.dataset, self.collator, self.planner, self.budget = dataset, collator, planner, budget
 
@@ -39,7 +41,7 @@ class StepLoader:
     def build(
         cls,
         dataset: Any,
-        collator: Any,
+        collator: Collator,
         budget: TokenBudget | None,
         *,
         batch_size: int,
@@ -122,8 +124,8 @@ AUTO_PACKING_CUDA_NOTE = (
 
 
 def packing_decision(
-    method: Any,
-    config: Any,
+    method: Method,
+    config: TrainingConfig,
     pad_id: int,
     given: Any = None,
     model: Any = None,
@@ -144,9 +146,6 @@ def packing_decision(
     (``device_type``) auto packs only where packed rows take a varlen kernel: ``cuda_varlen``
     says which and why (``"varlen: ..."`` / ``"flash_attn: ..."``) or why not (then padded, see
     :data:`AUTO_PACKING_CUDA_NOTE`); that kernel is unmeasured on a GPU (docs/performance.md).
-
-    ``method`` is a :class:`~grimoire.losses.base.GrimoireLoss` (a duck-typed loss goes through
-    :func:`~grimoire.losses.base.as_method` first).
     """
     if given is not None:
         packed = bool(getattr(given, "packed", False))
@@ -156,27 +155,7 @@ def packing_decision(
     if config.padding_free is None and not asked:
         if not can_pack:
             return False, f"{method.method_name} has no packed collator"
-        reason = _attention_cannot_pack(model)
-        if reason is not None:
-            return False, reason
-        gpu = ""
-        if device_type == "cuda":
-            if cuda_varlen is None:  # (not probed: the caller did not say)
-                return False, AUTO_PACKING_CUDA_NOTE
-            if not cuda_varlen.startswith(("varlen:", "flash_attn:")):
-                return False, f"{AUTO_PACKING_CUDA_NOTE} ({cuda_varlen})"
-            gpu = f"; on CUDA packed rows take {cuda_varlen} (unmeasured on a GPU)"
-        if dataset is not None and not method.needs_generation:
-            # (Online methods pack their sampled completions, whose lengths the prompts do not
-            # tell: they always pack.)
-            ratio = padding_ratio(dataset, config.batch_size, config.seed)
-            if ratio < AUTO_PACKING_MIN_RATIO:
-                return False, (
-                    f"auto: padding would add only {ratio - 1:.0%} positions on this data "
-                    f"(packing pays from {AUTO_PACKING_MIN_RATIO - 1:.0%})"
-                )
-            return True, f"auto: padding would add {ratio - 1:.0%} positions on this data{gpu}"
-        return True, f"auto: the method packs and the model's attention keeps samples apart{gpu}"
+        return _auto_packing(method, config, model, dataset, device_type, cuda_varlen)
     if not asked:
         return False, "padding_free=False"
     if can_pack:
@@ -190,6 +169,39 @@ def packing_decision(
             ]
         )
     return False, f"{method.method_name} cannot pack: padded micro-batches within the budget"
+
+
+def _auto_packing(
+    method: Method,
+    config: TrainingConfig,
+    model: Any,
+    dataset: Any,
+    device_type: str,
+    cuda_varlen: str | None,
+) -> tuple[bool, str]:
+    """``padding_free=None`` for a method that can pack: whether the model's attention, the
+    device's kernels and (offline methods) the data's padding make packing pay."""
+    reason = _attention_cannot_pack(model)
+    if reason is not None:
+        return False, reason
+    gpu = ""
+    if device_type == "cuda":
+        if cuda_varlen is None:  # (not probed: the caller did not say)
+            return False, AUTO_PACKING_CUDA_NOTE
+        if not cuda_varlen.startswith(("varlen:", "flash_attn:")):
+            return False, f"{AUTO_PACKING_CUDA_NOTE} ({cuda_varlen})"
+        gpu = f"; on CUDA packed rows take {cuda_varlen} (unmeasured on a GPU)"
+    if dataset is not None and not method.needs_generation:
+        # (Online methods pack their sampled completions, whose lengths the prompts do not
+        # tell: they always pack.)
+        ratio = padding_ratio(dataset, config.batch_size, config.seed)
+        if ratio < AUTO_PACKING_MIN_RATIO:
+            return False, (
+                f"auto: padding would add only {ratio - 1:.0%} positions on this data "
+                f"(packing pays from {AUTO_PACKING_MIN_RATIO - 1:.0%})"
+            )
+        return True, f"auto: padding would add {ratio - 1:.0%} positions on this data{gpu}"
+    return True, f"auto: the method packs and the model's attention keeps samples apart{gpu}"
 
 
 def _attention_cannot_pack(model: Any) -> str | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from grimoire.batching.budget import TokenBudget
 from grimoire.columns import IGNORE_INDEX, column_values, columns_of, listed
+from grimoire.contract.method import Method
 from grimoire.errors import DataError
 
 
@@ -61,7 +62,7 @@ def _token_column_problems(
 
 
 def validate_training_data(
-    method: Any,
+    method: Method,
     datasets: dict[str, Any],
     max_length: int | None,
     vocab_size: int | None,

@@ -25,6 +25,7 @@ from grimoire.cli.schema import (
 from grimoire.columns import columns_of, listed
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig
+from grimoire.contract.method import Method
 from grimoire.errors import ConfigError, DataError, raise_if
 from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.base import GrimoireLoss, as_method
@@ -106,13 +107,13 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
     if problems:
         raise DataError(problems, title="invalid data (nothing was loaded or trained)")
 
-    loss_cfg = raw.get("loss") or {"type": "sft"}
+    loss_cfg: Mapping[str, Any] = raw.get("loss") or {"type": "sft"}
     loss_cls = registry.resolve(loss_cfg["type"], registry.LOSSES, "loss.type")
-    args = dict(loss_cfg.get("args") or {})
+    args: dict[str, Any] = dict(loss_cfg.get("args") or {})
     if loss_cfg.get("ref_model") == REF_MODEL_COPY and not loss_cfg.get("cache_reference"):
         args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
     loss_fn = make_loss(loss_cls, loss_cfg["type"], args)
-    raise_if(missing_reference(loss_fn, raw, config, datasets), ConfigError)
+    raise_if(missing_reference(as_method(loss_fn), raw, config, datasets), ConfigError)
     return Checked(raw, config, model_path, tokenizer, datasets, callbacks, loss_cls, args, loss_fn)
 
 
@@ -124,21 +125,20 @@ def make_loss(loss_cls: Any, name: str, args: dict[str, Any]) -> Any:
 
 
 def missing_reference(
-    loss_fn: Any, raw: Mapping[str, Any], config: TrainingConfig, datasets: dict[str, Any]
+    method: Method, raw: Mapping[str, Any], config: TrainingConfig, datasets: dict[str, Any]
 ) -> list[str]:
     """The loss needs a reference model and the config gives it none (checked from the config,
     before any weights are loaded; the trainer checks the same again at set-up)."""
-    method = as_method(loss_fn)
     if not method.needs_reference_model:
         return []
-    if isinstance(getattr(method.reference, "ref_model", None), torch.nn.Module):
+    if method.holds_reference:
         return []  # the method holds its own (distillation's teacher, loaded with the loss)
     loss_cfg = raw.get("loss") or {}
     if loss_cfg.get("ref_model") or loss_cfg.get("cache_reference") or raw.get("peft"):
         return []
     if config.precompute_ref_log_probs:
         return []
-    cached = tuple(getattr(method.reference, "cache_columns", ()) or ())
+    cached = method.reference.cache_columns if method.reference is not None else ()
     if cached and all(set(cached) <= set(columns_of(ds)) for ds in datasets.values()):
         return []  # pre-tokenized rows that carry the reference log-probs
     precompute = (
@@ -181,7 +181,8 @@ def build_run(raw: Mapping[str, Any]) -> Run:
             loss_cls, loss_cfg["type"], {**checked.loss_args, "ref_model": ref_model}
         )
     if cache:
-        datasets = {k: cache_reference(ref_model, v, loss_fn, config) for k, v in datasets.items()}
+        method = as_method(loss_fn)
+        datasets = {k: cache_reference(ref_model, v, method, config) for k, v in datasets.items()}
         del ref_model
 
     model = load_model(model_cfg, model_path, model_kind, quantization)
@@ -312,9 +313,8 @@ def _materialize_model(name_or_path: str, output_dir: str) -> str:
     return str(path)
 
 
-def cache_reference(ref_model: Any, dataset: Any, loss_fn: Any, config: TrainingConfig) -> Any:
+def cache_reference(ref_model: Any, dataset: Any, method: Method, config: TrainingConfig) -> Any:
     """Precompute reference log-probs into ``dataset`` once (``loss.cache_reference: true``)."""
-    method = as_method(loss_fn)
     return cache_reference_log_probs(
         ref_model,
         dataset,
@@ -333,7 +333,7 @@ def build_peft(section: Mapping[str, Any] | None):
         return None
     from peft import LoraConfig
 
-    kwargs = {k: v for k, v in section.items() if k != "type"}  # type: validated up front
+    kwargs = {k: v for k, v in section.items() if k != "type"}  # (types checked up front)
     return LoraConfig(**{"task_type": "CAUSAL_LM", **kwargs})
 
 

@@ -7,13 +7,18 @@ things it can do are the collectives below, which every rank must call at the sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from grimoire.config.training import TrainingConfig
+
+
+def _identity(module: torch.nn.Module) -> torch.nn.Module:
+    return module
 
 
 @dataclass
@@ -46,18 +51,12 @@ class TrainingContext:
     unwrapped_model: torch.nn.Module
     train_dataset: Any
     eval_dataset: Any = None
-    step: StepInfo | None = None
+    step: StepInfo = field(default_factory=StepInfo)
     #: Applied to a frozen model a method keeps beside the policy (a reference): shards it the
     #: way the policy is sharded (FSDP2), or leaves it as it is.
-    prepare_frozen: Any = None
+    prepare_frozen: Callable[[torch.nn.Module], torch.nn.Module] = _identity
     #: Whether the run's micro-batches are packed rows (the trainer's packing decision).
     packed: bool = False
-
-    def __post_init__(self) -> None:
-        if self.step is None:
-            self.step = StepInfo()
-        if self.prepare_frozen is None:
-            self.prepare_frozen = _identity
 
     @property
     def sharded(self) -> bool:
@@ -100,10 +99,6 @@ def all_reduce_sum_tensor(accelerator: Any, tensor: torch.Tensor) -> torch.Tenso
         return tensor
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
-
-
-def _identity(module: torch.nn.Module) -> torch.nn.Module:
-    return module
 
 
 def all_reduce_sum(accelerator: Any, values: list[float]) -> list[float]:

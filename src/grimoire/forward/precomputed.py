@@ -28,18 +28,20 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from grimoire.batching.budget import TokenBudget
 from grimoire.batching.loader import StepLoader
 from grimoire.collate.kto import KTOCollator
 from grimoire.collate.preference import PreferenceCollator
 from grimoire.columns import columns_of, pad_token_id_of
+from grimoire.contract.method import Collator, Method, MethodReference, PrecomputableMethod
 from grimoire.errors import ConfigError, DataError
 from grimoire.forward.logprobs import compute_token_logps
-from grimoire.forward.reference import REDUCTION_COLUMN, Reference, eval_mode, is_quantized
+from grimoire.forward.reference import REDUCTION_COLUMN, eval_mode, is_quantized
 from grimoire.rows.kto import label_column, mismatched_pair
 from grimoire.rows.sources import rows_to_dataset
 
@@ -58,40 +60,6 @@ CACHE_COLUMNS: tuple[str, ...] = (
     *KL_PAIR_COLUMNS,
     REDUCTION_COLUMN,
 )
-
-
-# The capabilities precompute_reference reads beyond the base method flags
-# (``needs_reference_model``, ``needs_generation``: attributes of every
-# ``grimoire.losses.base.GrimoireLoss``, and supplied by its ``as_method`` adapter to duck-typed
-# methods). Structural checks rather than imports: ``grimoire.losses`` sits above this stage.
-
-
-@runtime_checkable
-class _HasReference(Protocol):
-    reference: Reference
-
-
-@runtime_checkable
-class PrecomputableMethod(Protocol):
-    """A method whose reference log-probs can be scored before training (DPO, IPO, KTO...):
-    its :class:`~grimoire.forward.reference.Reference` names the cached columns, and
-    ``reference_logps(model, batch)`` returns one ``[rows]`` tensor per column, in that order."""
-
-    needs_reference_model: bool
-    needs_generation: bool
-    reference: Reference
-    logp_reduction: str
-
-    def reference_logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> Sequence[Tensor]:
-        """One ``[rows]`` tensor per ``reference.cache_columns`` entry."""
-
-
-@runtime_checkable
-class _FixesRows(Protocol):
-    """A method that fixes dataset-level rows before its reference is cached (KTO's KL pairs)."""
-
-    def cache_rows(self, dataset: Any) -> Any:
-        """``dataset`` with the rows its cached values are computed (and trained) on."""
 
 
 def _to_dataset(dataset: Any):
@@ -205,22 +173,9 @@ def cache_reference_log_probs(
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
     ds = _to_dataset(dataset)
     ds = ds.remove_columns([c for c in CACHE_COLUMNS if c in ds.column_names])
-    cols = set(ds.column_names)
     if pad_token_id is None:
         pad_token_id = pad_token_id_of(model=ref_model)
-    if {"chosen_input_ids", "rejected_input_ids"} <= cols:
-        sides, collator = PAIR_COLUMNS, PreferenceCollator(pad_token_id)
-    elif {"input_ids", "labels", label_column(cols)} <= cols:
-        sides, collator = KTO_COLUMNS, KTOCollator(pad_token_id)
-        ds = with_kl_pairs(ds, max_length)  # the KTOCollator keeps a row's own pair
-    else:
-        raise DataError(
-            [
-                "cache_reference_log_probs: expected tokenized preference rows "
-                "(chosen_input_ids, rejected_input_ids, ...) or KTO rows (input_ids, labels, "
-                f"label); the dataset has {sorted(cols)}"
-            ]
-        )
+    ds, sides, collator = _row_kind(ds, pad_token_id, max_length)
     device = next(ref_model.parameters()).device
     autocast = (
         torch.autocast(device.type, dtype=autocast_dtype)
@@ -255,8 +210,34 @@ def cache_reference_log_probs(
     )
 
 
-def check_precomputable(method: Any) -> None:
+def _row_kind(
+    ds: Any, pad_token_id: int, max_length: int | None
+) -> tuple[Any, dict[str, str], Collator]:
+    """``(ds, the reference columns by sequence prefix, the collator)`` of preference or KTO
+    rows (KTO's get their dataset-level KL pairs first), else a DataError."""
+    cols = set(ds.column_names)
+    if {"chosen_input_ids", "rejected_input_ids"} <= cols:
+        return ds, PAIR_COLUMNS, PreferenceCollator(pad_token_id)
+    if {"input_ids", "labels", label_column(cols)} <= cols:
+        # The KTOCollator keeps a row's own pair.
+        return with_kl_pairs(ds, max_length), KTO_COLUMNS, KTOCollator(pad_token_id)
+    raise DataError(
+        [
+            "cache_reference_log_probs: expected tokenized preference rows "
+            "(chosen_input_ids, rejected_input_ids, ...) or KTO rows (input_ids, labels, "
+            f"label); the dataset has {sorted(cols)}"
+        ]
+    )
+
+
+def check_precomputable(method: Method) -> None:
     """Raise a ConfigError unless ``method`` can score its reference before training."""
+    _precomputable(method)
+
+
+def _precomputable(method: Method) -> tuple[PrecomputableMethod, MethodReference]:
+    """``method`` and its reference when it can score that reference before training, else a
+    ConfigError saying why not."""
     name = method.method_name
     if not method.needs_reference_model:
         raise ConfigError(
@@ -265,9 +246,8 @@ def check_precomputable(method: Any) -> None:
                 "there is nothing to precompute; unset precompute_ref_log_probs"
             ]
         )
-    if method.needs_generation or not (
-        isinstance(method, _HasReference) and method.reference.cache_columns
-    ):
+    reference = method.reference
+    if method.needs_generation or reference is None or not reference.cache_columns:
         raise ConfigError(
             [
                 f"training.precompute_ref_log_probs=true but {name} is an online method: its "
@@ -280,19 +260,20 @@ def check_precomputable(method: Any) -> None:
             [
                 f"training.precompute_ref_log_probs=true but {name} has no "
                 "reference_logps(model, batch) returning its cached columns "
-                f"{list(method.reference.cache_columns)}; add it, or unset "
+                f"{list(reference.cache_columns)}; add it, or unset "
                 "precompute_ref_log_probs"
             ]
         )
+    return method, reference
 
 
 def precompute_reference(
-    method: Any,
+    method: Method,
     policy: torch.nn.Module,
     datasets: Sequence[Any],
     *,
-    collator: Any,
-    budget: Any,
+    collator: Collator,
+    budget: TokenBudget | None,
     batch_size: int,
     accelerator: Any,
     move_policy: bool = True,
@@ -311,54 +292,20 @@ def precompute_reference(
     forward is a collective) all ranks run the same forwards. ``move_policy``: move the policy
     to the accelerator's device first when it is the reference (not when it is sharded later).
     """
-    check_precomputable(method)
-    reference = method.reference
+    scoring, reference = _precomputable(method)
     columns = tuple(reference.cache_columns)
-    scorer = reference.ref_model
-    if not isinstance(scorer, torch.nn.Module):  # the policy (adapters off, or untrained)
-        scorer = policy
-        if move_policy and not is_quantized(policy):
-            policy.to(accelerator.device)  # where accelerate would put it next anyway
-    device = next(scorer.parameters()).device
+    device = _scoring_device(reference, policy, accelerator.device, move_policy)
 
     def score(batch: dict[str, Any]) -> Sequence[Tensor]:
         with accelerator.autocast():
-            return method.reference_logps(policy, batch)
+            return scoring.reference_logps(policy, batch)
 
-    out = []
-    for split, dataset in zip(("train", "eval"), datasets):
-        if dataset is None or all(c in columns_of(dataset) for c in columns):
-            out.append(dataset)  # already cached (e.g. cache_reference_log_probs)
-            continue
-        ds = _to_dataset(dataset)
-        ds = ds.remove_columns([c for c in (*columns, REDUCTION_COLUMN) if c in ds.column_names])
-        if isinstance(method, _FixesRows):
-            ds = method.cache_rows(ds)
-        if budget is not None and (problems := budget.problems(ds, split)):
-            raise DataError(problems, title="precompute_ref_log_probs: rows over the budget")
-        loader = StepLoader.build(
-            ds, collator, budget, batch_size=batch_size, world_size=1, rank=0, shuffle=False
+    out = [
+        _precompute_split(
+            scoring, dataset, split, columns, policy, collator, budget, batch_size, score, device
         )
-        batches = (
-            indices
-            for step in range(loader.steps_per_epoch)
-            for indices in loader.planner.plan(0, step)
-        )
-        # The policy goes to eval mode whichever module scores: it may itself be the reference
-        # (adapters disabled, or untrained).
-        out.append(
-            score_reference_columns(
-                ds,
-                columns,
-                method.logp_reduction,
-                model=policy,
-                batches=batches,
-                collate=lambda indices, loader=loader: loader.collate(list(indices), True)[0],
-                score=score,
-                device=device,
-                split=split,
-            )
-        )
+        for split, dataset in zip(("train", "eval"), datasets)
+    ]
     logger.info("%s: reference log-probs precomputed; reference released", method.method_name)
     reference.release()
     gc.collect()
@@ -367,9 +314,65 @@ def precompute_reference(
     return out
 
 
+def _scoring_device(
+    reference: MethodReference, policy: torch.nn.Module, target: torch.device, move_policy: bool
+) -> torch.device:
+    """Where the reference forward runs: its own model's device, or the policy's (adapters off,
+    or untrained), moved to ``target`` first when ``move_policy``."""
+    scorer = reference.ref_model
+    if not isinstance(scorer, torch.nn.Module):  # the policy (adapters off, or untrained)
+        scorer = policy
+        if move_policy and not is_quantized(policy):
+            policy.to(target)  # where accelerate would put it next anyway
+    return next(scorer.parameters()).device
+
+
+def _precompute_split(
+    method: PrecomputableMethod,
+    dataset: Any,
+    split: str,
+    columns: tuple[str, ...],
+    policy: torch.nn.Module,
+    collator: Collator,
+    budget: TokenBudget | None,
+    batch_size: int,
+    score: Callable[[dict[str, Any]], Sequence[Tensor]],
+    device: torch.device,
+) -> Any:
+    """One split with the method's reference columns (as it is when it has them already, e.g.
+    from ``cache_reference_log_probs``), batched as training batches it."""
+    if dataset is None or all(c in columns_of(dataset) for c in columns):
+        return dataset
+    ds = _to_dataset(dataset)
+    ds = ds.remove_columns([c for c in (*columns, REDUCTION_COLUMN) if c in ds.column_names])
+    ds = method.cache_rows(ds)
+    if budget is not None and (problems := budget.problems(ds, split)):
+        raise DataError(problems, title="precompute_ref_log_probs: rows over the budget")
+    loader = StepLoader.build(
+        ds, collator, budget, batch_size=batch_size, world_size=1, rank=0, shuffle=False
+    )
+    batches = (
+        indices
+        for step in range(loader.steps_per_epoch)
+        for indices in loader.planner.plan(0, step)
+    )
+    # The policy goes to eval mode whichever module scores: it may itself be the reference
+    # (adapters disabled, or untrained).
+    return score_reference_columns(
+        ds,
+        columns,
+        method.logp_reduction,
+        model=policy,
+        batches=batches,
+        collate=lambda indices: loader.collate(list(indices), True)[0],
+        score=score,
+        device=device,
+        split=split,
+    )
+
+
 __all__ = [
     "CACHE_COLUMNS",
-    "PrecomputableMethod",
     "cache_reference_log_probs",
     "check_precomputable",
     "kl_pair_columns",

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from grimoire.columns import columns_of
+from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError
 from grimoire.forward.logprobs import TokenLogps, compute_token_logps
 
@@ -124,19 +125,18 @@ class Reference:
 
     # ---------------------------------------------------------------- set-up
 
-    def setup(self, ctx: Any, expected_reduction: str | None = None) -> None:
+    def setup(self, ctx: TrainingContext, expected_reduction: str | None = None) -> None:
         """Place the reference, and check every dataset has a source (else raise, naming fixes).
 
-        ``ctx`` gives ``unwrapped_model``, ``accelerator``, ``train_dataset``, ``eval_dataset``.
+        ``ctx`` gives ``unwrapped_model``, ``accelerator``, ``train_dataset``, ``eval_dataset``,
+        how to prepare a frozen model beside the policy and whether it is sharded.
         """
         policy = ctx.unwrapped_model
         device = ctx.accelerator.device
-        prepare = getattr(ctx, "prepare_frozen", None) or (lambda m: m)
+        prepare = ctx.prepare_frozen
         # Before training the policy IS the starting policy: a precompute pass needs no copy of it.
-        precompute = bool(self.cache_columns) and bool(
-            getattr(getattr(ctx, "config", None), "precompute_ref_log_probs", False)
-        )
-        use_policy = precompute and not getattr(ctx, "sharded", False)
+        precompute = bool(self.cache_columns) and ctx.config.precompute_ref_log_probs
+        use_policy = precompute and not ctx.sharded
         if self.ref_model == COPY and use_policy:
             logger.info("%s: reference = the starting policy (precomputed, no copy)", self.owner)
             self.ref_model, self.source = None, "policy"
@@ -144,7 +144,7 @@ class Reference:
             logger.info("%s: reference = a frozen copy of the starting policy", self.owner)
             self.ref_model = prepare(self._freeze(copy.deepcopy(unwrap(policy)), device))
             self.source = "copy"
-        elif self.ref_model is not None:
+        elif isinstance(self.ref_model, torch.nn.Module):  # (a string is COPY, checked above)
             ref = self._freeze(self._match_policy(self.ref_model, policy), device)
             self.ref_model = prepare(ref)
             self.source = "model"
@@ -255,8 +255,10 @@ class Reference:
             peft_model = unwrap(policy)  # used without setup (e.g. directly in tests)
         if peft_model is None:
             raise ConfigError([self._missing("train")])
+        # A peft model, or any module with a disable_adapter() context manager (not typed by torch).
+        switch: Any = peft_model
         # Eval mode so dropout does not perturb the reference.
-        with eval_mode(peft_model), peft_model.disable_adapter():
+        with eval_mode(peft_model), switch.disable_adapter():
             yield policy
 
     def compute(self, policy: torch.nn.Module, *, fused: bool, chunk_size: int) -> Any:

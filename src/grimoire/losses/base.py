@@ -1,47 +1,50 @@
-"""The method contract: :class:`GrimoireLoss`, and :func:`as_method` for duck-typed methods.
+"""The method contract's implementation: :class:`GrimoireLoss`, and :func:`as_method` for duck types.
 
-A method is ``method(model, batch, training) -> (loss, metrics)`` plus a collator and a set of
-capabilities. Everything the run reads from a method (the loop, the loader, the token budget,
-the reference cache, the CLI) is declared here ONCE, with its default and what it means; the
-callers then call it directly, never probing. Behaviour that differs between methods (reference
-models, generation, how a micro-batch is weighted) lives in these members, never as branches in
-the loop.
+The contract itself, what the run reads from a method, is declared once at the bottom of the
+layers (:mod:`grimoire.contract.method`: :class:`~grimoire.contract.method.Method`, and
+:class:`~grimoire.contract.method.GeneratingMethod` for methods that sample their own data).
+:class:`GrimoireLoss` implements it with a default for every member; behaviour that differs
+between methods (reference models, generation, how a micro-batch is weighted) lives in these
+members, never as branches in the loop. The callers call them directly, never probing.
 
 The documented duck-typed protocol (any object with ``__call__`` and ``create_collator``) still
 works: :func:`as_method` wraps such an object in a :class:`MethodAdapter` that forwards what the
-object defines and supplies the defaults otherwise. The trainer calls it once, at set-up.
+object defines and supplies the defaults otherwise (a :class:`GeneratingAdapter` for one that
+generates). The trainer calls it once, at set-up.
 """
 
 from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from grimoire.batching.budget import default_budget_tokens, truncate_sequences
-from grimoire.contract.layout import Packed, layout_of
 from grimoire.columns import columns_of
+from grimoire.config.context import TrainingContext
+from grimoire.contract.layout import Packed, layout_of
+from grimoire.contract.method import (
+    Collator,
+    GeneratingMethod,
+    Method,
+    PrecomputableMethod,
+)
 from grimoire.forward.reference import Reference
-from grimoire.rollout.engine import RolloutEngine
-from grimoire.rollout.rewards import RewardFunction
-from grimoire.rollout.stage import SamplingConfig, ScoredGroup
 
 
 class GrimoireLoss(abc.ABC):
-    """The one contract between a training method and the run.
+    """The base of every training method: :class:`~grimoire.contract.method.Method` (the
+    contract, documented there) with a default for each member.
 
     Required: :meth:`__call__` (the loss of one micro-batch) and :meth:`create_collator`. Every
-    other member has a default below; override what the method needs.
-
-    The weighting contract (:meth:`loss_weight`): the loss returned by ``__call__`` is a mean
-    over the batch's loss units (tokens, pairs, ...); the trainer rescales each micro-batch by
-    ``weight / total_weight_of_the_optimizer_step`` (summed over ranks), so gradient
-    accumulation, token-budget micro-batches and N ranks optimise the same objective as one big
-    batch.
+    other member has a default below; override what the method needs. A method that generates
+    is a :class:`~grimoire.contract.method.GeneratingMethod` too
+    (:class:`grimoire.losses.online.OnlineMethod`): the members its rollout stage is built from
+    are not here, so an offline method carries none of them.
     """
 
     # ------------------------------------------------------------------ capabilities
@@ -51,9 +54,8 @@ class GrimoireLoss(abc.ABC):
     required_columns: tuple[str, ...] = ()
     #: Needs a frozen reference policy (DPO, IPO, KTO, online methods with KL): see ``reference``.
     needs_reference_model: bool = False
-    #: Generates completions from the current policy during training (online RL): the trainer
-    #: then builds its rollout stage from ``engine``, ``reward_funcs``, ``sampling``,
-    #: :meth:`build_batches`, ``needs_old_logps`` and ``reference_logps``.
+    #: Generates completions from the current policy during training (online RL); such a method
+    #: is a GeneratingMethod, whose parts the trainer builds its rollout stage from.
     needs_generation: bool = False
     #: Optimizer steps taken on each global batch (GRPO's num_iterations); read by the planner.
     steps_per_batch: int = 1
@@ -61,34 +63,26 @@ class GrimoireLoss(abc.ABC):
     model_kind: str = "causal_lm"
     #: Whether log-probs use the fused chunked LM-head path (the CLI's reference cache follows it).
     fused: bool = True
+    #: Rows the fused LM head pushes through at once (``compute_token_logps``' ``chunk_size``).
+    fused_chunk_size: int = 1024
     #: How a sequence's token log-probs are reduced (``"sum"`` | ``"mean"``) for a reference cache.
     logp_reduction: str = "sum"
     #: Appended to a token-budget error: what else a row costs (KTO's KL row, a prompt's group).
     budget_hint: str = ""
     #: The frozen reference (:class:`~grimoire.forward.reference.Reference`); None without one.
     reference: Reference | None = None
-    #: Methods that generate: the engine that samples, the reward functions that score, and the
-    #: sampling settings (G, temperature, ...). The trainer owns the stage made from them.
-    engine: RolloutEngine | None = None
-    reward_funcs: Sequence[RewardFunction] = ()
-    sampling: SamplingConfig | None = None
-    #: Whether rollouts record the sampling policy's log-probs (an extra no-grad forward).
-    needs_old_logps: bool = False
-    #: ``reference_logps(model, batch)``: the cached reference columns of a batch, for methods
-    #: whose reference can be computed before training (``precompute_ref_log_probs``); None: not.
-    reference_logps: Callable[..., Any] | None = None
 
     # ------------------------------------------------------------------ required
 
     @abc.abstractmethod
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
-    ) -> tuple[Tensor, dict[str, float | Tensor]]:
+    ) -> tuple[Tensor, Mapping[str, float | Tensor]]:
         """``(loss, metrics)`` of one micro-batch: a scalar mean over its loss units, and
         detached scalars."""
 
     @abc.abstractmethod
-    def create_collator(self, pad_token_id: int) -> Callable[[list[dict[str, Any]]], Any]:
+    def create_collator(self, pad_token_id: int) -> Collator:
         """The padded collator: a list of rows -> a batch dict of tensors."""
 
     # ------------------------------------------------------------------ hooks with defaults
@@ -103,14 +97,14 @@ class GrimoireLoss(abc.ABC):
         """The object that holds the method's settings (itself; the wrapped one for an adapter)."""
         return self
 
-    def build_batches(
-        self, ctx: Any, groups: list[ScoredGroup]
-    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-        """Methods that generate: the step's scored groups as training micro-batches, and the
-        method's rollout metrics (called by the rollout stage)."""
-        raise NotImplementedError(f"{self.method_name} does not generate (needs_generation)")
+    @property
+    def holds_reference(self) -> bool:
+        """Whether :attr:`reference` already holds its model (given as a module, e.g.
+        distillation's teacher), so the run need not provide one."""
+        reference = self.reference
+        return reference is not None and isinstance(reference.ref_model, torch.nn.Module)
 
-    def create_packed_collator(self, pad_token_id: int) -> Any:
+    def create_packed_collator(self, pad_token_id: int) -> Collator | None:
         """Padding-free collator (one packed row per micro-batch), or None when unsupported."""
         return None
 
@@ -136,7 +130,7 @@ class GrimoireLoss(abc.ABC):
         """``row`` cut so that :meth:`budget_tokens` is within ``budget`` (opt-in truncation)."""
         return truncate_sequences(row, budget)
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: TrainingContext) -> None:
         """Called once before training with a :class:`~grimoire.config.context.TrainingContext`
         (config, accelerator, tokenizer, the unwrapped policy, datasets, collectives): place a
         reference, make a rollout stage, read options. It is the method's only view of the run."""
@@ -185,7 +179,9 @@ class TokenLogpsLoss(GrimoireLoss):
         self.fused_chunk_size = fused_chunk_size
 
 
-#: Contract members an adapter reads from the wrapped object when it defines them.
+#: Contract members an adapter reads from the wrapped object when it defines them (the rest of
+#: :class:`~grimoire.contract.method.Method`: the call, ``create_collator``, ``method_name`` and
+#: ``implementation``, the adapter answers itself).
 FORWARDED: tuple[str, ...] = (
     "required_columns",
     "needs_reference_model",
@@ -193,15 +189,11 @@ FORWARDED: tuple[str, ...] = (
     "steps_per_batch",
     "model_kind",
     "fused",
+    "fused_chunk_size",
     "logp_reduction",
     "budget_hint",
     "reference",
-    "engine",
-    "reward_funcs",
-    "sampling",
-    "needs_old_logps",
-    "build_batches",
-    "reference_logps",
+    "holds_reference",
     "create_packed_collator",
     "loss_weight",
     "budget_tokens",
@@ -213,6 +205,11 @@ FORWARDED: tuple[str, ...] = (
 )
 
 _ABSENT = object()
+
+
+def _defined(method: Any, name: str) -> Any:
+    """``method.name``, or :data:`_ABSENT` when it has none: the one place a method is probed."""
+    return getattr(method, name, _ABSENT)
 
 
 class MethodAdapter(GrimoireLoss):
@@ -229,10 +226,10 @@ class MethodAdapter(GrimoireLoss):
 
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
-    ) -> tuple[Tensor, dict[str, float | Tensor]]:
+    ) -> tuple[Tensor, Mapping[str, float | Tensor]]:
         return self.wrapped(model, batch, training=training)
 
-    def create_collator(self, pad_token_id: int) -> Any:
+    def create_collator(self, pad_token_id: int) -> Collator:
         return self.wrapped.create_collator(pad_token_id)
 
     @property
@@ -256,27 +253,109 @@ class MethodAdapter(GrimoireLoss):
         return getattr(self.wrapped, name)
 
 
-def _forwarding(name: str) -> property:
-    """A property reading ``name`` from the wrapped object, else the adapter's default."""
-    default = inspect.getattr_static(MethodAdapter, name)
+class PrecomputableAdapter(MethodAdapter):
+    """A duck-typed method with ``reference_logps(model, batch)``: a
+    :class:`~grimoire.contract.method.PrecomputableMethod` (its reference can be cached)."""
+
+    def reference_logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> Sequence[Tensor]:
+        return self.wrapped.reference_logps(model, batch)
+
+
+class GeneratingAdapter(MethodAdapter):
+    """A duck-typed method that generates (``needs_generation``), seen as a
+    :class:`~grimoire.contract.method.GeneratingMethod`: it must define ``engine``, ``sampling``
+    and ``build_batches(ctx, groups)``; the other members default to no reward functions, no
+    old log-probs and no ``reference_logps(batch)`` (a method without a reference).
+
+    Raises:
+        TypeError: (on construction) the object lacks one of the required members.
+    """
+
+    # Read live from the wrapped object (the properties are installed below); declared here for
+    # the type checker.
+    engine: Any
+    sampling: Any
+    reward_funcs: Sequence[Any]
+    needs_old_logps: bool
+
+    def __init__(self, wrapped: Any):
+        super().__init__(wrapped)
+        missing = [n for n in _GENERATING_REQUIRED if _defined(wrapped, n) is _ABSENT]
+        if missing:
+            raise TypeError(
+                f"{self.method_name} sets needs_generation but has no {', '.join(missing)}: a "
+                "method that generates defines engine, sampling and build_batches(ctx, groups) "
+                "(see grimoire.losses.online.OnlineMethod)"
+            )
+
+    def build_batches(
+        self, ctx: TrainingContext, groups: list[Any]
+    ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+        return self.wrapped.build_batches(ctx, groups)
+
+    def reference_logps(self, batch: dict[str, Any]) -> Tensor:
+        score = _defined(self.wrapped, "reference_logps")
+        if score is _ABSENT:
+            raise NotImplementedError(
+                f"{self.method_name} needs a reference model but defines no reference_logps(batch)"
+            )
+        return score(batch)
+
+
+#: The :class:`GeneratingAdapter` members a duck type that generates must define.
+_GENERATING_REQUIRED = ("engine", "sampling", "build_batches")
+#: The defaults of the members it may leave out.
+_GENERATING_DEFAULTS: dict[str, Any] = {"reward_funcs": (), "needs_old_logps": False}
+
+
+def _forwarding(name: str, default: Any) -> property:
+    """A property reading ``name`` from the wrapped object, else ``default`` (a function or
+    property default is bound to the adapter)."""
 
     def read(self: MethodAdapter) -> Any:
-        value = getattr(self.wrapped, name, _ABSENT)  # the one place a method is probed
+        value = _defined(self.wrapped, name)
         if value is not _ABSENT:
             return value
-        return default.__get__(self, MethodAdapter) if inspect.isfunction(default) else default
+        if inspect.isfunction(default) or isinstance(default, property):
+            return default.__get__(self, type(self))
+        return default
 
     return property(read, doc=f"``{name}`` of the wrapped object, or the contract's default.")
 
 
 for _name in FORWARDED:
-    setattr(MethodAdapter, _name, _forwarding(_name))
+    setattr(MethodAdapter, _name, _forwarding(_name, inspect.getattr_static(MethodAdapter, _name)))
+for _name in ("engine", "sampling", *_GENERATING_DEFAULTS):
+    setattr(GeneratingAdapter, _name, _forwarding(_name, _GENERATING_DEFAULTS.get(_name)))
 
 
 def as_method(obj: Any) -> GrimoireLoss:
-    """``obj`` as a :class:`GrimoireLoss`: itself when it is one, else a :class:`MethodAdapter`
-    over it (for the duck-typed protocol: an object with ``__call__`` and ``create_collator``)."""
-    return obj if isinstance(obj, GrimoireLoss) else MethodAdapter(obj)
+    """``obj`` as a :class:`GrimoireLoss`: itself when it is one, else an adapter over it (for
+    the duck-typed protocol: an object with ``__call__`` and ``create_collator``): a
+    :class:`GeneratingAdapter` when it generates, a :class:`PrecomputableAdapter` when it has
+    ``reference_logps(model, batch)``, else a :class:`MethodAdapter`."""
+    if isinstance(obj, GrimoireLoss):
+        return obj
+    if MethodAdapter(obj).needs_generation:
+        return GeneratingAdapter(obj)
+    if callable(_defined(obj, "reference_logps")):
+        return PrecomputableAdapter(obj)
+    return MethodAdapter(obj)
 
 
-__all__ = ["FORWARDED", "GrimoireLoss", "MethodAdapter", "TokenLogpsLoss", "as_method"]
+# The contract each class implements, checked by the type checker here (structurally: the
+# Protocols' members are read-only properties, which attributes and properties both satisfy).
+_IMPLEMENTS: type[Method] = GrimoireLoss
+_PRECOMPUTES: type[PrecomputableMethod] = PrecomputableAdapter
+_GENERATES: type[GeneratingMethod[Any, Any, Any, Any]] = GeneratingAdapter
+
+
+__all__ = [
+    "FORWARDED",
+    "GeneratingAdapter",
+    "GrimoireLoss",
+    "MethodAdapter",
+    "PrecomputableAdapter",
+    "TokenLogpsLoss",
+    "as_method",
+]

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import Packed, layout_of
 from grimoire.errors import ConfigError
 from grimoire.forward.logprobs import logps_from_logits
@@ -188,13 +189,13 @@ class DistillMethod(OnlineMethod):
         # JSD needs the teacher's logits, taken in compute_loss instead.
         return self.loss_type == "reverse_kl"
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: TrainingContext) -> None:
         self._check_vocab(ctx)
         super().setup(ctx)
         if not self.needs_reference_model:
             self.reference.setup(ctx)
 
-    def _check_vocab(self, ctx: Any) -> None:
+    def _check_vocab(self, ctx: TrainingContext) -> None:
         teacher = self.reference.ref_model
         problems = []
         rows, student_rows = _head_rows(teacher), _head_rows(ctx.unwrapped_model)
@@ -225,7 +226,7 @@ class DistillMethod(OnlineMethod):
 
     @torch.no_grad()
     def teacher_logits(self, batch: dict[str, Any]) -> Tensor:
-        ctx = self._ctx
+        ctx = self.context
         with self.reference.model(ctx.unwrapped_model) as teacher, ctx.accelerator.autocast():
             return completion_logits(teacher, batch, self.logp_temperature)
 

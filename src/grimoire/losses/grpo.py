@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.config.context import TrainingContext
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -177,7 +178,7 @@ class GRPOMethod(OnlineMethod):
         return self.num_iterations > 1
 
     def build_batches(
-        self, ctx: Any, groups: list[ScoredGroup]
+        self, ctx: TrainingContext, groups: list[ScoredGroup]
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
         batch_std = self._batch_std(ctx, groups) if self.scale_rewards == "batch" else None
         g = self.num_generations
@@ -198,7 +199,7 @@ class GRPOMethod(OnlineMethod):
             metrics["dynamic_sampling/dropped_frac"] = float(torch.cat(flat_groups).mean())
         return out, metrics
 
-    def _batch_std(self, ctx: Any, groups: list[ScoredGroup]) -> float:
+    def _batch_std(self, ctx: TrainingContext, groups: list[ScoredGroup]) -> float:
         """Unbiased std of every reward of the step's real groups, all ranks (one all-reduce;
         ranks without a real group contribute nothing but still take part)."""
         r = torch.cat([g.rewards for g in groups]).double() if groups else torch.zeros(0)

@@ -28,6 +28,7 @@ from torch import Tensor
 from grimoire.batching.budget import default_budget_tokens, truncate_sequences
 from grimoire.collate.kto import KTO_SIDES, KTOCollator, PackedKTOCollator
 from grimoire.columns import column_values, columns_of
+from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError
 from grimoire.forward.batch import LayoutRows, rows_per_side, side_rows, sides_token_logps
 from grimoire.forward.logprobs import TokenLogps
@@ -51,7 +52,7 @@ REF_KTO_COLUMNS: tuple[str, str] = ("ref_logps", "ref_kl_logps")
 RECOMMENDED_RATIO: tuple[float, float] = (1.0, 4.0 / 3.0)
 
 
-def cross_rank_mean(count: int, ctx: Any) -> Callable[[Tensor], Tensor] | None:
+def cross_rank_mean(count: int, ctx: TrainingContext | None) -> Callable[[Tensor], Tensor] | None:
     """``reduce_fn`` for :func:`kto_kl_estimate`: the mean over ALL ranks' mismatched pairs.
 
     An all-reduce of ``(sum, count)`` rather than a mean of rank means, so ranks with different
@@ -158,7 +159,7 @@ class KTOLoss(ReferenceLoss):
         #: KL pairs are cut to the run's max_length (set in setup; None: not cut).
         self._kl_max_length: int | None = None
         #: The run's context (set in setup): the KL estimate's cross-rank mean goes through it.
-        self._ctx: Any = None
+        self._ctx: TrainingContext | None = None
 
     # ------------------------------------------------------------------ hooks
 
@@ -186,7 +187,7 @@ class KTOLoss(ReferenceLoss):
         """Cut the row (and a cached KL row) so the pair of them fits."""
         return truncate_sequences(row, budget if "kl_input_ids" in row else budget // 2)
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: TrainingContext) -> None:
         super().setup(ctx)
         self._ctx = ctx
         self._kl_max_length = ctx.config.max_length  # bounds the mismatched pairs too

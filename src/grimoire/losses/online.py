@@ -5,8 +5,10 @@ How an online method plugs into the one training loop (:class:`grimoire.Grimoire
 1. The dataset holds prompts (:func:`grimoire.rows.prompts.tokenize_grpo`); each micro-batch the
    planner gives this rank is ``batch_size`` prompts (collated by ``GRPOCollator``).
 2. The trainer runs the step's rollout stage first (:class:`grimoire.rollout.stage.RolloutStage`,
-   which the trainer owns and builds from this method's ``engine``, ``reward_funcs``,
-   ``sampling`` and :meth:`build_batches`; the stage never holds the method): it samples ``G = num_generations`` completions per prompt of every real
+   which the trainer owns and builds from the parts this method declares as a
+   :class:`~grimoire.contract.method.GeneratingMethod`: ``engine``, ``reward_funcs``,
+   ``sampling`` and :meth:`build_batches`; the stage never holds the method): it samples
+   ``G = num_generations`` completions per prompt of every real
    micro-batch, scores them, and hands the step's scored groups to :meth:`build_batches`, which
    returns one training micro-batch per group (advantages, old / reference log-probs,
    selections). Statistics over the step ("batch" reward scaling, advantage normalisation) are
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.columns import column_values, columns_of, listed
+from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError, DataError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
@@ -44,13 +47,14 @@ from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
 from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
-from grimoire.rollout.stage import SamplingConfig, ScoredGroup
+from grimoire.rollout.stage import RolloutMethod, SamplingConfig, ScoredGroup
 
 logger = logging.getLogger(__name__)
 
 
 class OnlineMethod(GrimoireLoss):
-    """Base class of the online methods; see the module docstring for the flow.
+    """Base class of the online methods, a :class:`~grimoire.contract.method.GeneratingMethod`
+    (:data:`~grimoire.rollout.stage.RolloutMethod`); see the module docstring for the flow.
 
     Args:
         reward_funcs: reward callables, built-in names (``"exact_match"``, ``"char_match"``) or
@@ -136,7 +140,7 @@ class OnlineMethod(GrimoireLoss):
         self.fused_chunk_size = fused_chunk_size
         #: Emit packed TRAINING micro-batches (padding-free run or token budget); set in setup.
         self.pack_training = False
-        self._ctx: Any = None
+        self._ctx: TrainingContext | None = None
         #: A tokenizer given the grimoire-rl way (checked against the trainer's in setup).
         self.peer_tokenizer: Any = None
 
@@ -175,6 +179,19 @@ class OnlineMethod(GrimoireLoss):
         return self.beta > 0
 
     @property
+    def context(self) -> TrainingContext:
+        """The run's context, given to :meth:`setup` (a RuntimeError before it)."""
+        if self._ctx is None:
+            raise RuntimeError(f"{self.method_name}: used before setup(ctx)")
+        return self._ctx
+
+    @property
+    def frozen_reference(self) -> Reference:
+        """``self.reference``, which ``__init__`` sets (the contract's may be None)."""
+        assert self.reference is not None, f"{self.method_name} sets its reference in __init__"
+        return self.reference
+
+    @property
     def logp_temperature(self) -> float:
         """Temperature the loss's log-probs use: the sampling one for policy-gradient methods
         (their ratios / scores are of the distribution that sampled), 1.0 for the supervised-style
@@ -206,7 +223,7 @@ class OnlineMethod(GrimoireLoss):
         return self.num_generations * (lengths["prompt_"] + self.max_new_tokens)
 
     @property
-    def budget_hint(self) -> str:
+    def budget_hint(self) -> str:  # type: ignore[override]  (computed; the base's is a constant)
         return (
             f", x num_generations={self.num_generations} with max_new_tokens="
             f"{self.max_new_tokens} each; lowering either also helps"
@@ -241,7 +258,7 @@ class OnlineMethod(GrimoireLoss):
         as the prompt) read as :func:`~grimoire.rows.prompts.tokenize_grpo`'s columns."""
         return peer_prompt_rows(dataset, tokenizer)
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: TrainingContext) -> None:
         """Check prompt lengths, place the reference."""
         self._ctx = ctx
         problem = tokenizer_problem(type(self).__name__, self.peer_tokenizer, ctx.tokenizer)
@@ -250,7 +267,7 @@ class OnlineMethod(GrimoireLoss):
         self._check_lengths(ctx)
         self.pack_training = ctx.packed
         if self.needs_reference_model:
-            self.reference.setup(ctx)
+            self.frozen_reference.setup(ctx)
         policy = ctx.unwrapped_model
         dropout = [m.p for m in policy.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
         if dropout and not ctx.config.disable_dropout:
@@ -261,7 +278,7 @@ class OnlineMethod(GrimoireLoss):
                 dropout[0],
             )
 
-    def _check_lengths(self, ctx: Any) -> None:
+    def _check_lengths(self, ctx: TrainingContext) -> None:
         limit, where = ctx.config.max_length, "training.max_length"
         max_pos = getattr(
             getattr(ctx.unwrapped_model, "config", None), "max_position_embeddings", 0
@@ -287,7 +304,7 @@ class OnlineMethod(GrimoireLoss):
     # ------------------------------------------------------------------ building training batches
 
     def build_batches(
-        self, ctx: Any, groups: list[ScoredGroup]
+        self, ctx: TrainingContext, groups: list[ScoredGroup]
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """One training micro-batch per scored group, and the method's own rollout metrics.
 
@@ -324,8 +341,8 @@ class OnlineMethod(GrimoireLoss):
     @torch.no_grad()
     def reference_logps(self, batch: dict[str, Any]) -> Tensor:
         """``[N, C]`` reference log-probs of a training batch's completions (masked)."""
-        ctx = self._ctx
-        with self.reference.model(ctx.unwrapped_model) as ref, ctx.accelerator.autocast():
+        ctx = self.context
+        with self.frozen_reference.model(ctx.unwrapped_model) as ref, ctx.accelerator.autocast():
             logps, _ = batch_completion_logps(
                 ref, batch, self.logp_temperature, **self._fused_args()
             )
@@ -383,6 +400,10 @@ class OnlineMethod(GrimoireLoss):
         """Default: one unit per sequence with at least one completion token (0 for a batch
         with nothing to train: the trainer then adds its metrics with weight 0)."""
         return float((batch["completion_mask"].sum(-1) > 0).sum())
+
+
+# The contract OnlineMethod implements, with the rollout's own types; checked by the type checker.
+_IMPLEMENTS: type[RolloutMethod] = OnlineMethod
 
 
 __all__ = ["OnlineMethod"]

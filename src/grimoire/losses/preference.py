@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.preference import PAIR_SIDES, PackedPairCollator, PreferenceCollator
+from grimoire.config.context import TrainingContext
 from grimoire.forward.batch import (
     TokenLogpsFn,
     rows_per_side,
@@ -151,7 +152,7 @@ class ReferenceLoss(TokenLogpsLoss):
         """The reference given at construction: a model, ``"copy"``, or None."""
         return self.reference.ref_model
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: TrainingContext) -> None:
         self.reference.setup(ctx, self.logp_reduction)
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.preference import PreferenceCollator
+from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError
 from grimoire.losses.base import GrimoireLoss
 from grimoire.losses.functional import bradley_terry_loss
@@ -69,7 +70,7 @@ class RewardModelLoss(GrimoireLoss):
     def loss_weight(self, batch: dict[str, Any]) -> float:
         return float(batch["chosen_input_ids"].shape[0])
 
-    def setup(self, ctx: Any) -> None:
+    def setup(self, ctx: TrainingContext) -> None:
         config = _config(ctx.unwrapped_model)
         pad = getattr(config, "pad_token_id", None)
         num_labels = getattr(config, "num_labels", None)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.config.context import TrainingContext
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import masked_mean, rloo_advantages
 from grimoire.rollout.rewards import RewardFn
@@ -54,7 +55,7 @@ class RLOOMethod(OnlineMethod):
         return self.beta > 0  # the KL penalty needs the sampling policy's log-probs
 
     def build_batches(
-        self, ctx: Any, groups: list[ScoredGroup]
+        self, ctx: TrainingContext, groups: list[ScoredGroup]
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
         batches, advantages, kl_sum, penalized_sum = [], [], 0.0, 0.0
         for group in groups:

@@ -20,7 +20,7 @@ completions, same old log-probs (PPO's epochs over one rollout).
 
 The stage knows no method: it is built from explicit parts (engine, reward functions, sampling
 settings, the ``build_batches`` and ``reference_logps`` callables, ``steps_per_batch``), so
-whoever builds it (the method's ``rollout_stage``, or the trainer) owns it.
+whoever builds it (the trainer, from a :data:`RolloutMethod`'s members) owns it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from torch import Tensor
 
 from grimoire.collate.prompts import prompt_token_lists
 from grimoire.columns import pad_token_id_of
+from grimoire.config.context import TrainingContext
+from grimoire.contract.method import GeneratingMethod
 from grimoire.rollout.batches import placeholder_batch, training_batch
 from grimoire.rollout.engine import Rollout, RolloutEngine
 from grimoire.rollout.rewards import RewardFunction, score_completions
@@ -70,9 +72,13 @@ class ScoredGroup:
 
 
 #: ``build_batches(ctx, groups) -> (training micro-batches, metrics)``: one batch per group.
-BuildBatches = Callable[[Any, list[ScoredGroup]], tuple[list[dict[str, Any]], dict[str, float]]]
+BuildBatches = Callable[
+    [TrainingContext, list[ScoredGroup]], tuple[list[dict[str, Any]], dict[str, float]]
+]
 #: ``reference_logps(training_batch) -> [N, C]`` reference log-probs of its completions.
 ReferenceLogps = Callable[[dict[str, Any]], Tensor]
+#: The contract's generating method with the rollout's own types: what a stage's parts come from.
+RolloutMethod = GeneratingMethod[RolloutEngine, RewardFunction, SamplingConfig, ScoredGroup]
 
 
 class RolloutStage:
@@ -113,7 +119,7 @@ class RolloutStage:
         self._cache: tuple[tuple[int, int], list[tuple[dict, float]], dict, float] | None = None
         self._last_step_start: float | None = None
 
-    def bind(self, ctx: Any) -> None:
+    def bind(self, ctx: TrainingContext) -> None:
         """Attach the engine to the policy, with the run's token budget and autocast."""
         policy, tok = ctx.unwrapped_model, ctx.tokenizer
         eos = getattr(tok, "eos_token_id", None)
@@ -137,7 +143,7 @@ class RolloutStage:
     # ------------------------------------------------------------------ one step
 
     def step(
-        self, ctx: Any, micro: list[tuple[dict[str, Any], float]]
+        self, ctx: TrainingContext, micro: list[tuple[dict[str, Any], float]]
     ) -> tuple[list[tuple[dict[str, Any], float]], dict[str, float], float]:
         """``(training micro-batches with their keep flags, rollout metrics, their weight)``."""
         now = time.perf_counter()
@@ -254,4 +260,11 @@ class RolloutStage:
         return -group.rewards.mean(), metrics
 
 
-__all__ = ["BuildBatches", "ReferenceLogps", "RolloutStage", "SamplingConfig", "ScoredGroup"]
+__all__ = [
+    "BuildBatches",
+    "ReferenceLogps",
+    "RolloutMethod",
+    "RolloutStage",
+    "SamplingConfig",
+    "ScoredGroup",
+]

@@ -23,10 +23,10 @@ from grimoire.batching.validation import validate_training_data
 from grimoire.collate.buckets import WidthBuckets, bucket_multiple
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
+from grimoire.contract.method import Method, generating
 from grimoire.errors import ConfigError
 from grimoire.forward.precomputed import precompute_reference
 from grimoire.forward.reference import is_quantized
-from grimoire.losses.base import GrimoireLoss
 from grimoire.model.liger import apply_liger
 from grimoire.model.neftune import attach_neftune
 from grimoire.model.osft import attach_osft
@@ -83,7 +83,7 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
 
 
 def decide_packing(
-    method: GrimoireLoss,
+    method: Method,
     config: TrainingConfig,
     pad_id: int,
     data_collator: Any,
@@ -192,7 +192,7 @@ def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerat
     return prepare
 
 
-def build_budget(config: TrainingConfig, method: GrimoireLoss, packed: bool) -> TokenBudget | None:
+def build_budget(config: TrainingConfig, method: Method, packed: bool) -> TokenBudget | None:
     """The per-device token budget (``max_tokens_per_device``), or None for fixed-size batches."""
     if not config.max_tokens_per_device:
         return None
@@ -200,7 +200,7 @@ def build_budget(config: TrainingConfig, method: GrimoireLoss, packed: bool) -> 
 
 
 def validate_data(
-    method: GrimoireLoss,
+    method: Method,
     model: torch.nn.Module,
     config: TrainingConfig,
     budget: TokenBudget | None,
@@ -220,7 +220,7 @@ def validate_data(
 
 
 def setup_method(
-    method: GrimoireLoss,
+    method: Method,
     config: TrainingConfig,
     accelerator: Accelerator,
     tokenizer: Any,
@@ -240,7 +240,7 @@ def setup_method(
 
 
 def build_collator(
-    method: GrimoireLoss,
+    method: Method,
     data_collator: Any,
     packed: bool,
     pad_id: int,
@@ -263,7 +263,7 @@ def build_collator(
 
 
 def precompute_reference_columns(
-    method: GrimoireLoss,
+    method: Method,
     model: torch.nn.Module,
     context: TrainingContext,
     collator: Any,
@@ -288,11 +288,13 @@ def precompute_reference_columns(
     return context.train_dataset, context.eval_dataset
 
 
-def build_rollouts(method: GrimoireLoss, context: TrainingContext) -> RolloutStage | None:
+def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | None:
     """The rollout stage of a method that generates, owned by the trainer: built from the parts
-    the method declares (engine, reward functions, sampling, ``build_batches``, the reference
-    log-probs when it has a reference) and bound to the run's policy. None for other methods."""
-    if not method.needs_generation:
+    it declares as a :class:`~grimoire.contract.method.GeneratingMethod` (engine, reward
+    functions, sampling, ``build_batches``, the reference log-probs when it has a reference)
+    and bound to the run's policy. None for other methods."""
+    online = generating(method)
+    if online is None:
         return None
     if zero_stage(context.accelerator) == 3:
         # Every forward of a ZeRO-3 policy is a collective and sampling lengths differ by rank;
@@ -301,19 +303,19 @@ def build_rollouts(method: GrimoireLoss, context: TrainingContext) -> RolloutSta
             [f"{method.method_name} generates: not supported under DeepSpeed ZeRO-3 (use FSDP2)"]
         )
     stage = RolloutStage(
-        method.engine,
-        method.reward_funcs,
-        method.sampling,
-        method.build_batches,
-        steps_per_batch=method.steps_per_batch,
-        needs_old_logps=method.needs_old_logps,
-        reference_logps=method.reference_logps if method.needs_reference_model else None,
+        online.engine,
+        online.reward_funcs,
+        online.sampling,
+        online.build_batches,
+        steps_per_batch=online.steps_per_batch,
+        needs_old_logps=online.needs_old_logps,
+        reference_logps=online.reference_logps if online.needs_reference_model else None,
     )
     stage.bind(context)
     return stage
 
 
-def log_reference(method: GrimoireLoss) -> None:
+def log_reference(method: Method) -> None:
     """Say where a method's reference log-probs come from (cache, adapters, a frozen copy)."""
     if method.needs_reference_model:
         reference = method.reference

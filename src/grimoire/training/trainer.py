@@ -20,10 +20,10 @@ import torch
 
 from grimoire.batching.budget import TokenBudget
 from grimoire.batching.loader import StepLoader
-from grimoire.contract.layout import to_device
 from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
+from grimoire.contract.layout import to_device
 from grimoire.forward.head.function import deferred_promise_checks
 from grimoire.forward.logprobs import release_buffers
 from grimoire.losses.base import as_method
@@ -52,7 +52,7 @@ class GrimoireTrainer:
         tokenizer: its tokenizer (saved alongside checkpoints; pad id for collation).
         config: the :class:`TrainingConfig`.
         loss_fn: ``loss_fn(model, batch, training) -> (loss, metrics)`` with
-            ``create_collator(pad_token_id)``; see :mod:`grimoire.losses.base` for optional hooks.
+            ``create_collator(pad_token_id)``; the contract: :mod:`grimoire.contract.method`.
         train_dataset / eval_dataset: a ``datasets.Dataset`` or a list of dicts.
         data_collator: overrides ``loss_fn.create_collator``.
         peft_config: a peft ``LoraConfig`` to train adapters instead of the full model.

@@ -17,14 +17,14 @@ from typing import Any
 from grimoire.columns import sequence_prefixes
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig
+from grimoire.contract.method import Method, generating
 from grimoire.errors import ConfigError
+from grimoire.losses.base import as_method
 from grimoire.tools.memory.estimate import Rollout, Setup
 from grimoire.tools.memory.shape import ModelShape, dtype_name, load_shape, lora_from_section
 
 #: ``loss.ref_model`` value for a frozen copy of the starting policy (as in the CLI schema).
 REF_MODEL_COPY = "copy"
-#: The chunk the fused head uses when a loss does not name one (compute_token_logps' default).
-DEFAULT_CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _model_source(model: dict[str, Any]) -> tuple[str, str, bool]:
     return source, str(dtype), trust
 
 
-def _loss(raw: Mapping[str, Any]) -> tuple[str, Any]:
+def _loss(raw: Mapping[str, Any]) -> tuple[str, Method]:
     loss = _section(raw, "loss") or {"type": "sft"}
     if "type" not in loss:
         raise ConfigError(["loss.type: required (e.g. sft, or package.module:MyLoss)"])
@@ -67,14 +67,14 @@ def _loss(raw: Mapping[str, Any]) -> tuple[str, Any]:
     args = dict(loss.get("args") or {})
     args.pop("ref_model", None)  # loaded by the CLI, never built here
     try:
-        return loss["type"], cls(**args)
+        return loss["type"], as_method(cls(**args))
     except (TypeError, ValueError) as exc:
         raise ConfigError([f"loss: {loss['type']}: {exc}"]) from exc
 
 
-def _reference(raw: Mapping[str, Any], method: Any, config: TrainingConfig, lora: bool) -> str:
+def _reference(raw: Mapping[str, Any], method: Method, config: TrainingConfig, lora: bool) -> str:
     """Where the reference log-probs come from during training (what stays in memory)."""
-    if not getattr(method, "needs_reference_model", False):
+    if not method.needs_reference_model:
         return "none"
     loss = _section(raw, "loss")
     if loss.get("cache_reference") or config.precompute_ref_log_probs:
@@ -84,11 +84,11 @@ def _reference(raw: Mapping[str, Any], method: Any, config: TrainingConfig, lora
     return "adapters" if lora else "model"
 
 
-def _tokens(method: Any, config: TrainingConfig) -> tuple[int, str]:
+def _tokens(method: Method, config: TrainingConfig) -> tuple[int, str]:
     """Positions in the largest forward pass of a micro-batch, and where that came from."""
     if config.max_tokens_per_device:
         return config.max_tokens_per_device, "training.max_tokens_per_device"
-    prefixes = sequence_prefixes(getattr(method, "required_columns", ("input_ids",))) or [""]
+    prefixes = sequence_prefixes(method.required_columns) or [""]
     per_row = method.budget_tokens(dict.fromkeys(prefixes, config.max_length), False)
     return (
         config.batch_size * int(per_row),
@@ -97,10 +97,11 @@ def _tokens(method: Any, config: TrainingConfig) -> tuple[int, str]:
     )
 
 
-def _rollout(method: Any, tokens: int, config: TrainingConfig) -> Rollout | None:
-    sampling = getattr(method, "sampling", None)
-    if not getattr(method, "needs_generation", False) or sampling is None:
+def _rollout(method: Method, tokens: int, config: TrainingConfig) -> Rollout | None:
+    online = generating(method)
+    if online is None:
         return None
+    sampling = online.sampling
     length = config.max_length + sampling.max_new_tokens
     sequences = max(sampling.num_generations, tokens // length)
     if sampling.generation_batch_size:
@@ -152,13 +153,13 @@ def plan_from_config(
         checkpointing=True if checkpointing == "auto" else bool(checkpointing),
         tokens=tokens,
         grad_accum=config.gradient_accumulation_steps,
-        fused=bool(getattr(method, "fused", True)),
-        chunk_rows=int(getattr(method, "fused_chunk_size", None) or DEFAULT_CHUNK_ROWS),
+        fused=method.fused,
+        chunk_rows=method.fused_chunk_size,
         lora=lora,
         quant_bits=bits,
         reference=_reference(raw, method, config, lora is not None),
         rollout=_rollout(method, tokens, config),
-        score_head=getattr(method, "model_kind", "causal_lm") == "sequence_classification",
+        score_head=method.model_kind == "sequence_classification",
     )
     problems = check_setup(setup)
     if problems:
