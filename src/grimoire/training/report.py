@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from grimoire.contract.method import Method
 from grimoire.model.precision import cpu_capability, decide
 from grimoire.training.checkpoint import PREFIX
 from grimoire.training.integrity import reported_write
@@ -177,7 +178,7 @@ def base_model_of(model: Any) -> str | None:
     return None
 
 
-def method_params(loss_fn: Any) -> dict[str, Any]:
+def method_params(loss_fn: Method) -> dict[str, Any]:
     """The method's public scalar settings (``beta``, ``loss_type``, ...), as its attributes."""
     return {
         k: v
@@ -186,7 +187,7 @@ def method_params(loss_fn: Any) -> dict[str, Any]:
     }
 
 
-def method_tag(loss_fn: Any) -> str:
+def method_tag(loss_fn: Method) -> str:
     """``DPOLoss`` -> ``dpo``, ``GRPOMethod`` -> ``grpo``: a tag for the card's front matter."""
     name = loss_fn.method_name
     for suffix in ("Loss", "Method"):

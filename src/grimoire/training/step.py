@@ -29,13 +29,14 @@ from typing import Any
 import torch
 
 from grimoire.forward.head.function import PromiseChecks
+from grimoire.losses.base import GrimoireLoss
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
 from grimoire.normalise.units import count_tokens, gradient_scale, loss_units
 from grimoire.optim.optimizers import clip_gradients, scale_gradients
 
 
 def host_units(
-    method: Any, micro: Sequence[tuple[dict[str, Any], float]]
+    method: GrimoireLoss, micro: Sequence[tuple[dict[str, Any], float]]
 ) -> tuple[list[float], float]:
     """Each micro-batch's loss units (times its keep flag) and the step's real input tokens,
     from batches still on the host (on device batches they would be host syncs)."""
