@@ -1,6 +1,6 @@
 """Draw docs/img/step.svg (one step's data path and the layers): python docs/img/draw_step.py."""
 from html import escape
-W, H = 1260, 790
+W, H = 1260, 822
 out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="DejaVu Sans, Arial, sans-serif">',
        '<defs><marker id="a" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker></defs>',
        f'<rect width="{W}" height="{H}" fill="#ffffff"/>',
@@ -26,7 +26,7 @@ for i, (name, what, mods) in enumerate(stages):
         out.append(f'<text x="{x+10}" y="{y0+66+j*19}" font-size="11" fill="#222">{escape(m)}</text>')
     if i:
         out.append(f'<line x1="{x-gap+1}" y1="{y0+bh/2}" x2="{x-2}" y2="{y0+bh/2}" stroke="#444" stroke-width="2" marker-end="url(#a)"/>')
-out.append(f'<text x="{x0}" y="{y0+bh+24}" font-size="12" fill="#444">The loop (training/trainer.py) wires these together and never asks which method it runs; a method plugs in through losses/base.py (GrimoireLoss, the one contract).</text>')
+out.append(f'<text x="{x0}" y="{y0+bh+24}" font-size="12" fill="#444">The loop (training/trainer.py) wires these together and never asks which method it runs; a method plugs in through contract/method.py (Method, the one contract; GrimoireLoss in losses/base.py gives its defaults).</text>')
 # Layers
 ly = 306
 out.append(f'<text x="20" y="{ly}" font-size="20" font-weight="bold" fill="#222">Layers: imports only run down (enforced by lint-imports and tests/test_architecture.py)</text>')
@@ -43,6 +43,7 @@ layers = [
     ("collate/", "#e8f0fb"),
     ("batching/", "#e8f0fb"),
     ("rows/", "#e8f0fb"),
+    ("contract/  a batch's layout, the method contract (Method, GeneratingMethod)", "#f4f4f4"),
     ("config/  TrainingConfig, registry, TrainingContext", "#f4f4f4"),
     ("columns.py · errors.py  (leaves)", "#f4f4f4"),
 ]
