@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from grimoire.config.model_shape import shape_from_config
 from grimoire.errors import ConfigError
 
 #: How to get vLLM: the extra pulls the CUDA build; CPU-only machines take the CPU build.
@@ -93,11 +94,9 @@ def llm_args(
 
 
 def _kv_bytes_per_token(config: Any, dtype: str) -> int:
-    heads = getattr(config, "num_attention_heads", 1)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shape = shape_from_config(config)
     size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * size
+    return 2 * shape.layers * shape.kv_width * size
 
 
 def sampling_args(engine: Any, n: int, greedy: bool, seed: int | None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import ConfigError
 from grimoire.rollout.engine import RolloutEngine, Samples
 from grimoire.rollout.vllm_common import RequestSeeds, sampling_args, setting_problems
@@ -300,7 +301,7 @@ def _model_mismatch(info: dict[str, Any], model: torch.nn.Module) -> list[str]:
     get_base = getattr(model, "get_base_model", None)
     config = (get_base() if callable(get_base) else model).config.get_text_config(decoder=True)
     served = info.get("config", {})
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "model_type")
+    keys = (*SHAPE_KEYS, "model_type")
     return [
         f"{k} is {served.get(k)!r} there, {getattr(config, k, None)!r} in the policy"
         for k in keys

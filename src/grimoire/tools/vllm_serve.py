@@ -27,6 +27,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
+from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import GrimoireError
 from grimoire.rollout.vllm_common import completions, llm_args, require_vllm
 from grimoire.rollout.vllm_server import (
@@ -71,8 +72,7 @@ class Sampler:
         self.tied = ["lm_head.weight"] if getattr(self.config, "tie_word_embeddings", False) else []
 
     def info(self) -> dict[str, Any]:
-        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-        config = {k: getattr(self.config, k, None) for k in keys}
+        config = {k: getattr(self.config, k, None) for k in SHAPE_KEYS}
         config["model_type"] = self.config.model_type
         return {"ok": True, "config": config, "weight_pushes": self.pushes}
 

@@ -22,6 +22,7 @@ from grimoire.batching.loader import StepLoader, packing_decision
 from grimoire.batching.validation import validate_training_data
 from grimoire.collate.buckets import WidthBuckets, bucket_multiple
 from grimoire.config.context import TrainingContext
+from grimoire.config.model_shape import shape_from_config
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError
 from grimoire.forward.precomputed import precompute_reference
@@ -110,7 +111,7 @@ def cuda_varlen(model: torch.nn.Module, config: TrainingConfig, accelerator: Acc
     if reason is not None:
         return f"no varlen kernel: {reason}"
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = shape_from_config(cfg).head_dim
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         str(accelerator.mixed_precision), next(model.parameters()).dtype
     )

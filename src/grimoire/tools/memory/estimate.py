@@ -1,7 +1,7 @@
 """Per-rank peak memory of a training run, part by part: the model behind ``estimate-memory``.
 
 Everything is counted in bytes of live tensors per rank, from the model's shape
-(:mod:`~grimoire.tools.memory.shape`) and the run's settings (:class:`Setup`); nothing is loaded.
+(:mod:`~grimoire.config.model_shape`) and the run's settings (:class:`Setup`); nothing is loaded.
 What the model assumes, so that its limits are visible:
 
 * **Weights** stay in the dtype they were loaded in (``model_kwargs.dtype``, default the
@@ -26,7 +26,7 @@ What the model assumes, so that its limits are visible:
   the states' shard.
 * **CPU offload** moves the sharded weights, gradients and optimizer state (and its step) to
   host memory; the device keeps the gathered units, activations and logits.
-* **Activations**: :mod:`~grimoire.tools.memory.activations` (every position of a micro-batch of
+* **Activations**: :mod:`~grimoire.model.activations` (every position of a micro-batch of
   ``tokens`` positions has a target; packed rows, so grouped-query attention runs natively).
   With checkpointing each layer keeps its input, and backward recomputes one layer at a time.
 * **Reference model** (DPO, KTO, online methods with ``beta > 0``): a frozen copy of the policy,
@@ -44,14 +44,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from grimoire.tools.memory.activations import (
+from grimoire.config.model_shape import DTYPE_BYTES, LINEARS, LoraShape, ModelShape
+from grimoire.model.activations import (
     Numerics,
-    checkpointed_layer_bytes_per_token,
+    activation_bytes_per_token,
+    gradient_flow_bytes_per_token,
     head_bytes,
     layer_bytes_per_token,
-    model_bytes_per_token,
 )
-from grimoire.tools.memory.shape import DTYPE_BYTES, LINEARS, LoraShape, ModelShape
 
 GIB = 2**30
 #: Optimizers keeping two states per parameter in the parameter's dtype (torch's AdamW).
@@ -300,18 +300,16 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         copies = 2 * p.linear_trained + (0 if setup.checkpointing else 2 * p.linear_frozen)
         parts.append(Part("bf16 weight copies", copies, 0.0, "autocast's casts"))
 
-    per_layer = layer_bytes_per_token(shape, num, setup.lora)
-    outside = model_bytes_per_token(shape, num, p.head_trains, setup.lora)
-    one_layer = per_layer * t
+    one_layer = layer_bytes_per_token(shape, num, setup.lora) * t
+    flow = gradient_flow_bytes_per_token(shape, num) * t
+    acts = t * activation_bytes_per_token(
+        shape, num, checkpointing=setup.checkpointing, head_trains=p.head_trains, lora=setup.lora
+    )
     if setup.checkpointing:
-        acts = (n * checkpointed_layer_bytes_per_token(shape, num) + outside) * t + one_layer
         acts_note = "checkpointed: each layer's input + one layer recomputed"
     else:
-        acts = (n * per_layer + outside) * t
         acts_note = "every layer kept for backward"
-    # Backward's gradient of the hidden states: the one flowing and the one being formed.
-    flow = 2 * num.residual * shape.hidden * t
-    parts.append(Part("activations", acts + flow, 0.0, acts_note))
+    parts.append(Part("activations", acts, 0.0, acts_note))
     fused = setup.fused
     if setup.score_head:
         head = head_bytes(shape, num, 0, fused=True, chunk_rows=1, head_trains=False)
@@ -352,7 +350,6 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
         + gathered
         + dev("bf16 weight copies")
         + acts
-        + flow
         + head.backward
         - buffers
         + start_grads

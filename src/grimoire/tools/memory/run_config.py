@@ -16,10 +16,11 @@ from typing import Any
 
 from grimoire.columns import sequence_prefixes
 from grimoire.config import registry
+from grimoire.config.model_shape import ModelShape, dtype_name
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError
 from grimoire.tools.memory.estimate import Rollout, Setup
-from grimoire.tools.memory.shape import ModelShape, dtype_name, load_shape, lora_from_section
+from grimoire.tools.memory.shape import load_shape, lora_from_section
 
 #: ``loss.ref_model`` value for a frozen copy of the starting policy (as in the CLI schema).
 REF_MODEL_COPY = "copy"
