@@ -66,7 +66,7 @@ trainer = GrimoireTrainer(
 rank = trainer.accelerator.process_index
 loss_fn.here = rank == bad_rank
 snaps = Snapshots(out_dir, rank)
-trainer.callbacks.callbacks.append(snaps)
+trainer.callbacks.add(snaps)
 error = None
 try:
     trainer.train()
