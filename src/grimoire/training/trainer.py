@@ -106,15 +106,10 @@ class GrimoireTrainer:
         #: The rollout stage, for methods that generate (built from the method's parts).
         self.rollouts = setup.build_rollouts(loss_fn, self.context)
         setup.log_reference(loss_fn)
+        plan = dict(grad_accum=config.gradient_accumulation_steps, seed=config.seed)
         self.loader = self._loader(
-            self.train_dataset,
-            config.batch_size,
-            grad_accum=config.gradient_accumulation_steps,
-            seed=config.seed,
-            repeat=int(loss_fn.steps_per_batch),
+            self.train_dataset, config.batch_size, repeat=int(loss_fn.steps_per_batch), **plan
         )
-        self.planner = self.loader.planner
-        self._eval_loader: StepLoader | None = None
         self.max_steps = config.max_steps or self.loader.steps_per_epoch * config.num_epochs
         model = setup.shard(model, config)
         self.model, self.optimizer, self.scheduler = setup.build_optimization(
@@ -124,8 +119,11 @@ class GrimoireTrainer:
         self._init_run_state()
 
     def _init_run_state(self) -> None:
-        """The run's records and stop flags (what ``train()`` reads and writes)."""
+        """The run's records, planner, evaluation loader and stop flags (what ``train()`` reads
+        and writes)."""
         acc = self.accelerator
+        self.planner = self.loader.planner
+        self._eval_loader: StepLoader | None = None
         self.state = ckpt.TrainerState()
         #: How the run was launched, for the model card: the CLI sets {"command", "config"}.
         self.launch: dict[str, Any] | None = None
