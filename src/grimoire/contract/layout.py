@@ -1,10 +1,10 @@
 """A collated batch's layout as a type: :class:`Padded` rows or one :class:`Packed` row.
 
 Which forward a batch needs (a ``[B, T]`` call with an attention mask, or one ``[1, L]`` call with
-``position_ids`` and no mask whose result is cut back into samples) used to be guessed from its
-keys (``"seq_lens" in batch``) in every loss that cared. A key can be dropped, renamed or added by
-a user collator without anyone noticing, and each guess had to be kept in step with the others.
-Now whoever builds the batch (a collator, the rollout) says what it built, under
+``position_ids`` and no mask whose result is cut back into samples) is not guessed from its keys
+(``"seq_lens" in batch``): a key can be dropped, renamed or added by a user collator without
+anyone noticing, and every guess would have to be kept in step with the others. Whoever builds
+the batch (a collator, the rollout) says what it built, under
 :data:`LAYOUT_KEY`, and :func:`grimoire.forward.batch.sample_token_logps` is the one place that
 dispatches on it.
 

@@ -45,7 +45,7 @@ def unpack_rows(out: TokenLogps, layout: Packed) -> TokenLogps:
     sample's end), i.e. exactly what the same samples padded would give.
 
     The gather index is built on the host from the layout's host-side lengths and copied over
-    without blocking: no device-to-host sync (the old tensor ``seq_lens`` needed one for the
+    without blocking: no device-to-host sync (a device tensor of lengths would need one for the
     width). End padding of the row (``pad_to_multiple_of``) belongs to no sample and is dropped.
     """
     row_len = out.logps.shape[1]

@@ -213,31 +213,7 @@ def apply_osft(
         An :class:`OSFTState` whose ``project_gradients`` / ``reproject`` the trainer calls
         around each ``optimizer.step()``.
     """
-    check_unfreeze_rank_ratio(unfreeze_rank_ratio)
-    if upcast_dtype not in (torch.float32, torch.float64):
-        raise ConfigError(
-            [f"upcast_dtype must be torch.float32 or torch.float64, got {upcast_dtype}"]
-        )
-    if _is_lora_model(model):
-        raise ConfigError(
-            [
-                "OSFT and LoRA cannot be combined: OSFT trains the low-singular-value subspace of "
-                "the full weights, LoRA adds separate adapters; use one or the other"
-            ]
-        )
-    if any(isinstance(m, OSFTLinear) for m in model.modules()):
-        raise ConfigError(["apply_osft was already applied to this model"])
-    if world_size > 1:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"world_size={world_size} needs torch.distributed initialized")
-        if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
-            raise RuntimeError(
-                f"rank/world_size {rank}/{world_size} disagree with torch.distributed "
-                f"{dist.get_rank()}/{dist.get_world_size()}"
-            )
-    elif rank != 0 or world_size < 1:
-        raise ValueError(f"invalid rank/world_size {rank}/{world_size}")
-
+    _check_osft_arguments(model, unfreeze_rank_ratio, upcast_dtype, rank, world_size)
     names = resolve_osft_targets(model, target_modules)
     problems = [
         f"{n}: weight dtype {model.get_submodule(n).weight.dtype} is not a float type "
@@ -263,6 +239,41 @@ def apply_osft(
     if decompose and world_size > 1:
         _broadcast_factors(list(state.modules.values()), world_size)
     return state
+
+
+def _check_osft_arguments(
+    model: nn.Module,
+    unfreeze_rank_ratio: float,
+    upcast_dtype: torch.dtype,
+    rank: int,
+    world_size: int,
+) -> None:
+    """:func:`apply_osft`'s arguments: the ratio and dtype, a model without LoRA or OSFT
+    already, and ``rank``/``world_size`` as ``torch.distributed`` has them."""
+    check_unfreeze_rank_ratio(unfreeze_rank_ratio)
+    if upcast_dtype not in (torch.float32, torch.float64):
+        raise ConfigError(
+            [f"upcast_dtype must be torch.float32 or torch.float64, got {upcast_dtype}"]
+        )
+    if _is_lora_model(model):
+        raise ConfigError(
+            [
+                "OSFT and LoRA cannot be combined: OSFT trains the low-singular-value subspace of "
+                "the full weights, LoRA adds separate adapters; use one or the other"
+            ]
+        )
+    if any(isinstance(m, OSFTLinear) for m in model.modules()):
+        raise ConfigError(["apply_osft was already applied to this model"])
+    if world_size > 1:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"world_size={world_size} needs torch.distributed initialized")
+        if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
+            raise RuntimeError(
+                f"rank/world_size {rank}/{world_size} disagree with torch.distributed "
+                f"{dist.get_rank()}/{dist.get_world_size()}"
+            )
+    elif rank != 0 or world_size < 1:
+        raise ValueError(f"invalid rank/world_size {rank}/{world_size}")
 
 
 def osft_dense_state_dict(

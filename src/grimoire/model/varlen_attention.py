@@ -22,9 +22,9 @@ FlexAttention with a document mask is not a route: run eagerly it materialises t
 (a recompile per new length unless dynamic shapes hold up, which nothing here has measured).
 
 ``cu_seqlens`` and ``max_seqlen`` come from the collator's host-side lengths
-(:class:`~grimoire.forward.attention_hints.RowsHint`): no host sync. Unmeasured on a GPU (no GPU
-in the session that wrote this): ``benchmarks/gpu_checks.py varlen-parity`` checks it against
-the per-sample path on CUDA, and ``benchmarks/gpu_check.sh`` times it.
+(:class:`~grimoire.forward.attention_hints.RowsHint`): no host sync. Unmeasured on a GPU:
+``benchmarks/gpu_checks.py varlen-parity`` checks it against the per-sample path on CUDA, and
+``benchmarks/gpu_check.sh`` times it.
 """
 
 from __future__ import annotations

@@ -109,24 +109,7 @@ def source_problems(
     """
     if not isinstance(section, Mapping):
         return [f"{where}: expected a mapping (e.g. {{jsonl: data.jsonl}}), got {section!r}"]
-    extra = set(extra_keys)
-    known = [*SOURCE_KEYS, *extra]
-    problems: list[str] = []
-    for key, value in section.items():
-        if key in extra:
-            continue
-        if key not in SOURCE_KEYS:
-            problems.append(
-                f"{where}.{key}: unknown key{did_you_mean(str(key), known)}; valid keys: "
-                + ", ".join(known)
-            )
-            continue
-        expected = SOURCE_KEYS[key]
-        # bool is an int subclass; never accept True as a row count.
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            problems.append(
-                f"{where}.{key}: must be {expected.__name__}, got {type(value).__name__} {value!r}"
-            )
+    problems = _key_problems(section, where, set(extra_keys))
     kinds = [k for k in _KINDS if k in section]
     if len(kinds) != 1:
         got = f"got {kinds}" if kinds else "got none"
@@ -166,6 +149,28 @@ def source_problems(
             )
         elif kind != "load_from_disk" and not path.is_file():
             problems.append(f"{where}.{key}: file not found: {path}{_relative_note(path)}")
+    return problems
+
+
+def _key_problems(section: Mapping[str, Any], where: str, extra: set[str]) -> list[str]:
+    """Unknown keys (with the nearest known one) and values of the wrong type."""
+    known = [*SOURCE_KEYS, *extra]
+    problems: list[str] = []
+    for key, value in section.items():
+        if key in extra:
+            continue
+        if key not in SOURCE_KEYS:
+            problems.append(
+                f"{where}.{key}: unknown key{did_you_mean(str(key), known)}; valid keys: "
+                + ", ".join(known)
+            )
+            continue
+        expected = SOURCE_KEYS[key]
+        # bool is an int subclass; never accept True as a row count.
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            problems.append(
+                f"{where}.{key}: must be {expected.__name__}, got {type(value).__name__} {value!r}"
+            )
     return problems
 
 

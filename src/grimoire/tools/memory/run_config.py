@@ -138,9 +138,7 @@ def plan_from_config(
     tokens, tokens_from = _tokens(method, config)
     precision = "bf16" if config.mixed_precision == "auto" else config.mixed_precision
     checkpointing = config.gradient_checkpointing
-    # A key the HSDP work adds to TrainingConfig; read when present so a config that sets it is
-    # estimated as it will run (--shard-group-size overrides it).
-    group = shard_group or getattr(config, "fsdp_shard_group_size", None)
+    group = shard_group or config.fsdp_shard_group_size  # --shard-group-size overrides it
     setup = Setup(
         world_size=world_size,
         shard_group=group,
