@@ -374,7 +374,7 @@ def _pair_fields(
             ]
         )
     prompt: Any = example.get(prompt_field)
-    if implicit and isinstance(chosen, str):
+    if implicit and isinstance(chosen, str) and isinstance(rejected, str):
         prompt, chosen, rejected = split_implicit_text(chosen, rejected)
         if not prompt:
             raise DataError(

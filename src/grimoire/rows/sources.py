@@ -39,7 +39,7 @@ PACKAGE_PREFIX = "grimoire://"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 #: Keys a source section may hold, with their expected Python types.
-SOURCE_KEYS: dict[str, type | tuple[type, ...]] = {
+SOURCE_KEYS: dict[str, type] = {
     "name": str,
     "split": str,
     "subset": str,
