@@ -159,11 +159,7 @@ def test_import_linter_layers_contract_holds():
 MAX_FUNCTION_LINES = 60
 
 #: Functions allowed to be longer, each with why.
-LONG_BY_DESIGN: dict[str, str] = {
-    # The planner's integer kernel, compiled whole by numba (njit, cached) and run as the same
-    # source in pure Python: its four phases are numbered in place.
-    "batching/bin_packing.py::_plan_kernel": "one numba kernel",
-}
+LONG_BY_DESIGN: dict[str, str] = {}
 
 #: Long functions in files another branch of the same change is rewriting; that branch splits
 #: them, and this list is emptied when it is merged.
