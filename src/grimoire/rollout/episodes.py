@@ -260,8 +260,8 @@ class EpisodeRun:
         old = _render(self.tokenizer, before, self.tools, False)
         new = _render(self.tokenizer, self.messages, self.tools, True)
         stop_text = self.tokenizer.decode([stop_token], skip_special_tokens=False)
-        n = old.count(stop_text) if stop_text else 0
-        if n:
+        if stop_text and old.rstrip().endswith(stop_text):
+            n = old.count(stop_text)
             at = -1
             for _ in range(n):
                 at = new.find(stop_text, at + 1)
