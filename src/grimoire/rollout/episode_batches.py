@@ -11,17 +11,23 @@ the training model itself).
 left-padded, everything after it right-padded. Its ``attention_mask`` covers every real token
 (the model attends to tool results and environment messages) while ``completion_mask`` is 1
 only on the model's own sampled tokens, so the loss trains those alone.
+
+:func:`score_episodes` gives the reward functions of :mod:`grimoire.rollout.rewards` the whole
+episode: ``completions`` are the final assistant answers, and besides the dataset's columns they
+receive ``messages``, ``tool_calls``, ``env_reward``, ``stop_reason`` and ``episode_failed``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from grimoire.rollout.engine import RolloutEngine, pad_sequences
 from grimoire.rollout.episodes import Episode, Generate, GenerateBatch
+from grimoire.rollout.rewards import RewardFunction, score_completions
 
 
 def engine_generate_batch(engine: RolloutEngine) -> GenerateBatch:
@@ -96,4 +102,61 @@ def pad_episodes(episodes: Sequence[Episode], pad_token_id: int) -> dict[str, Te
     }
 
 
-__all__ = ["engine_generate", "engine_generate_batch", "pad_episodes"]
+def final_answer(episode: Episode) -> str:
+    """The content of the episode's last assistant message ("" when it has none)."""
+    for message in reversed(episode.messages):
+        if message.get("role") == "assistant":
+            return str(message.get("content") or "")
+    return ""
+
+
+def episode_reward_inputs(
+    episodes: Sequence[Episode], rows: Sequence[Mapping[str, Any]], tokenizer
+) -> tuple[list[str], list[str], dict[str, list[Any]]]:
+    """``(prompts, completions, columns)`` for reward functions, one entry per episode:
+    the first prompt as the model saw it, the final answer, and the row's fields with the
+    episode's ``messages``, ``tool_calls`` (per turn, as message entries), ``env_reward``,
+    ``stop_reason`` and ``episode_failed``."""
+    if len(rows) != len(episodes):
+        raise ValueError(f"{len(rows)} rows for {len(episodes)} episodes")
+    prompts = [tokenizer.decode(e.input_ids[: e.prompt_length]) for e in episodes]
+    completions = [final_answer(e) for e in episodes]
+    columns: dict[str, list[Any]] = {}
+    for key in dict.fromkeys(k for row in rows for k in row):
+        columns[key] = [row.get(key) for row in rows]
+    columns["messages"] = [e.messages for e in episodes]
+    columns["tool_calls"] = [
+        [[c.as_message_call() for c in t] for t in e.tool_calls] for e in episodes
+    ]
+    columns["env_reward"] = [e.reward for e in episodes]
+    columns["stop_reason"] = [e.stop_reason for e in episodes]
+    columns["episode_failed"] = [e.failure is not None for e in episodes]
+    return prompts, completions, columns
+
+
+def score_episodes(
+    reward_funcs: Sequence[RewardFunction],
+    episodes: Sequence[Episode],
+    rows: Sequence[Mapping[str, Any]],
+    tokenizer,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Each episode's reward: its environment's rewards plus ``sum_k w_k * r_k`` of the reward
+    functions; an episode whose environment failed keeps its ``failure_reward`` alone.
+
+    Shapes: ``N`` episodes -> ``total [N]`` float32 and ``{name: r_k [N]}``.
+    """
+    prompts, completions, columns = episode_reward_inputs(episodes, rows, tokenizer)
+    total, per_func = score_completions(reward_funcs, prompts, completions, columns)
+    env = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
+    failed = torch.tensor([e.failure is not None for e in episodes])
+    return torch.where(failed, env, env + total), per_func
+
+
+__all__ = [
+    "engine_generate",
+    "engine_generate_batch",
+    "episode_reward_inputs",
+    "final_answer",
+    "pad_episodes",
+    "score_episodes",
+]
