@@ -33,7 +33,7 @@ def test_environment_episodes_with_vllm_record_the_samplers_logps_per_model_toke
     tok = build_tokenizer()
     model = build_model("llama", seed=0, vocab_size=64, **TINY).eval()
     # Any letter ends a turn too: a random model then ends its turns within a few tokens.
-    stops = [tok.convert_tokens_to_ids(c) for c in "<|end|> a b c d e f g h i j k l".split()]
+    stops = [tok.convert_tokens_to_ids(c) for c in ["<|end|>", *"abcdefghijkl"]]
     engine = VLLMEngine(max_new_tokens=10)
     engine.bind(model, tok.pad_token_id, stops)
     try:
