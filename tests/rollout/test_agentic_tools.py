@@ -195,3 +195,13 @@ def test_tools_environment_answers_each_call_and_counts_every_outcome():
     assert set(env.counters) - {"tools/calls"} <= {f"tools/{o}" for o in TOOL_OUTCOMES}
     # A turn without calls ends the episode.
     assert env.step({"role": "assistant", "content": "cba"}) == ([], 0.0, True)
+
+
+def test_tools_environment_cuts_long_outputs_and_counts_them():
+    env = ToolEnvironment([lookup], max_output_chars=4)
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"word": "abcdefgh"}}}
+    messages, _, _ = env.step({"role": "assistant", "content": "", "tool_calls": [call, call]})
+    assert [m["content"] for m in messages] == ["hgfe... (4 characters cut)"] * 2
+    assert env.counters == {"tools/calls": 2, "tools/ok": 2, "tools/output_cut": 2}
+    with pytest.raises(ValueError, match="max_output_chars must be > 0"):
+        ToolEnvironment([lookup], max_output_chars=0)

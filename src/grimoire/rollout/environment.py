@@ -60,7 +60,8 @@ class ToolEnvironment:
 
     ``reset`` takes the row's ``messages`` (a list of messages) or its ``prompt`` (a string, one
     user turn, or a list of messages), after an optional ``system_prompt``. Each call's result
-    (or its ``error: ...`` message) is a ``tool`` message. ``step`` gives no reward: the reward
+    (or its ``error: ...`` message) is a ``tool`` message, cut to ``max_output_chars`` (counted
+    as ``tools/output_cut``) so one verbose tool cannot fill the episode's token budget. ``step`` gives no reward: the reward
     functions score the finished episode. :attr:`counters` counts the calls by outcome
     (``tools/<outcome>``, see ``tools.TOOL_OUTCOMES``), cumulatively; an episode reports the
     increase of an environment's ``counters`` during it as its metrics.
@@ -73,8 +74,12 @@ class ToolEnvironment:
         timeout: float | None = 10.0,
         system_prompt: str | None = None,
         prompt_field: str = "prompt",
+        max_output_chars: int | None = None,
     ):
+        if max_output_chars is not None and max_output_chars <= 0:
+            raise ValueError(f"max_output_chars must be > 0 or None, got {max_output_chars}")
         self.toolbox = build_tools(tools)
+        self.max_output_chars = max_output_chars
         self.timeout = timeout
         self.system_prompt = system_prompt
         self.prompt_field = prompt_field
@@ -96,7 +101,13 @@ class ToolEnvironment:
         result = run_tool(
             self.toolbox, function.get("name", ""), function.get("arguments") or {}, self.timeout
         )
-        for name in ("tools/calls", f"tools/{result.outcome}"):
+        counted = ["tools/calls", f"tools/{result.outcome}"]
+        cap = self.max_output_chars
+        if cap is not None and len(result.content) > cap:
+            cut = f"{result.content[:cap]}... ({len(result.content) - cap} characters cut)"
+            result = ToolResult(result.name, cut, result.outcome)
+            counted.append("tools/output_cut")
+        for name in counted:
             self.counters[name] = self.counters.get(name, 0) + 1
         return result
 
