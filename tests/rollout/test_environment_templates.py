@@ -143,6 +143,41 @@ def test_environment_episode_keeps_sampled_ids_where_retokenizing_differs(name):
         assert gen.prompts[k + 1][: len(before)] == before
 
 
+def test_environment_episode_ends_where_the_template_refuses_the_conversation(caplog):
+    # Llama 3.1's template raises on a turn with two calls; the model wrote two: the calls run,
+    # then the episode ends there (counted, logged), instead of the run.
+    tok = char_tokenizer((template_dir() / "llama3_1.jinja").read_text())
+    one = template_turn(tok, CALL)
+    two = one.replace(
+        "}}<|eot_id|>", '}}; {"name": "getweather", "parameters": {"city": "b"}}<|eot_id|>'
+    )
+    ep = play(tok, "llama3_1", Texts(tok, "<|eot_id|>", two))
+    assert ep.stop_reason == "template_error"
+    assert ep.tool_calls == [[CALL, ToolCall("getweather", {"city": "b"})]]
+    assert ep.metrics["episode/template_errors"] == 1 and ep.metrics["tools/ok"] == 2
+    assert "episode 0: the chat template refuses the conversation after turn 1" in caplog.text
+
+
+def test_environment_failure_when_the_template_refuses_the_first_messages():
+    tok = char_tokenizer((template_dir() / "llama3_1.jinja").read_text())
+    calls = [CALL.as_message_call()] * 2
+    row = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": calls}]
+    }
+    parser, closing = TEMPLATES["llama3_1"]
+    ep = run_episode(
+        row,
+        ToolEnvironment([getweather]),
+        Texts(tok, closing),
+        tok,
+        resolve_tool_call_parser(parser),
+        EpisodeLimits(failure_reward=-1.0),
+    )
+    assert ep.stop_reason == "environment_error" and ep.reward == -1.0
+    assert ep.failure.startswith("reset bad_return: the chat template refuses its messages: ")
+    assert "only supports single tool-calls" in ep.failure
+
+
 class Chatty:
     """Answers every turn with a user message; done after three turns, a reward per turn."""
 

@@ -97,7 +97,8 @@ class Episode:
     tool_calls: list[list[ToolCall]]
     env_rewards: list[float]
     reward: float
-    stop_reason: str  # done / max_turns / token_budget / truncated / environment_error
+    #: done / max_turns / token_budget / truncated / environment_error / template_error
+    stop_reason: str
     failure: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -164,7 +165,13 @@ class EpisodeRun:
             self._fail(first)
             return
         self.messages = [dict(m) for m in first]  # type: ignore[union-attr]
-        self.ids = _encode(tokenizer, _render(tokenizer, self.messages, self.tools, True))
+        try:
+            text = _render(tokenizer, self.messages, self.tools, True)
+        except Exception as exc:  # jinja's TemplateError, or a template's raise_exception
+            detail = f"the chat template refuses its messages: {type(exc).__name__}: {exc}"
+            self._fail(EnvironmentFailure("reset", "bad_return", detail))
+            return
+        self.ids = _encode(tokenizer, text)
         self.mask = [0] * len(self.ids)
         self.logps = [0.0] * len(self.ids)
         self.prompt_length = len(self.ids)
@@ -245,7 +252,20 @@ class EpisodeRun:
         elif len(self.calls) >= self.limits.max_turns:
             self.stop_reason = "max_turns"
         else:
-            tail = _encode(self.tokenizer, self._continuation(before, sample[-1]))
+            try:
+                tail = _encode(self.tokenizer, self._continuation(before, sample[-1]))
+            except Exception as exc:  # the template refuses the conversation as it now is
+                self.stop_reason = "template_error"
+                self._count("episode/template_errors")
+                logger.warning(
+                    "episode %s: the chat template refuses the conversation after turn %d "
+                    "(%s: %s); the episode ends there",
+                    self.episode_id,
+                    len(self.calls),
+                    type(exc).__name__,
+                    exc,
+                )
+                return
             if len(self.ids) + len(tail) >= self.limits.max_tokens:
                 self.stop_reason = "token_budget"
                 return
