@@ -251,12 +251,7 @@ def lookup_chat_rows(n: int, seed: int) -> list[dict[str, Any]]:
     ``reverse abc=``, the assistant calls ``lookup(word=abc)``, the tool answers ``cba``, the
     assistant answers ``cba`` (``{"messages", "tools"}`` rows; a warm start for tool-using RL)."""
     rows = []
-    # Palindromes are left out: where the tool's answer repeats the call's argument, the SFT
-    # labeller (rows/chat.py) takes the answer inside the call for the next message and cannot
-    # place the end of the call's turn (a DataError).
-    for r in (r for r in reverse_rows(2 * n, seed) if r["answer"] != r["answer"][::-1]):
-        if len(rows) == n:
-            break
+    for r in reverse_rows(n, seed):
         word = r["prompt"][len("reverse ") : -1]
         call = {"type": "function", "function": {"name": "lookup", "arguments": {"word": word}}}
         messages = [
