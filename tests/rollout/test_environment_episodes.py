@@ -147,6 +147,22 @@ def test_tool_call_parse_failure_is_counted_and_the_episode_goes_on():
     assert ep.metrics["tool_calls/count"] == 0
 
 
+def test_tool_call_parser_that_raises_is_a_parse_error_not_a_crash():
+    def broken(text):
+        raise IndexError("oops")
+
+    ep = run_episode(
+        {"prompt": "reverse abc="},
+        ToolEnvironment([lookup]),
+        Script("call: lookup(word=abc)"),
+        TOK,
+        broken,
+        stop_token_ids=[END],
+    )
+    assert ep.stop_reason == "done" and ep.metrics["tool_calls/parse_errors"] == 1
+    assert ep.messages[-1] == {"role": "assistant", "content": "call: lookup(word=abc)"}
+
+
 class Raises(ToolEnvironment):
     def step(self, message):
         raise RuntimeError("boom")

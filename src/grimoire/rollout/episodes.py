@@ -45,7 +45,7 @@ from grimoire.rollout.environment import (
     environment_tools,
     guarded,
 )
-from grimoire.rollout.tool_calls import ToolCall, ToolCallParser
+from grimoire.rollout.tool_calls import ParsedTurn, ToolCall, ToolCallParser
 from grimoire.rows.rendering import render_text
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class EpisodeRun:
         else:
             self.logps = None
         body = sample[:-1] if stop is not None else sample
-        parsed = self.parser(self.tokenizer.decode(body, skip_special_tokens=False))
+        parsed = self._parse(self.tokenizer.decode(body, skip_special_tokens=False))
         self.calls.append(parsed.tool_calls)
         self._count("tool_calls/count", len(parsed.tool_calls))
         self._count("tool_calls/parse_errors", len(parsed.errors))
@@ -273,6 +273,21 @@ class EpisodeRun:
             self.mask += [0] * len(tail)
             if self.logps is not None:
                 self.logps += [0.0] * len(tail)
+
+    def _parse(self, text: str) -> ParsedTurn:
+        """The parser's reading of ``text``; a user's parser that raises or returns something
+        else than a :class:`ParsedTurn` is a parse error of the turn, like a malformed call."""
+        try:
+            parsed = self.parser(text)
+        except Exception as exc:
+            return ParsedTurn(
+                text, [], [f"the tool-call parser raised {type(exc).__name__}: {exc}"]
+            )
+        if not isinstance(parsed, ParsedTurn):
+            return ParsedTurn(
+                text, [], [f"the tool-call parser returned a {type(parsed).__name__}"]
+            )
+        return parsed
 
     def _continuation(self, before: list[Message], stop_token: int) -> str:
         """The text the template writes after the sampled stop token, up to the end of the
