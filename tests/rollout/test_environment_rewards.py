@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from grimoire.model.tiny import build_tokenizer
 from grimoire.rollout.environment import Step, ToolEnvironment
-from grimoire.rollout.episode_batches import episode_reward_inputs, score_episodes
+from grimoire.rollout.episode_batches import (
+    episode_reward_inputs,
+    final_answer,
+    play_groups,
+    score_episodes,
+)
 from grimoire.rollout.episodes import EpisodeLimits, run_episodes
 from grimoire.rollout.rewards import resolve_reward_funcs
 from grimoire.rollout.tool_calls import parse_tiny
@@ -84,3 +89,33 @@ def test_environment_episode_rewards_see_answer_tool_calls_and_environment_rewar
     assert per_func["used_the_tool"].tolist() == [1.0, 0.0, 1.0]
     # env 0.5 + exact 1 + tool 1; env 0.5 + exact 1; the failed episode: its failure reward.
     assert total.tolist() == [2.5, 1.5, -2.0]
+
+
+def test_environment_groups_are_prompt_major_each_with_its_own_environment():
+    rows = [
+        {"prompt": "reverse abc=", "answer": "cba"},
+        {"prompt": "reverse abd=", "answer": "dba"},
+    ]
+    made = []
+
+    def factory():
+        made.append(Graded([lookup]))
+        return made[-1]
+
+    def batch(prompts, max_new_tokens):
+        out = []
+        for p in prompts:
+            text = TOK.decode(p)
+            word = "abc" if "abc" in text else "abd"
+            turn = word[::-1] if "result:" in text else f"call: lookup(word={word})"
+            ids = TOK(turn, add_special_tokens=False)["input_ids"] + [END]
+            out.append((ids, [-0.2] * len(ids)))
+        return out
+
+    episodes = play_groups(
+        rows, factory, batch, TOK, parse_tiny, group_size=3, stop_token_ids=[END]
+    )
+    assert len(episodes) == 6 and len({id(e) for e in made}) == 6
+    assert [final_answer(e) for e in episodes] == ["cba"] * 3 + ["dba"] * 3
+    assert all(e.stop_reason == "done" and e.turns == 2 for e in episodes)
+    assert [env.counters["tools/calls"] for env in made] == [1] * 6

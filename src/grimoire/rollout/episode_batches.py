@@ -19,15 +19,23 @@ receive ``messages``, ``tool_calls``, ``env_reward``, ``stop_reason`` and ``epis
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from grimoire.rollout.engine import RolloutEngine, pad_sequences
-from grimoire.rollout.episodes import Episode, Generate, GenerateBatch
+from grimoire.rollout.environment import Environment
+from grimoire.rollout.episodes import (
+    Episode,
+    EpisodeLimits,
+    Generate,
+    GenerateBatch,
+    run_episodes,
+)
 from grimoire.rollout.rewards import RewardFunction, score_completions
+from grimoire.rollout.tool_calls import ToolCallParser
 
 
 def engine_generate_batch(engine: RolloutEngine) -> GenerateBatch:
@@ -102,6 +110,36 @@ def pad_episodes(episodes: Sequence[Episode], pad_token_id: int) -> dict[str, Te
     }
 
 
+def play_groups(
+    rows: Sequence[Mapping[str, Any]],
+    env_factory: Callable[[], Environment],
+    generate_batch: GenerateBatch,
+    tokenizer,
+    parser: ToolCallParser,
+    group_size: int,
+    limits: EpisodeLimits | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+) -> list[Episode]:
+    """``group_size`` episodes per row, prompt-major as a rollout's rows (``i * G .. i * G + G -
+    1`` are row ``i``'s), each with its own environment from ``env_factory()``, all played in
+    lockstep; named ``"<row>/<sample>"`` in the log. What a rollout stage calls for one step."""
+    if group_size <= 0:
+        raise ValueError(f"group_size must be > 0, got {group_size}")
+    repeated = [row for row in rows for _ in range(group_size)]
+    names = [f"{i}/{g}" for i in range(len(rows)) for g in range(group_size)]
+    envs = [env_factory() for _ in repeated]
+    return run_episodes(
+        repeated,
+        envs,
+        generate_batch,
+        tokenizer,
+        parser,
+        limits or EpisodeLimits(),
+        stop_token_ids,
+        names,
+    )
+
+
 def final_answer(episode: Episode) -> str:
     """The content of the episode's last assistant message ("" when it has none)."""
     for message in reversed(episode.messages):
@@ -158,5 +196,6 @@ __all__ = [
     "episode_reward_inputs",
     "final_answer",
     "pad_episodes",
+    "play_groups",
     "score_episodes",
 ]

@@ -364,18 +364,27 @@ def run_episodes(
     parser: ToolCallParser,
     limits: EpisodeLimits = EpisodeLimits(),
     stop_token_ids: Sequence[int] | None = None,
+    episode_ids: Sequence[str | int] | None = None,
 ) -> list[Episode]:
     """Episodes of ``rows`` (one environment each) in lockstep: every sampling call takes the
     next turn of all unfinished episodes (``max_new_tokens``: the largest room among them; each
-    sample is cut to its own episode's room)."""
+    sample is cut to its own episode's room). ``episode_ids`` name them in the log (default:
+    their index)."""
     if len(rows) != len(envs):
         raise ValueError(f"{len(rows)} rows but {len(envs)} environments")
+    ids = list(episode_ids) if episode_ids is not None else list(range(len(rows)))
+    if len(ids) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(ids)} episode ids")
     runs = [
-        EpisodeRun(row, env, tokenizer, parser, limits, stop_token_ids, episode_id=i)
-        for i, (row, env) in enumerate(zip(rows, envs))
+        EpisodeRun(row, env, tokenizer, parser, limits, stop_token_ids, episode_id=name)
+        for row, env, name in zip(rows, envs, ids)
     ]
     while live := [r for r in runs if not r.finished]:
         samples = generate_batch([r.prompt_ids for r in live], max(r.room for r in live))
+        if len(samples) != len(live):
+            raise ValueError(
+                f"generate_batch returned {len(samples)} samples for {len(live)} prompts"
+            )
         for run, (completion, logps) in zip(live, samples):
             run.feed(completion, logps)
     return [r.result() for r in runs]
