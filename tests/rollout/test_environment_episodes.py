@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 
@@ -200,7 +199,6 @@ def test_environment_failure_is_named_in_the_log_counted_and_ends_with_the_failu
     env_class, failure, caplog
 ):
     caplog.set_level(logging.WARNING, logger="grimoire.rollout.episodes")
-    start = time.monotonic()
     ep = run_episode(
         {"prompt": "reverse abc="},
         env_class([lookup]),
@@ -211,7 +209,6 @@ def test_environment_failure_is_named_in_the_log_counted_and_ends_with_the_failu
         stop_token_ids=[END],
         episode_id="row-7/g2",
     )
-    assert time.monotonic() - start < 30  # the hanging environment did not hold the episode
     assert ep.stop_reason == "environment_error"
     assert ep.failure == failure
     assert ep.reward == -1.0
