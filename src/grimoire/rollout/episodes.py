@@ -213,20 +213,7 @@ class EpisodeRun:
         """Take one turn's sample (cut at its first stop token and at :attr:`room`)."""
         if self.finished:
             raise RuntimeError(f"episode {self.episode_id} is finished; feed() takes no more")
-        sample = [int(t) for t in completion[: self.room]]
-        stop = next((i for i, t in enumerate(sample) if t in self.stop_token_ids), None)
-        if stop is not None:
-            sample = sample[: stop + 1]
-        if logps is not None and len(logps) < len(sample):
-            raise ValueError(
-                f"generate returned {len(logps)} log-probs for {len(sample)} sampled tokens"
-            )
-        self.ids += sample
-        self.mask += [1] * len(sample)
-        if self.logps is not None and logps is not None:
-            self.logps += [float(x) for x in logps[: len(sample)]]
-        else:
-            self.logps = None
+        sample, stop = self._append_sample(completion, logps)
         body = sample[:-1] if stop is not None else sample
         parsed = self._parse(self.tokenizer.decode(body, skip_special_tokens=False))
         self.calls.append(parsed.tool_calls)
@@ -252,27 +239,54 @@ class EpisodeRun:
         elif len(self.calls) >= self.limits.max_turns:
             self.stop_reason = "max_turns"
         else:
-            try:
-                tail = _encode(self.tokenizer, self._continuation(before, sample[-1]))
-            except Exception as exc:  # the template refuses the conversation as it now is
-                self.stop_reason = "template_error"
-                self._count("episode/template_errors")
-                logger.warning(
-                    "episode %s: the chat template refuses the conversation after turn %d "
-                    "(%s: %s); the episode ends there",
-                    self.episode_id,
-                    len(self.calls),
-                    type(exc).__name__,
-                    exc,
-                )
-                return
-            if len(self.ids) + len(tail) >= self.limits.max_tokens:
-                self.stop_reason = "token_budget"
-                return
-            self.ids += tail
-            self.mask += [0] * len(tail)
-            if self.logps is not None:
-                self.logps += [0.0] * len(tail)
+            self._append_continuation(before, sample[-1])
+
+    def _append_sample(
+        self, completion: Sequence[int], logps: Sequence[float] | None
+    ) -> tuple[list[int], int | None]:
+        """Append one turn's sampled ids (mask 1) and their log-probs, cut at the first stop
+        token and at :attr:`room`; returns the sample and the stop token's index (None: cut)."""
+        sample = [int(t) for t in completion[: self.room]]
+        stop = next((i for i, t in enumerate(sample) if t in self.stop_token_ids), None)
+        if stop is not None:
+            sample = sample[: stop + 1]
+        if logps is not None and len(logps) < len(sample):
+            raise ValueError(
+                f"generate returned {len(logps)} log-probs for {len(sample)} sampled tokens"
+            )
+        self.ids += sample
+        self.mask += [1] * len(sample)
+        if self.logps is not None and logps is not None:
+            self.logps += [float(x) for x in logps[: len(sample)]]
+        else:
+            self.logps = None
+        return sample, stop
+
+    def _append_continuation(self, before: list[Message], stop_id: int) -> None:
+        """Append (mask 0) what the template writes after the sampled stop token: the
+        environment's messages and the next assistant header, or end the episode when the
+        template refuses the conversation or the tokens would pass the episode's budget."""
+        try:
+            tail = _encode(self.tokenizer, self._continuation(before, stop_id))
+        except Exception as exc:  # the template refuses the conversation as it now is
+            self.stop_reason = "template_error"
+            self._count("episode/template_errors")
+            logger.warning(
+                "episode %s: the chat template refuses the conversation after turn %d "
+                "(%s: %s); the episode ends there",
+                self.episode_id,
+                len(self.calls),
+                type(exc).__name__,
+                exc,
+            )
+            return
+        if len(self.ids) + len(tail) >= self.limits.max_tokens:
+            self.stop_reason = "token_budget"
+            return
+        self.ids += tail
+        self.mask += [0] * len(tail)
+        if self.logps is not None:
+            self.logps += [0.0] * len(tail)
 
     def _parse(self, text: str) -> ParsedTurn:
         """The parser's reading of ``text``; a user's parser that raises or returns something
