@@ -204,7 +204,7 @@ def _plan_kernel(
             rank_bins[r] = nf_count[r]
 
 
-_plan_kernel_numba = numba.njit(cache=True, nogil=True)(_plan_kernel) if HAVE_NUMBA else None
+_plan_kernel_numba = numba.njit(cache=True, nogil=True)(_plan_kernel) if numba is not None else None
 
 
 def _run_kernel(
@@ -246,6 +246,7 @@ def _run_kernel(
         buf(n),
     )
     if use_numba:
+        assert _plan_kernel_numba is not None, "plan_global_batch checks numba is installed"
         _plan_kernel_numba(*args)
     else:
         _plan_kernel(*args)

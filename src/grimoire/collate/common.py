@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from grimoire.contract.layout import LAYOUT_KEY, Padded, shifted_targets
 from grimoire.columns import IGNORE_INDEX
+from grimoire.contract.layout import LAYOUT_KEY, Padded, shifted_targets
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], value: int, side: str = "right") -> torch.Tensor:

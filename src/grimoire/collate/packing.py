@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.contract.layout import LAYOUT_KEY, Packed, shifted_targets
 from grimoire.columns import IGNORE_INDEX
+from grimoire.contract.layout import LAYOUT_KEY, Packed, shifted_targets
 from grimoire.errors import DataError
 
 

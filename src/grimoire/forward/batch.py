@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.contract.layout import BatchLayout, Packed, Padded, layout_of
 from grimoire.collate.preference import pad_right
 from grimoire.columns import IGNORE_INDEX
+from grimoire.contract.layout import BatchLayout, Packed, Padded, layout_of
 from grimoire.forward.logprobs import TokenLogps
 
 #: ``compute(input_ids, labels, attention_mask, position_ids, layout) -> TokenLogps``.

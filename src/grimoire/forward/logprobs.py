@@ -28,8 +28,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from grimoire.contract.layout import BatchLayout
 from grimoire.columns import IGNORE_INDEX
+from grimoire.contract.layout import BatchLayout
 from grimoire.forward.attention_hints import attention_hint
 from grimoire.forward.fused_head import fused_parts, fused_token_logps
 from grimoire.forward.head.workspace import release_workspace

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from grimoire.batching.budget import default_budget_tokens, truncate_sequences
-from grimoire.contract.layout import Packed, layout_of
 from grimoire.columns import columns_of
+from grimoire.contract.layout import Packed, layout_of
 from grimoire.forward.reference import Reference
 from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.rewards import RewardFunction

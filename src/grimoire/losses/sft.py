@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.contract.layout import layout_of
 from grimoire.collate.packing import PackedCollator
 from grimoire.collate.sft import SFTCollator
 from grimoire.columns import IGNORE_INDEX
+from grimoire.contract.layout import layout_of
 from grimoire.forward.logprobs import compute_token_logps
 from grimoire.losses.base import TokenLogpsLoss
 

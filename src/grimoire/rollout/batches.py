@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of
 from grimoire.collate.prompts import prompt_token_lists
 from grimoire.columns import IGNORE_INDEX
+from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of
 from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
 from grimoire.rollout.engine import Rollout, completion_logps
 

@@ -324,7 +324,7 @@ def tokenize_preference(
             ]
         )
     prompt: Any = example.get(prompt_field)
-    if implicit and isinstance(chosen, str):
+    if implicit and isinstance(chosen, str) and isinstance(rejected, str):
         prompt, chosen, rejected = split_implicit_text(chosen, rejected)
         if not prompt:
             raise DataError(

@@ -14,16 +14,16 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from grimoire.batching.budget import TokenBudget
 from grimoire.batching.loader import StepLoader
-from grimoire.contract.layout import to_device
 from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
+from grimoire.contract.layout import to_device
 from grimoire.forward.head.function import deferred_promise_checks
 from grimoire.forward.logprobs import release_buffers
 from grimoire.losses.base import as_method
@@ -148,7 +148,7 @@ class GrimoireTrainer:
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        return cast(torch.nn.Module, self.accelerator.unwrap_model(self.model))  # untyped upstream
 
     @property
     def stopped_early(self) -> bool:

@@ -177,7 +177,7 @@ def shape_from_config(config: Any, name: str = "model") -> ModelShape:
     if isinstance(config, dict):
         config = _Attrs(config)
     get_text = getattr(config, "get_text_config", None)
-    text = get_text() if callable(get_text) else config
+    text: Any = get_text() if callable(get_text) else config  # a config: attributes vary
     experts = [
         getattr(text, k, None) for k in ("num_local_experts", "num_experts", "n_routed_experts")
     ]
