@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -146,7 +146,7 @@ class GrimoireTrainer:
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        return cast(torch.nn.Module, self.accelerator.unwrap_model(self.model))  # untyped upstream
 
     @property
     def stopped_early(self) -> bool:
