@@ -14,7 +14,7 @@ import torch
 
 from grimoire.errors import ConfigError
 from grimoire.rollout.backends import build_engine, engine_problems
-from grimoire.rollout.stage import SamplingConfig
+from grimoire.rollout.engine import SamplerConfig
 from grimoire.rollout.vllm_server import (
     API_KEY_ENV,
     ChunkedReader,
@@ -133,7 +133,7 @@ def test_client_pushes_the_policy_and_maps_the_samples(served, tiny_model, token
 
 def test_errors_before_training(served, tiny_model, tokenizer):
     _, url = served
-    sampling = SamplingConfig(max_new_tokens=4)
+    sampling = SamplerConfig(max_new_tokens=4)
     # No server there: named, with the command that starts one.
     engine = build_engine({"type": "vllm-server", "args": {"url": "http://127.0.0.1:9", "timeout": 1}},
                           sampling)  # fmt: skip
