@@ -189,7 +189,6 @@ def test_a_keyed_server_answers_only_the_trainer_with_its_key(keyed, tiny_model,
         VLLMServerEngine(url=url, timeout=5, api_key="guess").bind(tiny_model, *ids)
     # A push without the key is refused before a byte of it is read: nothing loaded.
     engine = VLLMServerEngine(url=url, timeout=5, api_key="guess")
-    engine.model = tiny_model
     with pytest.raises(PermissionError):
         engine._request("POST", "/weights", body=weight_frames(tiny_model.state_dict().items()))
     assert stand_in.pushed == [] and stand_in.requests == []

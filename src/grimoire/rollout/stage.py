@@ -48,8 +48,8 @@ _NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig(SamplerConfig):
     """How a method's completions are sampled: ``num_generations`` (``G``, read by the stage)
-    and the engine's sampler settings (:class:`~grimoire.rollout.engine.SamplerConfig`; ``top_k=0``
-    and ``top_p=1`` switch those filters off). Keyword arguments only."""
+    and the engine's sampler settings (:class:`~grimoire.rollout.sampler.SamplerConfig`;
+    ``top_k=0`` and ``top_p=1`` switch those filters off). Keyword arguments only."""
 
     num_generations: int = 8
 
