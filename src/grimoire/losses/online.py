@@ -44,6 +44,7 @@ from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
 from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
+from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.stage import SamplingConfig, ScoredGroup
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,9 @@ class OnlineMethod(GrimoireLoss):
             vllm-serve`` process, :class:`~grimoire.rollout.vllm_server.VLLMServerEngine`),
             a mapping ``{"type": "vllm",
             "args": {...}}`` with the engine's own settings (the sampling arguments above are
-            passed to it), or an engine object, whose own ``temperature`` /
-            ``max_new_tokens`` then override the arguments above.
+            passed to it), or an engine object, whose own sampler settings
+            (``engine.sampler``: temperature, top_p, top_k, max_new_tokens, ...) then override
+            the arguments above (:attr:`sampling` holds the engine's).
         log_entropy: compute the policy's token entropy as a metric (one extra softmax).
         fused, fused_chunk_size: the training log-probs (policy and reference) use the fused,
             chunked LM-head path (as every loss does by default), or the full logits with
@@ -123,12 +125,16 @@ class OnlineMethod(GrimoireLoss):
         if fused_chunk_size <= 0:
             raise ValueError(f"{name}: fused_chunk_size must be > 0, got {fused_chunk_size}")
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
-        if isinstance(engine, RolloutEngine):  # it samples, so its settings are the ones held
-            temperature, max_new_tokens = engine.temperature, engine.max_new_tokens
-        self.sampling = SamplingConfig(
-            num_generations, temperature, top_p, top_k, max_new_tokens, generation_batch_size
+        requested = SamplerConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            generation_batch_size=generation_batch_size,
         )
-        self.engine: RolloutEngine = build_engine(engine, self.sampling)
+        self.engine: RolloutEngine = build_engine(engine, requested)
+        # An engine object samples with its own settings, so those are the ones held.
+        self.sampling = SamplingConfig.of(self.engine.sampler, num_generations)
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
@@ -339,7 +345,7 @@ class OnlineMethod(GrimoireLoss):
         metrics; ``(None, {})`` when the engine samples from the policy itself (HF), so nothing
         changes there. A placeholder batch has no sampler log-probs: weight 1, and its metrics
         still register (weight 0), so every rank logs the same keys."""
-        cap = self.engine.importance_sampling_cap
+        cap = self.engine.sampler.importance_sampling_cap
         if cap is None:
             return None, {}
         sampler = batch.get("sampler_logps")
