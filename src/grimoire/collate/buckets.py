@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.contract.layout import LAYOUT_KEY, Padded
 from grimoire.columns import IGNORE_INDEX
+from grimoire.contract.layout import LAYOUT_KEY, Padded
 
 #: How each token column of a right-padded group is extended, by its un-prefixed name.
 _FILLS = {"labels": IGNORE_INDEX, "attention_mask": 0}

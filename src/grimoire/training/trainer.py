@@ -20,10 +20,10 @@ import torch
 
 from grimoire.batching.budget import TokenBudget
 from grimoire.batching.loader import StepLoader
-from grimoire.contract.layout import to_device
 from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
+from grimoire.contract.layout import to_device
 from grimoire.forward.head.function import deferred_promise_checks
 from grimoire.forward.logprobs import release_buffers
 from grimoire.losses.base import as_method
