@@ -24,6 +24,7 @@ is fine: that is data, not a guess.
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -75,13 +76,17 @@ def _is_layout_key(node: ast.AST, keys: tuple[str, ...] = LAYOUT_KEYS) -> bool:
 
 def _iterated_batch(node: ast.AST) -> bool:
     """``batch`` / ``batch.items()`` / ``batch.keys()`` for a name that holds a batch."""
-    method = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-    if method and node.func.attr in ("items", "keys") and not node.args:  # type: ignore[union-attr]
-        node = node.func.value  # type: ignore[union-attr]
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("items", "keys")
+        and not node.args
+    ):
+        node = node.func.value
     return isinstance(node, ast.Name) and "batch" in node.id
 
 
-def _tests_name(body: list[ast.AST], var: str) -> bool:
+def _tests_name(body: Sequence[ast.AST], var: str) -> bool:
     """Whether ``var`` (a key) is tested by name anywhere in ``body``."""
     for node in (n for part in body for n in ast.walk(part)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):

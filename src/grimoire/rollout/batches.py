@@ -176,16 +176,16 @@ def completion_compute(
         logps = logps_from_logits(logits, targets.clamp(min=0)).masked_fill(~valid, 0.0)
         entropy = token_entropy(logits.detach()).masked_fill(~valid, 0.0) if with_entropy else None
         skipped = ids.shape[1] - logits.shape[1]  # positions before the window: no targets
-        return TokenLogps(
-            *(_left_pad(t, skipped) for t in (logps, valid)), _left_pad(entropy, skipped)
-        )
+        if entropy is not None:
+            entropy = _left_pad(entropy, skipped)
+        return TokenLogps(_left_pad(logps, skipped), _left_pad(valid, skipped), entropy)
 
     return compute
 
 
-def _left_pad(t: Tensor | None, n: int) -> Any:
+def _left_pad(t: Tensor, n: int) -> Tensor:
     """``[B, K]`` -> ``[B, n + K]``, the new columns zero / False."""
-    if t is None or n == 0:
+    if n == 0:
         return t
     return torch.cat([t.new_zeros((t.shape[0], n)), t], 1)
 
