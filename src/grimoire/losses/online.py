@@ -31,6 +31,7 @@ from torch import Tensor
 
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.columns import column_values, columns_of, listed
+from grimoire.contract.layout import is_prompt_batch, num_rows
 from grimoire.errors import ConfigError, DataError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
@@ -140,8 +141,6 @@ class OnlineMethod(GrimoireLoss):
         self.log_entropy = log_entropy
         self.fused = fused
         self.fused_chunk_size = fused_chunk_size
-        #: Emit packed TRAINING micro-batches (padding-free run or token budget); set in setup.
-        self.pack_training = False
         self._ctx: Any = None
         #: A tokenizer given the grimoire-rl way (checked against the trainer's in setup).
         self.peer_tokenizer: Any = None
@@ -254,7 +253,6 @@ class OnlineMethod(GrimoireLoss):
         if problem is not None:
             raise ConfigError([problem])
         self._check_lengths(ctx)
-        self.pack_training = ctx.packed
         if self.needs_reference_model:
             self.reference.setup(ctx)
         policy = ctx.unwrapped_model
@@ -315,6 +313,12 @@ class OnlineMethod(GrimoireLoss):
     def build_batch(self, group: ScoredGroup) -> tuple[dict[str, Any], dict[str, float]]:
         raise NotImplementedError
 
+    @property
+    def pack_training(self) -> bool:
+        """Whether TRAINING micro-batches are packed rows: the run's decision, as the context
+        holds it (padding-free run or token budget); False before ``setup``."""
+        return bool(self._ctx is not None and self._ctx.packed)
+
     def training_batch(self, group: ScoredGroup, rows: Sequence[int]) -> dict[str, Any]:
         """The training batch of ``rows`` of ``group`` (see :func:`training_batch`), with those
         rows' reference log-probs as ``ref_logps [rows, C]`` when the stage computed them."""
@@ -368,7 +372,7 @@ class OnlineMethod(GrimoireLoss):
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
     ) -> tuple[Tensor, dict[str, Any]]:
-        if "completion_mask" not in batch:  # an evaluation batch of prompts
+        if is_prompt_batch(batch):  # an evaluation batch of prompts
             raise RuntimeError(
                 f"{type(self).__name__}: prompt batches are sampled and scored by the rollout "
                 "stage (GrimoireTrainer.rollouts.evaluate), not by the loss"
@@ -381,8 +385,8 @@ class OnlineMethod(GrimoireLoss):
         raise NotImplementedError
 
     def loss_weight(self, batch: dict[str, Any]) -> float:
-        if "completion_mask" not in batch:  # an evaluation batch of prompts
-            return float(batch["prompt_input_ids"].shape[0])
+        if is_prompt_batch(batch):  # an evaluation batch: one unit per prompt
+            return float(num_rows(batch))
         return self.training_loss_weight(batch)
 
     def training_loss_weight(self, batch: dict[str, Any]) -> float:

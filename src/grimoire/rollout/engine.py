@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.collate.common import pad_sequences
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
 from grimoire.rollout.sampler import SamplerConfig
@@ -402,21 +403,6 @@ class RolloutEngine(ABC):
         return list(ids)
 
 
-def pad_sequences(
-    seqs: list[list[int]], pad: int, left: bool, min_width: int = 0
-) -> tuple[Tensor, Tensor]:
-    width = max(min_width, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if not s:
-            continue
-        sl = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, sl] = torch.as_tensor(s, dtype=torch.long)
-        mask[i, sl] = 1
-    return ids, mask
-
-
 __all__ = [
     "Agree",
     "Rollout",
@@ -424,6 +410,5 @@ __all__ = [
     "SamplerConfig",
     "Samples",
     "completion_logps",
-    "pad_sequences",
     "position_ids_from_mask",
 ]

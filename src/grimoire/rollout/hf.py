@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.rollout.engine import RolloutEngine, pad_sequences, position_ids_from_mask
+from grimoire.collate.common import pad_sequences
+from grimoire.rollout.engine import RolloutEngine, position_ids_from_mask
 from grimoire.rollout.generation import generation_mode
 
 

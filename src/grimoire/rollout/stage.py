@@ -111,7 +111,7 @@ class RolloutStage:
         self.needs_old_logps = needs_old_logps
         self.reference_logps = reference_logps
         self.tokenizer: Any = None
-        self.pack = self.sharded = False
+        self.sharded = False
         self.pad_token_id = 0
         self._cache: tuple[tuple[int, int], list[tuple[dict, float]], dict, float] | None = None
         self._last_step_start: float | None = None
@@ -135,7 +135,6 @@ class RolloutStage:
             agree=ctx.all_reduce_max if ctx.sharded else None,
         )
         self.tokenizer = tok
-        self.pack = ctx.packed
         self.sharded = ctx.sharded
 
     def close(self) -> None:
@@ -178,9 +177,9 @@ class RolloutStage:
             for group in groups:  # every row's reference log-probs; methods select rows
                 rows = range(group.rewards.numel())
                 group.ref_logps = self.reference_logps(
-                    training_batch(group.rollout, rows, self.pack)
+                    training_batch(group.rollout, rows, ctx.packed)
                 )
-            filler = placeholder_batch(micro[0][0], self.pad_token_id, self.pack)
+            filler = placeholder_batch(micro[0][0], self.pad_token_id, ctx.packed)
             for _ in range(fillers):
                 self.reference_logps(filler)
         built, extra = self.build_batches(ctx, groups)
@@ -188,7 +187,7 @@ class RolloutStage:
         batches = [
             (next(real), keep)
             if keep
-            else (placeholder_batch(prompts, self.pad_token_id, self.pack), keep)
+            else (placeholder_batch(prompts, self.pad_token_id, ctx.packed), keep)
             for prompts, keep in micro
         ]
         metrics, weight = self.metrics(groups)
