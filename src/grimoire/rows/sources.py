@@ -14,11 +14,9 @@ exactly one of:
   ``.jsonl`` / ``.json`` as ``jsonl``.
 
 Optional: ``max_samples`` (keep the first N rows) after ``shuffle: true`` (seeded by ``seed``,
-default 42).
-
-Paths: relative paths resolve against the current working directory; ``grimoire://REL`` points
-inside the installed ``grimoire`` package (e.g. ``grimoire://assets/reverse_train.jsonl``), so
-bundled configs work from any folder.
+default 42). Relative paths resolve against the current working directory; ``grimoire://REL``
+points inside the installed package (``grimoire://assets/reverse_train.jsonl``), so bundled
+configs work from any folder.
 """
 
 from __future__ import annotations
