@@ -119,5 +119,5 @@ save_to: {out / "final"}
     assert all("No final model was written" in line for line in errors)
     assert not (out / "final").exists()
     summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["skipped_steps"] == 3
+    assert summary["skipped_steps"] >= 3  # 3 in a row stopped it
     assert errors[0] == f"grimoire train: {summary['diverged']}"
