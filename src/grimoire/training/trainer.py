@@ -129,7 +129,7 @@ class GrimoireTrainer:
         self.launch: dict[str, Any] | None = None
         self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
         self._reduction = StepReduction(acc)
-        self.guard = NonFiniteGuard.for_run(self.config, acc)  # non-finite steps are skipped
+        self.guard = NonFiniteGuard.for_run(self.config, acc, self.model)  # skips non-finite
         self._stop = self._stop_requested = False
         #: The signal that stopped the run with a checkpoint (preemption), else None.
         self.preempted_by: str | None = None
