@@ -197,8 +197,8 @@ def varlen_parity() -> bool:
     """A packed row's log-probs and gradients through the varlen route (one kernel call per
     layer; the route the run would pick is printed) against the per-sample sdpa route, bf16
     autocast, on ``DEVICE``. On a CPU (``GPU_CHECK_DEVICE=cpu``) both are the per-sample route."""
-    from grimoire.contract.layout import LAYOUT_KEY, to_device
     from grimoire.collate.packing import pack_samples
+    from grimoire.contract.layout import LAYOUT_KEY, to_device
     from grimoire.forward.batch import sample_token_logps
     from grimoire.losses.preference import policy_compute
     from grimoire.model import packed_attention as pa

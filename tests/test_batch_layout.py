@@ -12,11 +12,11 @@ import torch
 
 from grimoire.collate.common import collate_prefixed
 from grimoire.collate.kto import KTOCollator, PackedKTOCollator
-from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of
 from grimoire.collate.packing import PackedCollator, pack_row_sides, pack_samples
 from grimoire.collate.preference import PAIR_SIDES, PackedPairCollator, PreferenceCollator
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.collate.sft import SFTCollator
+from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of
 from grimoire.forward.batch import (
     rows_per_side,
     sample_token_logps,

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from grimoire.cli.main import main as grimoire_main
-from grimoire.tools.memory import LoraShape, ModelShape, Setup, estimate, plan_from_config
-from grimoire.tools.memory.activations import (
+from grimoire.model.activations import (
     Numerics,
     layer_bytes_per_token,
     model_bytes_per_token,
 )
+from grimoire.tools.memory import LoraShape, ModelShape, Setup, estimate, plan_from_config
 from grimoire.tools.memory.report import verdict
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,12 +23,12 @@ from tests.helpers.train_utils import RecordLosses, params_of, quiet_config
 from grimoire import GrimoireTrainer
 from grimoire.collate.buckets import WidthBuckets, bucket_multiple, bucket_widths, round_up
 from grimoire.collate.common import collate_prefixed
-from grimoire.contract.layout import LAYOUT_KEY, Padded, layout_of
 from grimoire.collate.packing import pack_samples
 from grimoire.collate.preference import PreferenceCollator
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.collate.sft import SFTCollator
 from grimoire.config.training import TrainingConfig
+from grimoire.contract.layout import LAYOUT_KEY, Padded, layout_of
 from grimoire.errors import ConfigError
 from grimoire.forward.fused_head import target_index
 from grimoire.forward.head import function as hfn

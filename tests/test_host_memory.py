@@ -14,7 +14,8 @@ from grimoire import TrainingConfig
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
 from grimoire.model import host_memory as hm
-from grimoire.model.tiny import build_tokenizer
+from grimoire.model.tiny import build_model, build_tokenizer
+from grimoire.tools.memory import Setup, estimate, shape_from_config
 
 GIB = 1 << 30
 
@@ -59,9 +60,36 @@ def _llama(**kw):
 
 
 def test_activation_estimate_by_hand():
-    # 3 layers, H=64, 2 kv heads x head_dim 16 = 32, I=160: 4 bytes x 3 x (12*64 + 2*32 + 5*160).
-    assert hm.activation_bytes_per_token(_llama()) == 4 * 3 * (768 + 64 + 800)
+    # 3 layers, H=64, 4 heads of 16 (Q=64), 2 kv heads (K=32), I=160, fp32 (model/activations.py):
+    # a layer keeps 2 norms x (fp32 input 4H + 1/rms 4 + x*rsqrt 4H + output 4H) = 1544,
+    # attention 4 (2Q + 2K) + 4 heads = 784, the MLP 3 x 4I + the product 4I = 2560: 4888.
+    # Outside: ids 8, cos/sin 2 x 16 x 4, final norm 4H + 4 + 4H, its output for the head 4H: 908;
+    # backward's hidden-state gradients 2 x 4H = 512.
+    model = _llama()
+    assert hm.activation_bytes_per_token(model) == 3 * 4888 + 908 + 512
+    # Checkpointed: each layer's input (4H) and the one layer being recomputed.
+    assert hm.activation_bytes_per_token(model, checkpointing=True) == 3 * 256 + 4888 + 908 + 512
     assert hm.activation_bytes_per_token(torch.nn.Linear(2, 2)) is None  # no config: unknown
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_host_decision_and_estimate_memory_count_the_same_activations(
+    arch, checkpointing, precision
+):
+    """One activation model: the bytes per token the checkpointing decision weighs are the
+    bytes per token of ``estimate-memory``'s activations part for the same model and precision
+    on a CPU (tied and untied heads, grouped-query heads, Gemma-2's own head size)."""
+    model = build_model(arch, vocab_size=96, hidden_size=64, num_layers=3)
+    config = _config(mixed_precision=precision, gradient_checkpointing=checkpointing)
+    tokens = 512
+    setup = Setup(
+        mixed_precision=precision, checkpointing=checkpointing, tokens=tokens, device="cpu"
+    )
+    from_cli = estimate(shape_from_config(model.config), setup).part("activations").device
+    host = hm.activation_bytes_per_token(model, config, checkpointing)
+    assert host is not None and host * tokens == from_cli
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -97,7 +125,7 @@ def _config(**kw):
 
 def test_checkpointing_decision():
     model = _llama()
-    per_token = hm.activation_bytes_per_token(model)
+    per_token = hm.activation_bytes_per_token(model, _config())
     # No budget and no method to ask: 2 sequences x batch_size 2 x max_length 100 positions.
     need = per_token * 400
     exact = int(need / hm.AUTO_CHECKPOINTING_MEMORY_SHARE)

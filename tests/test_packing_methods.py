@@ -12,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
 from grimoire.collate.kto import KTOCollator, PackedKTOCollator
-from grimoire.contract.layout import Packed, layout_of
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.config.context import TrainingContext
+from grimoire.contract.layout import Packed, layout_of
 from grimoire.data import cache_reference_log_probs, tokenize_kto
 from grimoire.losses import KTOLoss
 from grimoire.losses.grpo import GRPOMethod

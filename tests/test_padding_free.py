@@ -7,8 +7,8 @@ import torch
 from tests.helpers.train_utils import quiet_config, train
 from transformers import AutoModelForCausalLM
 
-from grimoire.contract.layout import layout_of
 from grimoire.collate.packing import pack_samples, segment_sum
+from grimoire.contract.layout import layout_of
 from grimoire.data import SFTCollator
 from grimoire.errors import DataError
 from grimoire.forward.logprobs import compute_token_logps

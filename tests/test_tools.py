@@ -233,3 +233,23 @@ def test_merge_lora_reward_model_adapter(tiny_dir, tmp_path):
     expected = logits_of(reloaded)
     assert expected.shape == (1, 1)
     torch.testing.assert_close(logits_of(merged), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_loaded_model_without_a_pad_id_takes_the_shared_pad_rule(tiny_dir, tmp_path):
+    """A saved model whose config and tokenizer give no pad id gets the one rule of
+    ``columns.pad_token_id_of`` (the tokenizer's EOS here), not None: sequence scores need one."""
+    from grimoire.columns import pad_token_id_of
+    from grimoire.tools.common import load_for_inference
+
+    folder = tmp_path / "no-pad"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("pad_token_id", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(folder)
+
+    model, loaded, _ = load_for_inference(folder)
+    assert loaded.pad_token_id is None
+    assert model.config.pad_token_id == loaded.eos_token_id == pad_token_id_of(loaded)

@@ -29,9 +29,9 @@ from tests.helpers.train_utils import quiet_config
 
 from grimoire import GrimoireTrainer
 from grimoire.batching.loader import AUTO_PACKING_CUDA_NOTE, packing_decision
-from grimoire.contract.layout import LAYOUT_KEY, Packed
 from grimoire.collate.packing import pack_samples
 from grimoire.collate.sft import SFTCollator
+from grimoire.contract.layout import LAYOUT_KEY, Packed
 from grimoire.forward.attention_hints import RowsHint, attention_hint, rows_hint
 from grimoire.forward.batch import sample_token_logps
 from grimoire.losses import SFTLoss

@@ -1,6 +1,6 @@
 """Draw docs/img/step.svg (one step's data path and the layers): python docs/img/draw_step.py."""
 from html import escape
-W, H = 1260, 822
+W, H = 1260, 820
 out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="DejaVu Sans, Arial, sans-serif">',
        '<defs><marker id="a" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker></defs>',
        f'<rect width="{W}" height="{H}" fill="#ffffff"/>',
@@ -8,10 +8,10 @@ out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBo
 stages = [
     ("rows/", "rows → token columns", ["sources", "sft · preference", "kto · prompts", "pretokenized"]),
     ("batching/", "which rows, and when", ["budget (token cost)", "steps (planner)", "bin_packing (LPT)", "loader"]),
-    ("collate/", "rows → tensors", ["padded or packed", "layout.py: Padded |", "  Packed(seq_lens)", "per-format collators"]),
+    ("collate/", "rows → tensors", ["padded or packed", "packing: [1, L] rows", "per-format collators", "layout: contract/"]),
     ("rollout/", "online methods only", ["engine (sample)", "rewards (score)", "batches · stage"]),
     ("forward/", "model → log-probs", ["logprobs", "batch (by layout)", "fused_head + head/", "reference", "precomputed"]),
-    ("losses/", "log-probs → loss", ["functional (math)", "one class a method", "base (contract)"]),
+    ("losses/", "log-probs → loss", ["functional (math)", "one class a method", "base (GrimoireLoss)"]),
     ("normalise/", "loss units over ranks", ["reduction: one", "all-reduce a step", "loss units"]),
     ("optim/", "update the weights", ["optimizers", "clip · rescale"]),
 ]
@@ -26,13 +26,13 @@ for i, (name, what, mods) in enumerate(stages):
         out.append(f'<text x="{x+10}" y="{y0+66+j*19}" font-size="11" fill="#222">{escape(m)}</text>')
     if i:
         out.append(f'<line x1="{x-gap+1}" y1="{y0+bh/2}" x2="{x-2}" y2="{y0+bh/2}" stroke="#444" stroke-width="2" marker-end="url(#a)"/>')
-out.append(f'<text x="{x0}" y="{y0+bh+24}" font-size="12" fill="#444">The loop (training/trainer.py) wires these together and never asks which method it runs; a method plugs in through contract/method.py (Method, the one contract; GrimoireLoss in losses/base.py gives its defaults).</text>')
+out.append(f'<text x="{x0}" y="{y0+bh+24}" font-size="12" fill="#444">The loop (training/trainer.py) wires these together and never asks which method it runs; a method plugs in through contract/method.py (the Method protocol, which GrimoireLoss implements).</text>')
 # Layers
 ly = 306
 out.append(f'<text x="20" y="{ly}" font-size="20" font-weight="bold" fill="#222">Layers: imports only run down (enforced by lint-imports and tests/test_architecture.py)</text>')
 layers = [
     ("train.py · __main__.py  (entry points: python -m grimoire.train / grimoire)", "#f3e8fb"),
-    ("cli/ · tools/ · data/ (the public grimoire.data facade)", "#f3e8fb"),
+    ("cli/ · tools/ · data/ · registry.py  (what users call)", "#f3e8fb"),
     ("training/  loop, set-up steps, callbacks, checkpoints, report", "#e8f0fb"),
     ("optim/ · normalise/", "#e8f0fb"),
     ("parallel/  FSDP2, DCP, signals, launcher (torch's own engine)", "#eef7ee"),
@@ -43,8 +43,8 @@ layers = [
     ("collate/", "#e8f0fb"),
     ("batching/", "#e8f0fb"),
     ("rows/", "#e8f0fb"),
-    ("contract/  a batch's layout, the method contract (Method, GeneratingMethod)", "#f4f4f4"),
-    ("config/  TrainingConfig, registry, TrainingContext", "#f4f4f4"),
+    ("contract/  a batch's layout, the method contract", "#f4f4f4"),
+    ("config/  TrainingConfig, registry, TrainingContext, a model's shape", "#f4f4f4"),
     ("columns.py · errors.py  (leaves)", "#f4f4f4"),
 ]
 lh, lw = 29, 640
@@ -55,7 +55,7 @@ for i, (text, fill) in enumerate(layers):
 top, bottom = ly + 20, ly + 14 + len(layers) * (lh + 2) - 8
 out.append(f'<line x1="{lw+45}" y1="{top}" x2="{lw+45}" y2="{bottom}" stroke="#444" stroke-width="2.5" marker-end="url(#a)"/>')
 out.append(f'<text x="{lw+60}" y="{(top+bottom)/2-30}" font-size="13" fill="#222">imports point down only:</text>')
-notes = ["a later stage may use an earlier one,", "never the reverse. rollout sits above", "forward because it scores its samples", "with the same log-prob forward.", "", "Siblings on one line (cli | tools | data,", "optim | normalise, columns | errors)", "do not import each other.", "", "No cycle, no function-level import of", "a grimoire module, no file over 450 lines."]
+notes = ["a later stage may use an earlier one,", "never the reverse. rollout sits above", "forward because it scores its samples", "with the same log-prob forward.", "", "Siblings on one line (cli | tools | data | registry,", "optim | normalise, columns | errors)", "do not import each other.", "", "No cycle, no function-level import of", "a grimoire module, no file over 450 lines,", "no function over 60."]
 for k, n in enumerate(notes):
     out.append(f'<text x="{lw+60}" y="{(top+bottom)/2-10+k*18}" font-size="12" fill="#444">{escape(n)}</text>')
 out.append("</svg>")

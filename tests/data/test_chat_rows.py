@@ -58,6 +58,24 @@ def test_final_reasoning_is_trained_by_default_and_can_be_left_out(qwen3):
     )
 
 
+@pytest.mark.parametrize("result", ["zurichcity", "zurich", "3"])
+def test_sft_labels_a_tool_call_whose_result_repeats_its_argument(qwen3, result):
+    # The tool's answer appears inside the call's arguments: it must still be placed after the
+    # call's turn, so the call is trained and the answer is not.
+    arguments = {"city": "zurichcity", "days": 3}
+    call = {"type": "function", "function": {"name": "getweather", "arguments": arguments}}
+    messages = [
+        {"role": "user", "content": "userquestion one"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "getweather", "content": result},
+        {"role": "assistant", "content": "assistantanswer beta"},
+    ]
+    out = tokenize_sft({"messages": messages, "tools": TOOLS}, qwen3)
+    call_text = CALL_TEXT.replace('"zurichcity"}', '"zurichcity", "days": 3}')
+    expected = call_text + "<think>\n\n</think>\n\nassistantanswer beta<|im_end|>\n<eos>"
+    assert trained(qwen3, out["labels"]) == expected
+
+
 def test_preference_and_kto_train_tool_calls_with_the_prompt_shared(qwen3):
     prompt = [{"role": "user", "content": "userquestion one"}]
     call = [

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from grimoire.batching import bin_packing as planner
 from grimoire.batching.bin_packing import plan_global_batch
 from grimoire.collate import packing
-from grimoire.contract.layout import LAYOUT_KEY, Packed
 from grimoire.collate.packing import pack_samples, padding_fraction, segment_sum
+from grimoire.contract.layout import LAYOUT_KEY, Packed
 from grimoire.errors import DataError
 from grimoire.forward.logprobs import IGNORE_INDEX, shift_labels
 

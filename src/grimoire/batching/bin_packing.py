@@ -15,196 +15,19 @@ from typing import Any
 
 import numpy as np
 
+from grimoire.batching.plan_kernel import HAVE_NUMBA, plan_kernel, plan_kernel_numba
 from grimoire.columns import listed
 from grimoire.errors import DataError
-
-try:  # numba is an optional speed-up ("speed" extra); the fallback runs the same source.
-    import numba
-
-    HAVE_NUMBA = True
-except ImportError:  # pragma: no cover - exercised only where numba is not installed
-    numba = None
-    HAVE_NUMBA = False
 
 #: Default for ``use_numba=None``. Set to False to force the pure-Python path process-wide
 #: (e.g. to rule numba out while debugging); it produces identical plans, only slower.
 USE_NUMBA: bool = HAVE_NUMBA
 
 
-# --------------------------------------------------------------------------------------------
-# Planner kernel
-# --------------------------------------------------------------------------------------------
-#
-# One function, run either compiled by numba or as plain Python over lists. Because both paths
-# execute the very same source on exact integers, they give identical plans by construction (the
-# tests check it anyway). Everything is inlined (no helper calls) so that the function compiles
-# on its own and numba can cache it; all buffers are passed in so the Python path can use lists,
-# whose element access is several times faster than numpy scalar indexing.
-
-
-def _plan_kernel(
-    lengths,  # [n] sample lengths
-    order,  # [n] sample indices sorted by length desc, ties by index asc
-    num_ranks,
-    max_tokens,
-    max_len,  # max(lengths): leaves of the capacity tree cover remaining capacities [0, max_len)
-    tree_size,  # P, a power of two >= max_len
-    heap_load,  # [R] zeros
-    heap_rank,  # [R] 0..R-1
-    rank_of,  # [n] out: rank of each sample
-    bin_of,  # [n] out: micro-batch (local to its rank) of each sample
-    rank_bins,  # [R] out: number of non-empty micro-batches of each rank
-    grouped,  # [n] scratch
-    rank_start,  # [R + 1] zeros
-    cursor,  # [R] scratch
-    nf_bin,  # [n] scratch
-    nf_count,  # [R] zeros
-    nf_load,  # [R] zeros
-    tree,  # [2P] zeros: tree[j] = number of non-empty capacity buckets under node j
-    head,  # [max_len] -1: head[c] = a bin with exactly c tokens of room left, or -1
-    nxt,  # [n] scratch: next bin in the same bucket (intrusive singly linked list)
-    bin_rem,  # [n] scratch: remaining capacity of each bin of the current rank
-):
-    n = len(order)
-
-    # 1) LPT across ranks: longest sample first, each to the least-loaded rank (ties: lowest
-    #    rank). Min-heap on (load, rank); only the root ever changes, so "add to root and sift
-    #    down" is the only operation needed. Keys are unique (ranks are), so the result does not
-    #    depend on heap internals.
-    for k in range(n):
-        i = order[k]
-        s = lengths[i]
-        rank_of[i] = heap_rank[0]
-        heap_load[0] += s
-        pos = 0
-        while True:
-            child = 2 * pos + 1
-            if child >= num_ranks:
-                break
-            right = child + 1
-            if right < num_ranks and (
-                heap_load[right] < heap_load[child]
-                or (heap_load[right] == heap_load[child] and heap_rank[right] < heap_rank[child])
-            ):
-                child = right
-            if heap_load[child] < heap_load[pos] or (
-                heap_load[child] == heap_load[pos] and heap_rank[child] < heap_rank[pos]
-            ):
-                tmp_load = heap_load[pos]
-                heap_load[pos] = heap_load[child]
-                heap_load[child] = tmp_load
-                tmp_rank = heap_rank[pos]
-                heap_rank[pos] = heap_rank[child]
-                heap_rank[child] = tmp_rank
-                pos = child
-            else:
-                break
-
-    # 2) Group samples by rank, keeping the length-descending order (counting sort).
-    for i in range(n):
-        rank_start[rank_of[i] + 1] += 1
-    for r in range(num_ranks):
-        rank_start[r + 1] += rank_start[r]
-        cursor[r] = rank_start[r]
-    for k in range(n):
-        i = order[k]
-        r = rank_of[i]
-        grouped[cursor[r]] = i
-        cursor[r] += 1
-
-    # 3) Best-fit decreasing per rank: each sample goes to the bin with the least room that still
-    #    fits it. Bins with room c < max_len sit in bucket c (a linked list; ties between equally
-    #    full bins go to the most recently filed one, which is deterministic). A segment tree over
-    #    c finds the smallest non-empty bucket >= s in O(log max_len). A bin with room >= max_len
-    #    fits any sample; BFD only opens a bin when nothing fits, so at most one such "roomy" bin
-    #    exists at a time and it needs no bucket. Memory is O(max_len), not O(max_tokens).
-    for r in range(num_ranks):
-        nb = 0
-        roomy = -1
-        for k in range(rank_start[r], rank_start[r + 1]):
-            i = grouped[k]
-            s = lengths[i]
-            # smallest non-empty bucket c with s <= c < max_len, or -1
-            found = -1
-            if s < max_len:
-                j = tree_size + s
-                if tree[j] > 0:
-                    found = s
-                else:
-                    while j > 1:
-                        if (j & 1) == 0 and tree[j + 1] > 0:
-                            j += 1
-                            while j < tree_size:
-                                j = 2 * j
-                                if tree[j] == 0:
-                                    j += 1
-                            found = j - tree_size
-                            break
-                        j >>= 1
-            if found >= 0:
-                b = head[found]
-                head[found] = nxt[b]
-                if head[found] == -1:  # bucket emptied
-                    j = tree_size + found
-                    while j >= 1:
-                        tree[j] -= 1
-                        j >>= 1
-                rem = found - s
-            elif roomy >= 0:
-                b = roomy
-                rem = bin_rem[b] - s
-                if rem < max_len:
-                    roomy = -1
-            else:
-                b = nb
-                nb += 1
-                rem = max_tokens - s
-                if rem >= max_len:
-                    roomy = b
-            bin_rem[b] = rem
-            if 0 < rem < max_len:  # file the bin under its new room
-                if head[rem] == -1:
-                    j = tree_size + rem
-                    while j >= 1:
-                        tree[j] += 1
-                        j >>= 1
-                nxt[b] = head[rem]
-                head[rem] = b
-            bin_of[i] = b
-        # Clear this rank's buckets so the next rank starts from an empty structure; touching only
-        # the buckets in use keeps this O(bins log max_len) instead of O(max_len) per rank.
-        for b in range(nb):
-            rem = bin_rem[b]
-            if 0 < rem < max_len and head[rem] != -1:
-                head[rem] = -1
-                j = tree_size + rem
-                while j >= 1:
-                    tree[j] -= 1
-                    j >>= 1
-        rank_bins[r] = nb
-
-    # 4) The prefix-greedy (next-fit) packing of each rank's samples in index order. BFD can lose
-    #    to it on a lucky input order; keeping the better of the two per rank makes the planner
-    #    never worse than the naive packer, at O(n) extra cost.
-    for i in range(n):
-        r = rank_of[i]
-        s = lengths[i]
-        if nf_count[r] == 0 or nf_load[r] + s > max_tokens:
-            nf_count[r] += 1
-            nf_load[r] = s
-        else:
-            nf_load[r] += s
-        nf_bin[i] = nf_count[r] - 1
-    for i in range(n):
-        r = rank_of[i]
-        if nf_count[r] < rank_bins[r]:
-            bin_of[i] = nf_bin[i]
-    for r in range(num_ranks):
-        if nf_count[r] < rank_bins[r]:
-            rank_bins[r] = nf_count[r]
-
-
-_plan_kernel_numba = numba.njit(cache=True, nogil=True)(_plan_kernel) if HAVE_NUMBA else None
+# The kernel (:mod:`grimoire.batching.plan_kernel`), named here so a test can swap the compiled
+# one out.
+_plan_kernel = plan_kernel
+_plan_kernel_numba = plan_kernel_numba
 
 
 def _run_kernel(
@@ -245,7 +68,7 @@ def _run_kernel(
         buf(n),
         buf(n),
     )
-    if use_numba:
+    if use_numba and _plan_kernel_numba is not None:
         _plan_kernel_numba(*args)
     else:
         _plan_kernel(*args)

@@ -2,7 +2,7 @@
 folders or hub names, and the checkpoint to resume from.
 
 ``from_pretrained`` reads a string that is not an existing folder as a hub repository id, so a
-mistyped local path used to end deep in transformers (``OSError: Repo id must be in the form
+mistyped local path would end deep in transformers (``OSError: Repo id must be in the form
 'repo_name' ...``). Here a name is either an existing folder (checked for the files a model or
 tokenizer needs), a hub name of the ``org/name`` shape (offline: it must be in the local cache),
 or a problem that says which key, where the path was looked for, and what to give instead.

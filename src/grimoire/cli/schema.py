@@ -9,6 +9,7 @@ See ``docs/cli.md`` for the schema; the mini_trainer flags applied by :func:`loa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -34,6 +35,7 @@ from grimoire.errors import ConfigError
 from grimoire.rollout.backends import engine_problems
 from grimoire.rollout.rewards import resolve_reward_funcs
 from grimoire.rows.sources import source_problems
+from grimoire.training.callbacks import hook_problems
 
 #: The embedded default run (``python -m grimoire.cli.main`` with no ``--config``).
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "assets" / "quickstart.yaml"
@@ -240,6 +242,9 @@ def _callback_problems(callbacks: Any, has_eval: bool) -> list[str]:
         p += _resolve_and_check(
             cb["type"], registry.CALLBACKS, f"{where}.type", args, f"{where}.args"
         )
+        with contextlib.suppress(ConfigError):  # an unknown type is reported just above
+            cls = registry.resolve(cb["type"], registry.CALLBACKS, f"{where}.type")
+            p += [f"{where}.type: {q}" for q in hook_problems(cls)]
     return p
 
 

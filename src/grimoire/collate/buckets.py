@@ -19,14 +19,15 @@ still fits the budget.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from grimoire.contract.layout import LAYOUT_KEY, Padded
 from grimoire.columns import IGNORE_INDEX
+from grimoire.contract.layout import LAYOUT_KEY, Padded
+from grimoire.contract.method import Collator
 
 #: How each token column of a right-padded group is extended, by its un-prefixed name.
 _FILLS = {"labels": IGNORE_INDEX, "attention_mask": 0}
@@ -104,7 +105,7 @@ class WidthBuckets:
 
     def __init__(
         self,
-        collator: Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]],
+        collator: Collator,
         multiple: int,
         pad_token_id: int,
         max_tokens: int | None = None,
@@ -112,7 +113,7 @@ class WidthBuckets:
         self.collator, self.multiple = collator, multiple
         self.pad_token_id, self.max_tokens = pad_token_id, max_tokens
 
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collator(features)
         return bucket_widths(batch, self.multiple, self.pad_token_id, self.max_tokens)
 

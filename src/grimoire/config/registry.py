@@ -53,6 +53,16 @@ for _pair_loss in ("dpo", "ipo", "simpo", "cpo", "orpo", "reward"):
 for _online in ("rloo", "online_dpo", "raft", "distill", "prompt"):
     TOKENIZERS[_online] = TOKENIZERS["grpo"]
 
+#: A rollout's ``tool_call_parser`` -> ``text -> ParsedTurn`` (see grimoire.rollout.tool_calls).
+TOOL_CALL_PARSERS: dict[str, str] = {
+    "hermes": "grimoire.rollout.tool_calls:parse_hermes",
+    "qwen": "grimoire.rollout.tool_calls:parse_hermes",
+    "llama3_json": "grimoire.rollout.tool_calls:parse_llama3_json",
+    "qwen3_coder": "grimoire.rollout.tool_calls:parse_qwen3_coder",
+    "pythonic": "grimoire.rollout.tool_calls:parse_pythonic",
+    "tiny": "grimoire.rollout.tool_calls:parse_tiny",
+}
+
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).
 CALLBACKS: dict[str, str] = {
     "exact_match": "grimoire.training.callbacks:ExactMatchCallback",
@@ -112,4 +122,12 @@ def resolve(name_or_spec: str, registry: Mapping[str, str], kind: str) -> Any:
         ) from exc
 
 
-__all__ = ["CALLBACKS", "LOSSES", "TOKENIZERS", "import_spec", "is_spec", "resolve"]
+__all__ = [
+    "CALLBACKS",
+    "LOSSES",
+    "TOKENIZERS",
+    "TOOL_CALL_PARSERS",
+    "import_spec",
+    "is_spec",
+    "resolve",
+]

@@ -177,6 +177,10 @@ class TrainingConfig:
         return []
 
     def _value_problems(self) -> list[str]:
+        return self._number_problems() + self._choice_problems() + self._parallel_problems()
+
+    def _number_problems(self) -> list[str]:
+        """Counts, step settings and optimizer numbers out of their range."""
         p: list[str] = []
 
         def positive(name: str, allow_none: bool = False) -> None:
@@ -223,6 +227,12 @@ class TrainingConfig:
                 f"gradient_checkpointing must be true, false or 'auto', got "
                 f"{self.gradient_checkpointing!r}"
             )
+        return p
+
+    def _choice_problems(self) -> list[str]:
+        """Names outside their lists (precision, optimizer, scheduler, trackers, k-bit upcast)
+        and the remaining optimizer, NEFTune and OSFT numbers."""
+        p: list[str] = []
         for name, value, allowed in (
             ("mixed_precision", self.mixed_precision, MIXED_PRECISION),
             ("optimizer", self.optimizer, OPTIMIZERS),
@@ -253,6 +263,11 @@ class TrainingConfig:
             p.append(
                 f"osft_unfreeze_rank_ratio must be in [0, 1], got {self.osft_unfreeze_rank_ratio}"
             )
+        return p
+
+    def _parallel_problems(self) -> list[str]:
+        """Distribution (DDP / FSDP2 and its shard group), checkpoint signals, OSFT's dtype."""
+        p: list[str] = []
         if self.distributed not in ("ddp", "fsdp2"):
             p.append(f"distributed must be 'ddp' or 'fsdp2', got {self.distributed!r}")
         if self.distributed == "fsdp2" and self.mixed_precision == "fp16":

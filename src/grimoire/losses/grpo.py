@@ -67,9 +67,9 @@ from grimoire.losses.online_functional import (
     group_advantages,
     importance_ratio,
     k3_kl,
-    loss_units,
     masked_mean,
     reduce_token_loss,
+    reduction_units,
 )
 from grimoire.rollout.rewards import RewardFn
 from grimoire.rollout.stage import ScoredGroup
@@ -80,6 +80,42 @@ logger = logging.getLogger(__name__)
 CISPO_EPSILON_MAX = 5.0
 #: Loss types that sum per-token terms, so a sequence-level ratio weights a sequence by length.
 _TOKEN_SUMMING = ("dapo", "bnpo", "dr_grpo", "cispo")
+
+
+def _setting_problems(
+    epsilon: float,
+    epsilon_high: float | None,
+    num_iterations: int,
+    loss_type: str,
+    scale_rewards: str,
+    importance_sampling_level: str,
+) -> list[str]:
+    """Every GRPO setting out of its range or list, for one error."""
+    problems = []
+    if loss_type not in LOSS_TYPES:
+        problems.append(f"loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
+    if scale_rewards not in SCALE_REWARDS:
+        problems.append(
+            f"scale_rewards must be one of {list(SCALE_REWARDS)}, got {scale_rewards!r}"
+        )
+    if not 0 < epsilon < 1:
+        problems.append(f"epsilon must be in (0, 1), got {epsilon}")
+    if epsilon_high is not None and not epsilon_high > 0:
+        problems.append(f"epsilon_high must be > 0, got {epsilon_high}")
+    elif loss_type == "cispo" and epsilon_high is not None and epsilon_high < 1:
+        problems.append(
+            f"epsilon_high must be >= 1 with loss_type='cispo', got {epsilon_high}: it is "
+            "the cap on the IS weight itself, and below 1 it shrinks even on-policy tokens "
+            f"(leave it unset for {CISPO_EPSILON_MAX})"
+        )
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        problems.append(
+            f"importance_sampling_level must be one of {list(IMPORTANCE_SAMPLING_LEVELS)}, "
+            f"got {importance_sampling_level!r}"
+        )
+    if not isinstance(num_iterations, int) or num_iterations < 1:
+        problems.append(f"num_iterations must be an int >= 1, got {num_iterations!r}")
+    return problems
 
 
 class GRPOMethod(OnlineMethod):
@@ -126,30 +162,14 @@ class GRPOMethod(OnlineMethod):
     ):
         if isinstance(scale_rewards, bool):  # grimoire-rl's spelling: std-scaled or not
             scale_rewards = "group" if scale_rewards else "none"
-        problems = []
-        if loss_type not in LOSS_TYPES:
-            problems.append(f"loss_type must be one of {list(LOSS_TYPES)}, got {loss_type!r}")
-        if scale_rewards not in SCALE_REWARDS:
-            problems.append(
-                f"scale_rewards must be one of {list(SCALE_REWARDS)}, got {scale_rewards!r}"
-            )
-        if not 0 < epsilon < 1:
-            problems.append(f"epsilon must be in (0, 1), got {epsilon}")
-        if epsilon_high is not None and not epsilon_high > 0:
-            problems.append(f"epsilon_high must be > 0, got {epsilon_high}")
-        elif loss_type == "cispo" and epsilon_high is not None and epsilon_high < 1:
-            problems.append(
-                f"epsilon_high must be >= 1 with loss_type='cispo', got {epsilon_high}: it is "
-                "the cap on the IS weight itself, and below 1 it shrinks even on-policy tokens "
-                f"(leave it unset for {CISPO_EPSILON_MAX})"
-            )
-        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            problems.append(
-                f"importance_sampling_level must be one of {list(IMPORTANCE_SAMPLING_LEVELS)}, "
-                f"got {importance_sampling_level!r}"
-            )
-        if not isinstance(num_iterations, int) or num_iterations < 1:
-            problems.append(f"num_iterations must be an int >= 1, got {num_iterations!r}")
+        problems = _setting_problems(
+            epsilon,
+            epsilon_high,
+            num_iterations,
+            loss_type,
+            scale_rewards,
+            importance_sampling_level,
+        )
         if problems:
             raise ValueError("GRPOMethod: " + "; ".join(problems))
         super().__init__(reward_funcs, **kwargs)
@@ -260,7 +280,7 @@ class GRPOMethod(OnlineMethod):
         )
 
     def training_loss_weight(self, batch: dict[str, Any]) -> float:
-        return loss_units(batch["completion_mask"], self.loss_type)
+        return reduction_units(batch["completion_mask"], self.loss_type)
 
 
 __all__ = ["GRPOMethod"]

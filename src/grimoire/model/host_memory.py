@@ -4,10 +4,11 @@
 trainer logs it and never revisits it). Activation checkpointing trades one extra decoder
 forward per step (~10% of a packed SFT step on a CPU, ``docs/performance.md``) for memory. On a
 CPU, RAM is rarely what runs out first for the models one trains there, compute is; so auto
-turns it off when a generous estimate of one micro-batch's activations fits in a quarter of the
+turns it off when an estimate of one micro-batch's activations fits in a quarter of the
 memory available to this process, and keeps it on otherwise and on every accelerator, where
 memory is the binding constraint and recompute is cheap. Exact either way: checkpointing
-recomputes the same values.
+recomputes the same values. The activations are counted by :mod:`grimoire.model.activations`,
+the model ``grimoire estimate-memory`` uses, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -15,19 +16,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from grimoire.batching.budget import method_budget_tokens
 from grimoire.columns import columns_of, sequence_prefixes
+from grimoire.config.model_shape import DTYPE_BYTES, dtype_name, shape_from_config
+from grimoire.errors import ConfigError
+from grimoire.model.activations import Numerics
+from grimoire.model.activations import activation_bytes_per_token as model_activations
+from grimoire.model.precision import decide
 
 #: auto turns checkpointing off when the activation estimate is at most this share of the memory
 #: available (the rest is headroom for weights, gradients, optimizer state and the logits chunks).
 AUTO_CHECKPOINTING_MEMORY_SHARE = 0.25
-
-#: Bytes autograd keeps per token per decoder layer without checkpointing, in units of the hidden
-#: size ``H``, the key/value width ``Hkv`` and the MLP width ``I``, at 4 bytes each. A Llama
-#: layer saves about ``9 H + 2 Hkv + 4 I`` values (norm inputs and outputs, q/k/v/out of
-#: attention, o_proj's input, gate, up, their product); the margin covers autocast's bf16 copies
-#: and transient peaks.
-ACTIVATION_UNITS = {"hidden": 12, "kv": 2, "mlp": 5}
 
 
 def _read_int(path: Path) -> int | None:
@@ -63,25 +64,24 @@ def available_memory(root: Path = Path("/")) -> int | None:
     return avail
 
 
-def activation_bytes_per_token(model: Any) -> int | None:
-    """Estimated bytes of saved activations per token for the whole decoder without
-    checkpointing (:data:`ACTIVATION_UNITS`); ``None`` when the model's config does not give
-    ``num_hidden_layers`` and ``hidden_size``."""
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    layers = getattr(config, "num_hidden_layers", None)
-    hidden = getattr(config, "hidden_size", None)
-    if not isinstance(layers, int) or not isinstance(hidden, int):
+def activation_bytes_per_token(
+    model: Any, config: Any = None, checkpointing: bool = False
+) -> float | None:
+    """Bytes of saved activations per token of ``model`` on a CPU, as ``estimate-memory``
+    counts them (:func:`grimoire.model.activations.activation_bytes_per_token`: every layer
+    kept, or each layer's input with ``checkpointing``), for the whole model trained in the
+    dtype of its weights under ``config``'s precision (``mixed_precision``, FSDP2). ``None``
+    when the model's config does not give its sizes."""
+    try:
+        shape = shape_from_config(getattr(model, "config", None) or {})
+    except ConfigError:
         return None
-    mlp = getattr(config, "intermediate_size", None)
-    mlp = mlp if isinstance(mlp, int) else 4 * hidden
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else hidden)
-    kv = kv_heads * head_dim if isinstance(kv_heads, int) else hidden
-    units = ACTIVATION_UNITS
-    return 4 * layers * (units["hidden"] * hidden + units["kv"] * kv + units["mlp"] * mlp)
+    param = next(iter(model.parameters()), None)
+    weight = DTYPE_BYTES[dtype_name(param.dtype if param is not None else torch.float32)]
+    mixed = config is not None and decide(config.mixed_precision, cuda=False)[0] in ("bf16", "fp16")
+    sharded = config is not None and config.distributed == "fsdp2"
+    num = Numerics.of(weight, mixed, sharded, device="cpu")
+    return model_activations(shape, num, checkpointing=checkpointing)
 
 
 def micro_batch_tokens(config: Any, method: Any = None, dataset: Any = None) -> int:
@@ -99,7 +99,8 @@ def micro_batch_tokens(config: Any, method: Any = None, dataset: Any = None) -> 
     try:
         prefixes = sequence_prefixes(columns_of(dataset))
         # Costed padded: never below the packed cost of the same row (sequences x longest >= sum).
-        per_row = method_budget_tokens(method, dict.fromkeys(prefixes, config.max_length), False)
+        lengths = {prefix: config.max_length for prefix in prefixes}
+        per_row = method_budget_tokens(method, lengths, False)
     except (TypeError, IndexError, KeyError, AttributeError):
         # A stream (no columns to read) or rows the method's cost does not describe (they are
         # checked, with a proper message, where the budget or the collator reads them).
@@ -125,7 +126,7 @@ def checkpointing_decision(
         return bool(value), f"gradient_checkpointing={value}"
     if device_type != "cpu":
         return True, f"auto: on ({device_type}: memory, not compute, is what runs out)"
-    per_token = activation_bytes_per_token(model)
+    per_token = activation_bytes_per_token(model, config)
     if per_token is None:
         return True, "auto: on (the model config does not give its layer sizes)"
     available = available_memory() if available is None else available

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -213,6 +214,45 @@ def apply_osft(
         An :class:`OSFTState` whose ``project_gradients`` / ``reproject`` the trainer calls
         around each ``optimizer.step()``.
     """
+    _check_osft_arguments(model, unfreeze_rank_ratio, upcast_dtype, rank, world_size)
+    names = resolve_osft_targets(model, target_modules)
+    # resolve_osft_targets returns nn.Linear modules only.
+    linears = {n: cast(nn.Linear, model.get_submodule(n)) for n in names}
+    problems = [
+        f"{n}: weight dtype {linears[n].weight.dtype} is not a float type "
+        "(quantized weights cannot be decomposed)"
+        for n in names
+        if not linears[n].weight.is_floating_point()
+    ]
+    if problems:
+        raise ConfigError(problems, title="invalid OSFT targets")
+
+    state = OSFTState({}, unfreeze_rank_ratio, upcast_dtype)
+    for i, name in enumerate(names):
+        linear = linears[name]
+        mine = decompose and i % world_size == rank
+        module = OSFTLinear.from_linear(
+            linear, unfreeze_rank_ratio, upcast_dtype, svd_device, decompose=mine
+        )
+        if mine:
+            state.decomposed_locally.append(name)
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child_name, module)
+        state.modules[name] = module
+    if decompose and world_size > 1:
+        _broadcast_factors(list(state.modules.values()), world_size)
+    return state
+
+
+def _check_osft_arguments(
+    model: nn.Module,
+    unfreeze_rank_ratio: float,
+    upcast_dtype: torch.dtype,
+    rank: int,
+    world_size: int,
+) -> None:
+    """:func:`apply_osft`'s arguments: the ratio and dtype, a model without LoRA or OSFT
+    already, and ``rank``/``world_size`` as ``torch.distributed`` has them."""
     check_unfreeze_rank_ratio(unfreeze_rank_ratio)
     if upcast_dtype not in (torch.float32, torch.float64):
         raise ConfigError(
@@ -237,32 +277,6 @@ def apply_osft(
             )
     elif rank != 0 or world_size < 1:
         raise ValueError(f"invalid rank/world_size {rank}/{world_size}")
-
-    names = resolve_osft_targets(model, target_modules)
-    problems = [
-        f"{n}: weight dtype {model.get_submodule(n).weight.dtype} is not a float type "
-        "(quantized weights cannot be decomposed)"
-        for n in names
-        if not model.get_submodule(n).weight.is_floating_point()
-    ]
-    if problems:
-        raise ConfigError(problems, title="invalid OSFT targets")
-
-    state = OSFTState({}, unfreeze_rank_ratio, upcast_dtype)
-    for i, name in enumerate(names):
-        linear = model.get_submodule(name)
-        mine = decompose and i % world_size == rank
-        module = OSFTLinear.from_linear(
-            linear, unfreeze_rank_ratio, upcast_dtype, svd_device, decompose=mine
-        )
-        if mine:
-            state.decomposed_locally.append(name)
-        parent_name, _, child_name = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child_name, module)
-        state.modules[name] = module
-    if decompose and world_size > 1:
-        _broadcast_factors(list(state.modules.values()), world_size)
-    return state
 
 
 def osft_dense_state_dict(

@@ -87,7 +87,7 @@ def tiny_config(
     """A small random-init config of ``arch`` ("llama", "qwen2" or "gemma2")."""
     from transformers import AutoConfig
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -217,6 +217,50 @@ def reverse_chat_rows(n: int, seed: int, turns: int = 3) -> list[dict[str, Any]]
                 {"role": "assistant", "content": r["response"]},
             ]
         rows.append({"messages": messages})
+    return rows
+
+
+def lookup(word: str) -> str:
+    """The reverse of a word.
+
+    Args:
+        word: the word to look up
+    """
+    return word[::-1]
+
+
+#: :func:`lookup`'s tool schema, as ``transformers.utils.get_json_schema`` builds it (the chat
+#: template's ``tools``); written out so the rows below need no transformers.
+LOOKUP_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "The reverse of a word.",
+        "parameters": {
+            "type": "object",
+            "properties": {"word": {"type": "string", "description": "the word to look up"}},
+            "required": ["word"],
+        },
+        "return": {"type": "string"},
+    },
+}
+
+
+def lookup_chat_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """The reverse task answered with the :func:`lookup` tool, as SFT chat rows: the user asks
+    ``reverse abc=``, the assistant calls ``lookup(word=abc)``, the tool answers ``cba``, the
+    assistant answers ``cba`` (``{"messages", "tools"}`` rows; a warm start for tool-using RL)."""
+    rows = []
+    for r in reverse_rows(n, seed):
+        word = r["prompt"][len("reverse ") : -1]
+        call = {"type": "function", "function": {"name": "lookup", "arguments": {"word": word}}}
+        messages = [
+            {"role": "user", "content": r["prompt"]},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "lookup", "content": lookup(word)},
+            {"role": "assistant", "content": r["answer"]},
+        ]
+        rows.append({"messages": messages, "tools": [LOOKUP_SCHEMA]})
     return rows
 
 

@@ -10,7 +10,9 @@ and tokenized once. Each assistant message's span is then located in that text:
   text after the previous message; the span starts right after the template's assistant header
   (the generation prompt, learnt once per template from a tiny probe rendering) and ends after
   the turn's closing text (``<|im_end|>``, ``<|eot_id|>``, ...; learnt from the same probe).
-  Everything the template writes in between (reasoning, tool calls) is the assistant's.
+  Everything the template writes in between (reasoning, tool calls) is the assistant's. A turn
+  of tool calls is closed after its calls' names and argument values, so a tool result that
+  repeats an argument is not found inside the call.
 
 Tokens are labelled when they overlap a span (the fast tokenizer's offsets), so
 nothing depends on earlier turns rendering the same way in a longer conversation: templates
@@ -140,6 +142,7 @@ def assistant_spans(
             )
         after = at + len(anchor)
         closings = shape.closings + (shape.tool_closings if message.get("tool_calls") else ())
+        after = _past_call_arguments(finder, text, message, after, closings)
         ends = [(p, c) for c in closings if (p := text.find(c, after)) >= 0]
         bound = _next_anchor(finder, messages, i, after)
         ends = [(p, c) for p, c in ends if bound < 0 or p < bound]
@@ -160,6 +163,26 @@ def assistant_spans(
         spans.append((start, end))
         cursor = end
     return spans
+
+
+def _past_call_arguments(
+    finder: _Finder, text: str, message: Mapping[str, Any], after: int, closings: Sequence[str]
+) -> int:
+    """``after`` moved past the rendered names and scalar argument values of the turn's calls
+    (those found, in order, before its first closing), so that a next message repeating one of
+    them (a tool answering ``3`` to ``add(a=3, b=0)``) is not found inside the call."""
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or call if isinstance(call, Mapping) else {}
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        values = list(arguments.values()) if isinstance(arguments, Mapping) else []
+        texts = [str(function.get("name") or "")] if isinstance(function, Mapping) else []
+        texts += [str(v) for v in values if isinstance(v, str | int | float) and str(v)]
+        for needle in filter(None, texts):
+            ends = [p for c in closings if (p := text.find(c, after)) >= 0]
+            at = finder.find(needle, after, min(ends) if ends else None)
+            if at >= 0:
+                after = at + len(needle)
+    return after
 
 
 def _next_anchor(finder: _Finder, messages: Messages, i: int, after: int) -> int:

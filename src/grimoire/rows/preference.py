@@ -192,26 +192,9 @@ def tokenize_prompt_responses(
         max_prompt_length,
         tokenizer.bos_token_id,
     )
-    untrained = [
-        field
-        for (field, _), (_, labels) in zip(responses, cut)
-        if all(x == IGNORE_INDEX for x in labels)
-    ]
-    if untrained:
-        raise DataError(
-            [
-                f"{fn}: field {f!r} has no trainable token left after truncation to "
-                f"max_length={max_length} (raise max_length or lower max_prompt_length)"
-                for f in untrained
-            ]
-        )
+    _check_trainable([field for field, _ in responses], cut, fn, max_length)
+    _report_truncation(encoded, prompt_ids, cut)
     mask = [IGNORE_INDEX] * len(prompt_ids)
-    removed = open_turns = 0
-    for (_, full_ids, full_labels), (ids, labels) in zip(encoded, cut):
-        removed += len(encoded[0][0]) + len(full_ids) - len(prompt_ids) - len(ids)
-        open_turns += len(labels) < len(full_labels) and full_labels[len(labels)] != IGNORE_INDEX
-    if removed:  # counted, so tokenize_dataset logs it: nothing is cut silently
-        report_cut(rows=1, tokens=removed, open_turns=open_turns)
     return [
         {
             "input_ids": prompt_ids + ids,
@@ -220,6 +203,36 @@ def tokenize_prompt_responses(
         }
         for ids, labels in cut
     ]
+
+
+def _check_trainable(
+    fields: Sequence[str], cut: Sequence[tuple[list[int], list[int]]], fn: str, max_length: int
+) -> None:
+    """A :class:`DataError` naming every response truncation left with no trained token."""
+    untrained = [f for f, (_, labels) in zip(fields, cut) if all(x == IGNORE_INDEX for x in labels)]
+    if untrained:
+        raise DataError(
+            [
+                f"{fn}: field {f!r} has no trainable token left after truncation to "
+                f"max_length={max_length} (raise max_length or lower max_prompt_length)"
+                for f in untrained
+            ]
+        )
+
+
+def _report_truncation(
+    encoded: Sequence[tuple[list[int], list[int], list[int]]],
+    prompt_ids: list[int],
+    cut: Sequence[tuple[list[int], list[int]]],
+) -> None:
+    """Count the tokens truncation removed from one row (prompt and responses) and the
+    assistant turns it left open, so ``tokenize_dataset`` logs them: nothing is cut silently."""
+    removed = open_turns = 0
+    for (_, full_ids, full_labels), (ids, labels) in zip(encoded, cut):
+        removed += len(encoded[0][0]) + len(full_ids) - len(prompt_ids) - len(ids)
+        open_turns += len(labels) < len(full_labels) and full_labels[len(labels)] != IGNORE_INDEX
+    if removed:
+        report_cut(rows=1, tokens=removed, open_turns=open_turns)
 
 
 def _check_lengths(max_length: int, max_prompt_length: int | None, fn: str) -> None:
@@ -302,49 +315,7 @@ def tokenize_preference(
     """
     fn = "tokenize_preference"
     _check_lengths(max_length, max_prompt_length, fn)
-    problems = [
-        p
-        for f, kwarg in ((chosen_field, "chosen_field"), (rejected_field, "rejected_field"))
-        if (p := _missing_or_empty(example, f, fn, kwarg))
-    ]
-    chosen, rejected = example.get(chosen_field), example.get(rejected_field)
-    implicit = prompt_field not in example and (
-        (isinstance(chosen, list) and isinstance(rejected, list))
-        or (isinstance(chosen, str) and isinstance(rejected, str))
-    )
-    if not implicit and (p := _missing_or_empty(example, prompt_field, fn, "prompt_field")):
-        problems.append(p)
-    if problems:
-        raise DataError(problems)
-    if chosen == rejected:
-        raise DataError(
-            [
-                f"{fn}: fields {chosen_field!r} and {rejected_field!r} are identical, so the pair "
-                "carries no preference signal (drop the row)"
-            ]
-        )
-    prompt: Any = example.get(prompt_field)
-    if implicit and isinstance(chosen, str):
-        prompt, chosen, rejected = split_implicit_text(chosen, rejected)
-        if not prompt:
-            raise DataError(
-                [
-                    f"{fn}: missing field {prompt_field!r}, and {chosen_field!r}/"
-                    f"{rejected_field!r} share no leading text to use as an implicit prompt"
-                ]
-            )
-    elif implicit:
-        prompt, chosen, rejected = split_implicit_prompt(
-            _as_messages(chosen, "assistant", chosen_field, fn),
-            _as_messages(rejected, "assistant", rejected_field, fn),
-        )
-        if not prompt:
-            raise DataError(
-                [
-                    f"{fn}: no {prompt_field!r} field and {chosen_field!r}/{rejected_field!r} share "
-                    "no leading messages to use as the prompt"
-                ]
-            )
+    prompt, chosen, rejected = _pair_fields(example, prompt_field, chosen_field, rejected_field)
     chosen_row, rejected_row = tokenize_prompt_responses(
         tokenizer,
         prompt,
@@ -370,15 +341,71 @@ def tokenize_preference(
         for key, value in row.items()
     }
     if margin_field is not None:
-        value = example.get(margin_field)
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        out[margin_field] = _margin(example, margin_field, fn)
+    return out
+
+
+def _pair_fields(
+    example: Mapping[str, Any], prompt_field: str, chosen_field: str, rejected_field: str
+) -> tuple[Any, Any, Any]:
+    """``(prompt, chosen, rejected)`` of a preference row: its fields, or for a row without a
+    prompt, the prompt its two responses share (leading messages or text); every missing or
+    empty field in one :class:`DataError`, and an error for identical responses."""
+    fn = "tokenize_preference"
+    problems = [
+        p
+        for f, kwarg in ((chosen_field, "chosen_field"), (rejected_field, "rejected_field"))
+        if (p := _missing_or_empty(example, f, fn, kwarg))
+    ]
+    chosen, rejected = example.get(chosen_field), example.get(rejected_field)
+    implicit = prompt_field not in example and (
+        (isinstance(chosen, list) and isinstance(rejected, list))
+        or (isinstance(chosen, str) and isinstance(rejected, str))
+    )
+    if not implicit and (p := _missing_or_empty(example, prompt_field, fn, "prompt_field")):
+        problems.append(p)
+    if problems:
+        raise DataError(problems)
+    if chosen == rejected:
+        raise DataError(
+            [
+                f"{fn}: fields {chosen_field!r} and {rejected_field!r} are identical, so the pair "
+                "carries no preference signal (drop the row)"
+            ]
+        )
+    prompt: Any = example.get(prompt_field)
+    if implicit and isinstance(chosen, str) and isinstance(rejected, str):
+        prompt, chosen, rejected = split_implicit_text(chosen, rejected)
+        if not prompt:
             raise DataError(
                 [
-                    f"{fn}: field {margin_field!r} must be a number (the pair's margin), got {value!r}"
+                    f"{fn}: missing field {prompt_field!r}, and {chosen_field!r}/"
+                    f"{rejected_field!r} share no leading text to use as an implicit prompt"
                 ]
             )
-        out[margin_field] = float(value)
-    return out
+    elif implicit:
+        prompt, chosen, rejected = split_implicit_prompt(
+            _as_messages(chosen, "assistant", chosen_field, fn),
+            _as_messages(rejected, "assistant", rejected_field, fn),
+        )
+        if not prompt:
+            raise DataError(
+                [
+                    f"{fn}: no {prompt_field!r} field and {chosen_field!r}/{rejected_field!r} share "
+                    "no leading messages to use as the prompt"
+                ]
+            )
+    return prompt, chosen, rejected
+
+
+def _margin(example: Mapping[str, Any], margin_field: str, fn: str) -> float:
+    """The pair's numeric margin (``RewardModelLoss(margin_field=...)``)."""
+    value = example.get(margin_field)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise DataError(
+            [f"{fn}: field {margin_field!r} must be a number (the pair's margin), got {value!r}"]
+        )
+    return float(value)
 
 
 __all__ = [

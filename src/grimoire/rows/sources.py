@@ -14,17 +14,16 @@ exactly one of:
   ``.jsonl`` / ``.json`` as ``jsonl``.
 
 Optional: ``max_samples`` (keep the first N rows) after ``shuffle: true`` (seeded by ``seed``,
-default 42).
-
-Paths: relative paths resolve against the current working directory; ``grimoire://REL`` points
-inside the installed ``grimoire`` package (e.g. ``grimoire://assets/reverse_train.jsonl``), so
-bundled configs work from any folder.
+default 42). Relative paths resolve against the current working directory; ``grimoire://REL``
+points inside the installed package (``grimoire://assets/reverse_train.jsonl``), so bundled
+configs work from any folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ PACKAGE_PREFIX = "grimoire://"
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 
 #: Keys a source section may hold, with their expected Python types.
-SOURCE_KEYS: dict[str, type | tuple[type, ...]] = {
+SOURCE_KEYS: dict[str, type] = {
     "name": str,
     "split": str,
     "subset": str,
@@ -109,24 +108,7 @@ def source_problems(
     """
     if not isinstance(section, Mapping):
         return [f"{where}: expected a mapping (e.g. {{jsonl: data.jsonl}}), got {section!r}"]
-    extra = set(extra_keys)
-    known = [*SOURCE_KEYS, *extra]
-    problems: list[str] = []
-    for key, value in section.items():
-        if key in extra:
-            continue
-        if key not in SOURCE_KEYS:
-            problems.append(
-                f"{where}.{key}: unknown key{did_you_mean(str(key), known)}; valid keys: "
-                + ", ".join(known)
-            )
-            continue
-        expected = SOURCE_KEYS[key]
-        # bool is an int subclass; never accept True as a row count.
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            problems.append(
-                f"{where}.{key}: must be {expected.__name__}, got {type(value).__name__} {value!r}"
-            )
+    problems = _key_problems(section, where, set(extra_keys))
     kinds = [k for k in _KINDS if k in section]
     if len(kinds) != 1:
         got = f"got {kinds}" if kinds else "got none"
@@ -169,6 +151,28 @@ def source_problems(
     return problems
 
 
+def _key_problems(section: Mapping[str, Any], where: str, extra: set[str]) -> list[str]:
+    """Unknown keys (with the nearest known one) and values of the wrong type."""
+    known = [*SOURCE_KEYS, *extra]
+    problems: list[str] = []
+    for key, value in section.items():
+        if key in extra:
+            continue
+        if key not in SOURCE_KEYS:
+            problems.append(
+                f"{where}.{key}: unknown key{did_you_mean(str(key), known)}; valid keys: "
+                + ", ".join(known)
+            )
+            continue
+        expected = SOURCE_KEYS[key]
+        # bool is an int subclass; never accept True as a row count.
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            problems.append(
+                f"{where}.{key}: must be {expected.__name__}, got {type(value).__name__} {value!r}"
+            )
+    return problems
+
+
 def _relative_note(path: Path) -> str:
     """Where a relative path was looked for (the current directory, not the YAML's folder)."""
     return "" if path.is_absolute() else f" (relative to the current directory, {Path.cwd()})"
@@ -202,7 +206,8 @@ def read_source(section: Mapping[str, Any], where: str = "dataset") -> LoadedSou
     if problems:
         raise ConfigError(problems, title=f"invalid {where} section")
     kind = _effective_kind(section, next(k for k in _KINDS if k in section))
-    lines: list[int] | None = None
+    lines: list[int] | None = None  # set, with path, for a JSONL file
+    path: Path | None = None
     bad: list[str] = []
     if kind == "name":
         ds = _load_hub(section, where)
@@ -282,7 +287,7 @@ def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None, list
     return rows, lines, problems
 
 
-def rows_to_dataset(rows: list[Mapping[str, Any]], source: str = "rows"):
+def rows_to_dataset(rows: Sequence[Mapping[str, Any]], source: str = "rows"):
     """A ``Dataset`` whose columns are the union of all rows' keys (absent values -> null).
 
     ``Dataset.from_list`` keeps only the first row's keys, which would silently drop a column
@@ -359,7 +364,7 @@ def _tokenize_rows(
             else:
                 found.extend(f"{source_name} row {i}: {p}" for p in exc.problems)
         except Exception as exc:
-            if hasattr(exc, "add_note"):  # Python >= 3.11
+            if sys.version_info >= (3, 11):  # add_note is 3.11's
                 where = f" ({locations[i]})" if locations is not None else ""
                 exc.add_note(f"while tokenizing {source_name} row {i}{where}")
             raise
@@ -421,7 +426,7 @@ def _load_disk(section: Mapping[str, Any], where: str):
             raise DataError(
                 [
                     f"{where}.split: {split!r} not in {path}; it has {sorted(ds)}"
-                    f"{did_you_mean(split, ds)}"
+                    f"{did_you_mean(split, [str(name) for name in ds])}"
                 ]
             )
         ds = ds[split]

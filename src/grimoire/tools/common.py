@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from grimoire.columns import pad_token_id_of
 from grimoire.errors import GrimoireError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -141,21 +142,11 @@ def load_for_inference(
     hf_logging.disable_progress_bar()
 
     path = Path(path)
-    if not path.is_dir():
-        raise GrimoireError(f"{path}: no such directory")
-    is_adapter = (path / "adapter_config.json").is_file()
-    if is_adapter:
-        base_path, adapter_cfg = adapter_base(path, base)
-    elif (path / "config.json").is_file():
-        base_path, adapter_cfg = str(path), {}
-    else:
-        raise GrimoireError(
-            f"{path} holds neither a model (config.json) nor a LoRA adapter (adapter_config.json)"
-            + saved_model_hint(path)
-        )
+    is_adapter, base_path, adapter_cfg = _model_source(path, base)
     # Reward models are trained as sequence classifiers; their adapters say so, and carry the
     # trained head, whose size the base's config.json does not know (it says 2 labels).
-    auto, kwargs = AutoModelForCausalLM, {}
+    kwargs: dict[str, Any] = {}
+    auto = AutoModelForCausalLM
     if adapter_cfg.get("task_type") == "SEQ_CLS":
         auto, kwargs = AutoModelForSequenceClassification, {"num_labels": _head_size(path)}
     try:
@@ -179,9 +170,24 @@ def load_for_inference(
     except (OSError, ValueError) as exc:
         raise GrimoireError(f"cannot load a tokenizer from {tok_dir}: {exc}") from exc
     if getattr(model.config, "pad_token_id", None) is None:  # sequence scores need it
-        model.config.pad_token_id = tokenizer.pad_token_id
+        model.config.pad_token_id = pad_token_id_of(tokenizer, model)
     model.eval()
     return model, tokenizer, base_path
+
+
+def _model_source(path: Path, base: str | None) -> tuple[bool, str, dict[str, Any]]:
+    """``(is_adapter, base_path, adapter_config)`` of a saved folder: a LoRA adapter (its base
+    from ``base`` or the adapter's config) or a full model; an error naming what is missing."""
+    if not path.is_dir():
+        raise GrimoireError(f"{path}: no such directory")
+    if (path / "adapter_config.json").is_file():
+        return (True, *adapter_base(path, base))
+    if (path / "config.json").is_file():
+        return False, str(path), {}
+    raise GrimoireError(
+        f"{path} holds neither a model (config.json) nor a LoRA adapter (adapter_config.json)"
+        + saved_model_hint(path)
+    )
 
 
 def saved_model_hint(path: Path) -> str:

@@ -25,8 +25,9 @@ import os
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
+from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import GrimoireError
 from grimoire.rollout.vllm_common import completions, llm_args, require_vllm
 from grimoire.rollout.vllm_server import (
@@ -71,8 +72,7 @@ class Sampler:
         self.tied = ["lm_head.weight"] if getattr(self.config, "tie_word_embeddings", False) else []
 
     def info(self) -> dict[str, Any]:
-        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-        config = {k: getattr(self.config, k, None) for k in keys}
+        config = {k: getattr(self.config, k, None) for k in SHAPE_KEYS}
         config["model_type"] = self.config.model_type
         return {"ok": True, "config": config, "weight_pushes": self.pushes}
 
@@ -159,7 +159,9 @@ def handler(sampler: Sampler, api_key: str | None = None) -> type[BaseHTTPReques
                     result = sampler.generate(json.loads(self.rfile.read(size)))
                 elif self.path == "/weights":
                     chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
-                    stream = ChunkedReader(self.rfile) if chunked else self.rfile
+                    # rfile is the socket's buffered binary reader (typeshed: BufferedIOBase).
+                    rfile = cast(BinaryIO, self.rfile)
+                    stream = ChunkedReader(rfile) if chunked else rfile
                     result = sampler.load_weights(stream)
                 else:
                     return self._answer(404, {"error": f"no such path {self.path}"})

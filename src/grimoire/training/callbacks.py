@@ -5,20 +5,27 @@ Hooks (all optional, all receive the trainer first):
 ``on_step_end(step, loss, metrics)``, ``on_log(metrics)``, ``on_evaluate(metrics)``,
 ``on_save(checkpoint_dir)``. Call ``trainer.request_stop()`` from any hook to stop gracefully
 after the current step (synchronised across ranks).
+
+A hook is found by its name, so a misspelt one would never run: :class:`CallbackList` refuses,
+when a callback is registered, any ``on_*`` method that is not one of :data:`HOOKS`, naming it
+and the hooks there are.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from grimoire.errors import ConfigError
 from grimoire.rollout.generation import greedy_generate_texts
 
 
 class TrainerCallback:
-    """Base class: override the hooks you need."""
+    """Base class: override the hooks you need (only these: another ``on_*`` method is an error
+    when the callback is registered)."""
 
     def on_train_begin(self, trainer) -> None: ...
 
@@ -37,13 +44,49 @@ class TrainerCallback:
     def on_save(self, trainer, checkpoint_dir: str) -> None: ...
 
 
+#: The hooks the loop calls: the ``on_*`` methods of :class:`TrainerCallback`.
+HOOKS = tuple(sorted(name for name in vars(TrainerCallback) if name.startswith("on_")))
+
+
+def hook_problems(callback: Any) -> list[str]:
+    """Every ``on_*`` method of ``callback`` (an instance or a class) that is not a hook the loop
+    calls (a misspelt hook would silently never run), each with the nearest hook name and the
+    list of hooks."""
+    cls = callback if isinstance(callback, type) else type(callback)
+    problems = []
+    for name in sorted(n for n in dir(callback) if n.startswith("on_") and n not in HOOKS):
+        if not callable(getattr(callback, name, None)):
+            continue
+        near = difflib.get_close_matches(name, HOOKS, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        problems.append(
+            f"callback {cls.__name__} defines {name}, which is not a hook{hint}; "
+            f"the hooks are {', '.join(HOOKS)}"
+        )
+    return problems
+
+
 class CallbackList:
-    """Dispatches a hook to every callback in order."""
+    """Dispatches a hook to every callback in order. Registering a callback with an ``on_*``
+    method that is not a hook is a :class:`~grimoire.errors.ConfigError` (:func:`hook_problems`,
+    every callback's problems in one message)."""
 
     def __init__(self, callbacks: Sequence[TrainerCallback] = ()):
+        problems = [p for cb in callbacks for p in hook_problems(cb)]
+        if problems:
+            raise ConfigError(problems)
         self.callbacks = list(callbacks)
 
+    def add(self, callback: TrainerCallback) -> None:
+        """Register one more callback, checked like those given at construction."""
+        problems = hook_problems(callback)
+        if problems:
+            raise ConfigError(problems)
+        self.callbacks.append(callback)
+
     def __call__(self, hook: str, trainer, *args: Any) -> None:
+        if hook not in HOOKS:
+            raise ValueError(f"no callback hook {hook!r}; the hooks are {', '.join(HOOKS)}")
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
             if fn is not None:

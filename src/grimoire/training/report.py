@@ -218,41 +218,52 @@ def _metric_lines(record: dict[str, Any], skip: tuple[str, ...]) -> list[str]:
 def model_card(trainer: Any, model_dir: str | Path) -> str:
     """The card's Markdown: front matter, base model, method, data, training, final metrics,
     and the exact command and config to train it again."""
-    cfg, state, loss_fn = trainer.config, trainer.state, trainer.loss_fn
+    loss_fn = trainer.loss_fn
     model = trainer.unwrapped_model
     base = base_model_of(model)
     adapter = hasattr(model, "peft_config")
     tags = ["grimoire", method_tag(loss_fn)] + (["lora"] if adapter else [])
     front = {"library_name": "grimoire", "base_model": base, "tags": tags}
     method = loss_fn.method_name
-    params = method_params(loss_fn)
     launch = getattr(trainer, "launch", None)
-    records = read_records(cfg.output_dir)
-    last_train, last_eval = last_records(records)
-
     lines = [f"---\n{_yaml(front)}\n---", "", f"# {Path(model_dir).name}", ""]
     what = "a LoRA adapter for" if adapter else "fine-tuned from"
     lines += [
         f"{what.capitalize()} `{base}` with grimoire {grimoire_version()}, method `{method}`.",
         "",
-        "## Method",
-        "",
-        f"`{method}`" + (" with:" if params else " (no settings)."),
-        "",
     ]
+    lines += _method_section(method, method_params(loss_fn))
+    lines += _data_section(trainer, launch)
+    lines += _training_section(trainer)
+    lines += _metrics_section(read_records(trainer.config.output_dir))
+    lines += _reproduce_section(launch, method, trainer.config)
+    return "\n".join(lines)
+
+
+def _method_section(method: str, params: dict[str, Any]) -> list[str]:
+    lines = ["## Method", "", f"`{method}`" + (" with:" if params else " (no settings)."), ""]
     if params:
         lines += ["| setting | value |", "|---|---|"]
         lines += [f"| {k} | {v} |" for k, v in params.items()]
         lines.append("")
-    lines += ["## Data", ""]
-    lines.append(f"- train rows: {_rows(trainer.train_dataset)}")
+    return lines
+
+
+def _data_section(trainer: Any, launch: dict[str, Any] | None) -> list[str]:
+    """Row counts, and the dataset sections of the config the run was launched with."""
+    lines = ["## Data", "", f"- train rows: {_rows(trainer.train_dataset)}"]
     if trainer.eval_dataset is not None:
         lines.append(f"- eval rows: {_rows(trainer.eval_dataset)}")
     if launch and isinstance(launch.get("config"), dict):
         for key in ("dataset", "eval_dataset"):
             if key in launch["config"]:
                 lines += ["", f"`{key}`:", "", "```yaml", _yaml(launch["config"][key]), "```"]
-    lines += [
+    return lines
+
+
+def _training_section(trainer: Any) -> list[str]:
+    state = trainer.state
+    return [
         "",
         "## Training",
         "",
@@ -262,9 +273,13 @@ def model_card(trainer: Any, model_dir: str | Path) -> str:
         f"- loss units: {state.loss_units_seen:g}",
         f"- epochs completed: {state.epoch}",
         "",
-        "## Final metrics",
-        "",
     ]
+
+
+def _metrics_section(records: list[dict[str, Any]]) -> list[str]:
+    """The last train and eval records of ``metrics.jsonl``, as tables."""
+    last_train, last_eval = last_records(records)
+    lines = ["## Final metrics", ""]
     if not (last_train or last_eval):
         lines += ["No metrics were logged.", ""]
     for title, record in (("train", last_train), ("eval", last_eval)):
@@ -273,22 +288,26 @@ def model_card(trainer: Any, model_dir: str | Path) -> str:
             lines += ["| metric | value |", "|---|---|"]
             lines += _metric_lines(record, skip=("step", "split"))
             lines.append("")
-    lines += ["## Reproduce", ""]
+    return lines
+
+
+def _reproduce_section(launch: dict[str, Any] | None, method: str, config: Any) -> list[str]:
+    """The command and config the run was launched with, or the Python run's config."""
+    lines = ["## Reproduce", ""]
     if launch:
         if launch.get("command"):
             lines += ["```bash", str(launch["command"]), "```", ""]
         if launch.get("config") is not None:
             lines += ["with this config:", "", "```yaml", _yaml(launch["config"]), "```", ""]
-    else:
-        lines += [
-            f"Launched from Python (`GrimoireTrainer` with `{method}`); its `TrainingConfig`:",
-            "",
-            "```yaml",
-            _yaml(cfg.to_dict()),
-            "```",
-            "",
-        ]
-    return "\n".join(lines)
+        return lines
+    return lines + [
+        f"Launched from Python (`GrimoireTrainer` with `{method}`); its `TrainingConfig`:",
+        "",
+        "```yaml",
+        _yaml(config.to_dict()),
+        "```",
+        "",
+    ]
 
 
 def write_model_card(trainer: Any, model_dir: str | Path) -> Path | None:

@@ -22,6 +22,7 @@ from grimoire.batching.loader import StepLoader, packing_decision
 from grimoire.batching.validation import validate_training_data
 from grimoire.collate.buckets import WidthBuckets, bucket_multiple
 from grimoire.config.context import TrainingContext
+from grimoire.config.model_shape import shape_from_config
 from grimoire.config.training import TrainingConfig
 from grimoire.contract.method import Method, generating
 from grimoire.errors import ConfigError
@@ -72,7 +73,9 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
         # that group itself first (accelerate turns DeepSpeed off for cpu=True).
         cpu=not has_accelerator() and not start_deepspeed_on_cpu(),
         mixed_precision=resolve_mixed_precision(config),
-        log_with=config.log_with,
+        # accelerate types log_with as an invariant list[str | LoggerType | GeneralTracker],
+        # so a list[str] (which it accepts) does not match.
+        log_with=config.log_with,  # pyright: ignore[reportArgumentType]
         project_dir=config.output_dir,
     )
     check_world_size(accelerator.num_processes)
@@ -110,7 +113,7 @@ def cuda_varlen(model: torch.nn.Module, config: TrainingConfig, accelerator: Acc
     if reason is not None:
         return f"no varlen kernel: {reason}"
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = shape_from_config(cfg).head_dim
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         str(accelerator.mixed_precision), next(model.parameters()).dtype
     )
@@ -152,8 +155,9 @@ def prepare_model(
         model = get_peft_model(model, peft_config)
     if checkpointing:
         enable_checkpointing(model)
-    if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
-        model.config.use_cache = False
+    hf_config: Any = getattr(model, "config", None)
+    if hf_config is not None and hasattr(hf_config, "use_cache"):
+        hf_config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
     if packed or _on_cuda(accelerator):
@@ -175,7 +179,7 @@ def _on_cuda(accelerator: Accelerator | None) -> bool:
     return accelerator is not None and accelerator.device.type == "cuda"
 
 
-def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerator | None) -> Any:
+def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerator) -> Any:
     """How a frozen model kept beside the policy (a reference) is prepared: the policy's
     attention (:func:`prepare_model`), so both run the same kernels (policy == reference then
     gives exact ties, and the reference passes are as fast), and the policy's FSDP2 sharding or

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -106,15 +106,10 @@ class GrimoireTrainer:
         #: The rollout stage, for methods that generate (built from the method's parts).
         self.rollouts = setup.build_rollouts(loss_fn, self.context)
         setup.log_reference(loss_fn)
+        plan = dict(grad_accum=config.gradient_accumulation_steps, seed=config.seed)
         self.loader = self._loader(
-            self.train_dataset,
-            config.batch_size,
-            grad_accum=config.gradient_accumulation_steps,
-            seed=config.seed,
-            repeat=int(loss_fn.steps_per_batch),
+            self.train_dataset, config.batch_size, repeat=int(loss_fn.steps_per_batch), **plan
         )
-        self.planner = self.loader.planner
-        self._eval_loader: StepLoader | None = None
         self.max_steps = config.max_steps or self.loader.steps_per_epoch * config.num_epochs
         model = setup.shard(model, config)
         self.model, self.optimizer, self.scheduler = setup.build_optimization(
@@ -124,14 +119,17 @@ class GrimoireTrainer:
         self._init_run_state()
 
     def _init_run_state(self) -> None:
-        """The run's records and stop flags (what ``train()`` reads and writes)."""
+        """The run's records, planner, evaluation loader and stop flags (what ``train()`` reads
+        and writes)."""
         acc = self.accelerator
+        self.planner = self.loader.planner
+        self._eval_loader: StepLoader | None = None
         self.state = ckpt.TrainerState()
         #: How the run was launched, for the model card: the CLI sets {"command", "config"}.
         self.launch: dict[str, Any] | None = None
         self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
         self._reduction = StepReduction(acc)
-        self.guard = NonFiniteGuard.for_run(self.config, acc)  # non-finite steps are skipped
+        self.guard = NonFiniteGuard.for_run(self.config, acc, self.model)  # skips non-finite
         self._stop = self._stop_requested = False
         #: The signal that stopped the run with a checkpoint (preemption), else None.
         self.preempted_by: str | None = None
@@ -148,7 +146,7 @@ class GrimoireTrainer:
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        return cast(torch.nn.Module, self.accelerator.unwrap_model(self.model))  # untyped upstream
 
     @property
     def stopped_early(self) -> bool:

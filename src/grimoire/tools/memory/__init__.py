@@ -5,9 +5,10 @@
 every assumption), :mod:`~grimoire.tools.memory.report` prints the tables.
 """
 
+from grimoire.config.model_shape import LoraShape, ModelShape, shape_from_config
 from grimoire.tools.memory.estimate import GIB, Estimate, Part, Rollout, Setup, estimate
 from grimoire.tools.memory.run_config import RunPlan, plan_from_config
-from grimoire.tools.memory.shape import LoraShape, ModelShape, load_shape, shape_from_config
+from grimoire.tools.memory.shape import load_shape
 
 __all__ = [
     "GIB",

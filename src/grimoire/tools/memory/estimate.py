@@ -1,7 +1,7 @@
 """Per-rank peak memory of a training run, part by part: the model behind ``estimate-memory``.
 
 Everything is counted in bytes of live tensors per rank, from the model's shape
-(:mod:`~grimoire.tools.memory.shape`) and the run's settings (:class:`Setup`); nothing is loaded.
+(:mod:`~grimoire.config.model_shape`) and the run's settings (:class:`Setup`); nothing is loaded.
 What the model assumes, so that its limits are visible:
 
 * **Weights** stay in the dtype they were loaded in (``model_kwargs.dtype``, default the
@@ -26,7 +26,7 @@ What the model assumes, so that its limits are visible:
   the states' shard.
 * **CPU offload** moves the sharded weights, gradients and optimizer state (and its step) to
   host memory; the device keeps the gathered units, activations and logits.
-* **Activations**: :mod:`~grimoire.tools.memory.activations` (every position of a micro-batch of
+* **Activations**: :mod:`~grimoire.model.activations` (every position of a micro-batch of
   ``tokens`` positions has a target; packed rows, so grouped-query attention runs natively).
   With checkpointing each layer keeps its input, and backward recomputes one layer at a time.
 * **Reference model** (DPO, KTO, online methods with ``beta > 0``): a frozen copy of the policy,
@@ -44,14 +44,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from grimoire.tools.memory.activations import (
+from grimoire.config.model_shape import DTYPE_BYTES, LINEARS, LoraShape, ModelShape
+from grimoire.model.activations import (
     Numerics,
-    checkpointed_layer_bytes_per_token,
+    activation_bytes_per_token,
+    gradient_flow_bytes_per_token,
     head_bytes,
     layer_bytes_per_token,
-    model_bytes_per_token,
 )
-from grimoire.tools.memory.shape import DTYPE_BYTES, LINEARS, LoraShape, ModelShape
 
 GIB = 2**30
 #: Optimizers keeping two states per parameter in the parameter's dtype (torch's AdamW).
@@ -249,91 +249,34 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     w = DTYPE_BYTES[setup.weight_dtype]
     mixed = setup.mixed_precision in ("bf16", "fp16")
     num = Numerics.of(w, mixed, setup.sharded, setup.device)
-    s, t, n = setup.shards, setup.tokens, shape.layers
     p = _params(shape, setup)
-    off = setup.sharded and setup.cpu_offload
-
-    def placed(name: str, nbytes: float, note: str = "") -> Part:
-        return Part(name, 0.0, nbytes, note) if off else Part(name, nbytes, 0.0, note)
-
-    parts: list[Part] = []
+    parts, step_temp = _state_parts(shape, setup, p)
     notes: list[str] = []
-    where = f"/ {s} shards" if setup.sharded and s > 1 else "full copy"
-    if setup.lora is None:
-        parts.append(placed("weights", p.trained / s, f"{setup.weight_dtype}, {where}"))
-    else:
-        parts.append(placed("weights (frozen base)", p.frozen / s, where))
-        parts.append(placed("weights (adapters)", p.trained / s, "fp32 LoRA"))
-    parts.append(placed("gradients", p.trained / s, "of the trained parameters"))
-    states, step_temp, opt_note = _optimizer_bytes(p, setup)
-    parts.append(placed("optimizer states", states / s, opt_note))
-    if setup.distributed == "ddp" and setup.world_size > 1:
-        parts.append(Part("DDP gradient buckets", p.trained, 0.0, "one more gradient copy"))
-
-    g = 2 if mixed else w  # dtype of FSDP2's gathered copies (and of their gradients)
-    adapters_per_layer = setup.lora.adapter_params(shape) // n if setup.lora else 0
-    # Gradients already there when backward starts: the LM head's (its backward comes first),
-    # and under FSDP2 with accumulation the unsharded ones of earlier micro-batches.
-    start_grads = (g if setup.sharded else w) * shape.head_params if p.head_trains else 0.0
-    unsharded_grads = 0.0
-    if setup.sharded:
-        kept = 2 if setup.reshard_after_forward else n
-        gathered = g * (shape.root_params + kept * (shape.layer_params + adapters_per_layer))
-        parts.append(Part("gathered weights", gathered, 0.0, f"root unit + {kept} layers"))
-        if setup.lora is None:
-            root_trained, layer_trained = shape.root_params, shape.layer_params
-        else:
-            root_trained, layer_trained = setup.lora.saved_params(shape), adapters_per_layer
-        # The root's gradients (head, embedding) until its reduce-scatter ends backward, and the
-        # layer being reduced (fp32 copy under mixed precision).
-        unsharded_grads = g * root_trained + (g + (4 if mixed else 0)) * layer_trained
-        if setup.grad_accum > 1:
-            acc = (4 if mixed else w) * p.trained_count
-            unsharded_grads += acc
-            start_grads += acc
-            notes.append(
-                "FSDP2 with gradient_accumulation_steps > 1 keeps unsharded gradients between "
-                "micro-batches (the reduce-scatter is skipped until the last)"
-            )
-        parts.append(Part("unsharded gradients", unsharded_grads, 0.0, "FSDP2, in backward"))
-    elif num.autocast:
-        copies = 2 * p.linear_trained + (0 if setup.checkpointing else 2 * p.linear_frozen)
-        parts.append(Part("bf16 weight copies", copies, 0.0, "autocast's casts"))
-
-    per_layer = layer_bytes_per_token(shape, num, setup.lora)
-    outside = model_bytes_per_token(shape, num, p.head_trains, setup.lora)
-    one_layer = per_layer * t
+    start_grads, unsharded_grads = _gathered_parts(shape, setup, p, num, parts, notes)
+    t = setup.tokens
+    one_layer = layer_bytes_per_token(shape, num, setup.lora) * t
+    flow = gradient_flow_bytes_per_token(shape, num) * t
+    acts = t * activation_bytes_per_token(
+        shape, num, checkpointing=setup.checkpointing, head_trains=p.head_trains, lora=setup.lora
+    )
     if setup.checkpointing:
-        acts = (n * checkpointed_layer_bytes_per_token(shape, num) + outside) * t + one_layer
         acts_note = "checkpointed: each layer's input + one layer recomputed"
     else:
-        acts = (n * per_layer + outside) * t
         acts_note = "every layer kept for backward"
-    # Backward's gradient of the hidden states: the one flowing and the one being formed.
-    flow = 2 * num.residual * shape.hidden * t
-    parts.append(Part("activations", acts + flow, 0.0, acts_note))
-    fused = setup.fused
+    parts.append(Part("activations", acts, 0.0, acts_note))
     if setup.score_head:
         head = head_bytes(shape, num, 0, fused=True, chunk_rows=1, head_trains=False)
     else:
         head = head_bytes(
-            shape, num, t, fused=fused, chunk_rows=setup.chunk_rows, head_trains=p.head_trains
+            shape, num, t, fused=setup.fused, chunk_rows=setup.chunk_rows, head_trains=p.head_trains
         )
     parts.append(Part("logits", max(head.forward, head.backward), 0.0, head.path))
-
     if setup.reference == "model":
-        ref = (p.frozen if setup.lora else p.trained) / s
-        parts.append(placed("reference model", ref, f"frozen copy, {where}"))
-    kv = gen = 0.0
-    if setup.rollout is not None:
-        r = setup.rollout
-        kv = 2 * n * shape.kv_width * num.compute * r.sequences * r.length
-        gen = 2 * 4 * r.sequences * shape.vocab  # the sampler's fp32 logits and a processed copy
-        parts.append(
-            Part("rollout KV cache", kv + gen, 0.0, f"{r.sequences} seqs x {r.length} tokens")
-        )
+        ref = (p.frozen if setup.lora else p.trained) / setup.shards
+        parts.append(_placed(setup, "reference model", ref, f"frozen copy, {_where(setup)}"))
+    sampling = _rollout_part(shape, setup, num, parts)
     if step_temp:
-        parts.append(placed("optimizer step temporaries", step_temp / s))
+        parts.append(_placed(setup, "optimizer step temporaries", step_temp / setup.shards))
 
     def dev(name: str) -> float:
         return sum(q.device for q in parts if q.name == name)
@@ -346,24 +289,99 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     grads = dev("gradients")
     accumulated = grads if setup.grad_accum > 1 and not setup.sharded else 0.0
     gathered = dev("gathered weights")
+    backward_start = gathered + dev("bf16 weight copies") + acts + head.backward - buffers
     phases = {
         # The head's backward: every activation kept, the logits' gradients, the head's gradient.
-        "backward start": base
-        + gathered
-        + dev("bf16 weight copies")
-        + acts
-        + flow
-        + head.backward
-        - buffers
-        + start_grads
-        + accumulated,
+        "backward start": base + backward_start + start_grads + accumulated,
         # The first layer's backward: every gradient, one layer's activations.
         "backward end": base + gathered + grads + one_layer + flow + unsharded_grads,
         "optimizer step": base + grads + dev("optimizer step temporaries"),
     }
-    if setup.rollout is not None:
-        phases["sampling"] = base + gathered + kv + gen
+    if sampling is not None:
+        phases["sampling"] = base + gathered + sampling
     return Estimate(shape, setup, parts, phases, notes)
+
+
+def _where(setup: Setup) -> str:
+    return f"/ {setup.shards} shards" if setup.sharded and setup.shards > 1 else "full copy"
+
+
+def _placed(setup: Setup, name: str, nbytes: float, note: str = "") -> Part:
+    """A part that lives on the device, or in host memory under FSDP2's CPU offload."""
+    if setup.sharded and setup.cpu_offload:
+        return Part(name, 0.0, nbytes, note)
+    return Part(name, nbytes, 0.0, note)
+
+
+def _state_parts(shape: ModelShape, setup: Setup, p: _Params) -> tuple[list[Part], float]:
+    """Weights, gradients, optimizer states and DDP's buckets, and the optimizer step's
+    temporaries (all ranks' share, not yet sharded)."""
+    s, where = setup.shards, _where(setup)
+    parts: list[Part] = []
+    if setup.lora is None:
+        parts.append(_placed(setup, "weights", p.trained / s, f"{setup.weight_dtype}, {where}"))
+    else:
+        parts.append(_placed(setup, "weights (frozen base)", p.frozen / s, where))
+        parts.append(_placed(setup, "weights (adapters)", p.trained / s, "fp32 LoRA"))
+    parts.append(_placed(setup, "gradients", p.trained / s, "of the trained parameters"))
+    states, step_temp, opt_note = _optimizer_bytes(p, setup)
+    parts.append(_placed(setup, "optimizer states", states / s, opt_note))
+    if setup.distributed == "ddp" and setup.world_size > 1:
+        parts.append(Part("DDP gradient buckets", p.trained, 0.0, "one more gradient copy"))
+    return parts, step_temp
+
+
+def _gathered_parts(
+    shape: ModelShape, setup: Setup, p: _Params, num: Numerics, parts: list[Part], notes: list[str]
+) -> tuple[float, float]:
+    """FSDP2's gathered weights and unsharded gradients, or autocast's bf16 weight copies,
+    appended to ``parts``; returns the gradients already there when backward starts (the LM
+    head's, whose backward comes first, and under FSDP2 with accumulation the unsharded ones of
+    earlier micro-batches) and FSDP2's unsharded gradients in backward."""
+    mixed = setup.mixed_precision in ("bf16", "fp16")
+    w, n = DTYPE_BYTES[setup.weight_dtype], shape.layers
+    g = 2 if mixed else w  # dtype of FSDP2's gathered copies (and of their gradients)
+    start_grads = (g if setup.sharded else w) * shape.head_params if p.head_trains else 0.0
+    if not setup.sharded:
+        if num.autocast:
+            copies = 2 * p.linear_trained + (0 if setup.checkpointing else 2 * p.linear_frozen)
+            parts.append(Part("bf16 weight copies", copies, 0.0, "autocast's casts"))
+        return start_grads, 0.0
+    adapters_per_layer = setup.lora.adapter_params(shape) // n if setup.lora else 0
+    kept = 2 if setup.reshard_after_forward else n
+    gathered = g * (shape.root_params + kept * (shape.layer_params + adapters_per_layer))
+    parts.append(Part("gathered weights", gathered, 0.0, f"root unit + {kept} layers"))
+    if setup.lora is None:
+        root_trained, layer_trained = shape.root_params, shape.layer_params
+    else:
+        root_trained, layer_trained = setup.lora.saved_params(shape), adapters_per_layer
+    # The root's gradients (head, embedding) until its reduce-scatter ends backward, and the
+    # layer being reduced (fp32 copy under mixed precision).
+    unsharded_grads = g * root_trained + (g + (4 if mixed else 0)) * layer_trained
+    if setup.grad_accum > 1:
+        acc = (4 if mixed else w) * p.trained_count
+        unsharded_grads += acc
+        start_grads += acc
+        notes.append(
+            "FSDP2 with gradient_accumulation_steps > 1 keeps unsharded gradients between "
+            "micro-batches (the reduce-scatter is skipped until the last)"
+        )
+    parts.append(Part("unsharded gradients", unsharded_grads, 0.0, "FSDP2, in backward"))
+    return start_grads, unsharded_grads
+
+
+def _rollout_part(
+    shape: ModelShape, setup: Setup, num: Numerics, parts: list[Part]
+) -> float | None:
+    """One sampling call's KV cache and the sampler's logits (appended to ``parts``), or None
+    for a method that does not generate."""
+    if setup.rollout is None:
+        return None
+    r = setup.rollout
+    kv = 2 * shape.layers * shape.kv_width * num.compute * r.sequences * r.length
+    gen = 2 * 4 * r.sequences * shape.vocab  # the sampler's fp32 logits and a processed copy
+    parts.append(Part("rollout KV cache", kv + gen, 0.0, f"{r.sequences} seqs x {r.length} tokens"))
+    return kv + gen
 
 
 __all__ = ["GIB", "Estimate", "Part", "Rollout", "Setup", "estimate"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from grimoire.config.model_shape import LINEARS, LoraShape, ModelShape
 from grimoire.tools.memory.estimate import GIB, Estimate, Setup, estimate
-from grimoire.tools.memory.shape import LINEARS, LoraShape, ModelShape
 
 #: Kept back from the device for the CUDA context and NCCL (bytes), and for fragmentation.
 CONTEXT_BYTES, FRAGMENTATION = 2 * GIB, 0.05

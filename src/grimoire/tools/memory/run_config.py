@@ -16,12 +16,13 @@ from typing import Any
 
 from grimoire.columns import sequence_prefixes
 from grimoire.config import registry
+from grimoire.config.model_shape import ModelShape, dtype_name
 from grimoire.config.training import TrainingConfig
 from grimoire.contract.method import Method, generating
 from grimoire.errors import ConfigError
 from grimoire.losses.base import as_method
 from grimoire.tools.memory.estimate import Rollout, Setup
-from grimoire.tools.memory.shape import ModelShape, dtype_name, load_shape, lora_from_section
+from grimoire.tools.memory.shape import load_shape, lora_from_section
 
 #: ``loss.ref_model`` value for a frozen copy of the starting policy (as in the CLI schema).
 REF_MODEL_COPY = "copy"
@@ -138,9 +139,7 @@ def plan_from_config(
     tokens, tokens_from = _tokens(method, config)
     precision = "bf16" if config.mixed_precision == "auto" else config.mixed_precision
     checkpointing = config.gradient_checkpointing
-    # A key the HSDP work adds to TrainingConfig; read when present so a config that sets it is
-    # estimated as it will run (--shard-group-size overrides it).
-    group = shard_group or getattr(config, "fsdp_shard_group_size", None)
+    group = shard_group or config.fsdp_shard_group_size  # --shard-group-size overrides it
     setup = Setup(
         world_size=world_size,
         shard_group=group,

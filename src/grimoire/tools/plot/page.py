@@ -9,7 +9,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from grimoire.tools.plot.runs import COLORS, RunCurves, panel_groups, panel_title, smooth
@@ -53,32 +53,12 @@ def _panel_svg(key: str, runs: Sequence[RunCurves], spec: float | int) -> tuple[
         segments += [seg] if seg else []
         return "".join(f'<polyline class="{cls}" points="{" ".join(s)}"/>' for s in segments)
 
-    parts = [f'<svg viewBox="0 0 {W} {H}" class="chart">']
-    for t in _ticks(y0, y1):
-        parts.append(
-            f'<line class="grid" x1="{LEFT}" x2="{W - RIGHT}" y1="{py(t):.1f}" '
-            f'y2="{py(t):.1f}"/><text class="tick" x="{LEFT - 4}" y="{py(t) + 3:.1f}" '
-            f'text-anchor="end">{t:.4g}</text>'
-        )
-    for t in _ticks(x0, x1):
-        parts.append(
-            f'<text class="tick" x="{px(t):.1f}" y="{H - BOTTOM + 14}" '
-            f'text-anchor="middle">{t:.6g}</text>'
-        )
+    parts = [f'<svg viewBox="0 0 {W} {H}" class="chart">', *_grid(x0, x1, y0, y1, px, py)]
     data: dict[str, Any] = {"x0": x0, "x1": x1, "runs": {}}
     for i, steps, values in curves:
         smoothed = smooth(values, spec, key)
         label = html.escape(runs[i].label)
-        dots = (
-            "".join(  # hover without the script: a <title> per point on short series
-                f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5"><title>{label} step {x:g}: '
-                f"{y:.6g}</title></circle>"
-                for x, y in zip(steps, values)
-                if math.isfinite(y)
-            )
-            if len(steps) <= 60
-            else ""
-        )
+        dots = _dots(label, steps, values, px, py)
         parts.append(
             f'<g class="run" data-run="{i}" style="--c:{COLORS[i % len(COLORS)]}">'
             f"{lines(steps, values, 'raw')}{lines(steps, smoothed, 'smooth')}{dots}</g>"
@@ -89,6 +69,47 @@ def _panel_svg(key: str, runs: Sequence[RunCurves], spec: float | int) -> tuple[
         ]
     parts.append(f'<line class="cursor" y1="{TOP}" y2="{H - BOTTOM}" x1="-9" x2="-9"/></svg>')
     return "".join(parts), data
+
+
+def _grid(
+    x0: float,
+    x1: float,
+    y0: float,
+    y1: float,
+    px: Callable[[float], float],
+    py: Callable[[float], float],
+) -> list[str]:
+    """The horizontal grid lines with their value labels, and the step labels below."""
+    parts = [
+        f'<line class="grid" x1="{LEFT}" x2="{W - RIGHT}" y1="{py(t):.1f}" '
+        f'y2="{py(t):.1f}"/><text class="tick" x="{LEFT - 4}" y="{py(t) + 3:.1f}" '
+        f'text-anchor="end">{t:.4g}</text>'
+        for t in _ticks(y0, y1)
+    ]
+    parts += [
+        f'<text class="tick" x="{px(t):.1f}" y="{H - BOTTOM + 14}" '
+        f'text-anchor="middle">{t:.6g}</text>'
+        for t in _ticks(x0, x1)
+    ]
+    return parts
+
+
+def _dots(
+    label: str,
+    steps: list[float],
+    values: list[float],
+    px: Callable[[float], float],
+    py: Callable[[float], float],
+) -> str:
+    """Hover without the script: a point with a ``<title>`` per finite value of a short series."""
+    if len(steps) > 60:
+        return ""
+    return "".join(
+        f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5"><title>{label} step {x:g}: '
+        f"{y:.6g}</title></circle>"
+        for x, y in zip(steps, values)
+        if math.isfinite(y)
+    )
 
 
 _STYLE = """body{font:13px system-ui,sans-serif;margin:16px;color:#222}

@@ -1,5 +1,9 @@
 """Bytes autograd keeps per token: the activations of a decoder layer, and the LM head's logits.
 
+The one activation-memory model: ``grimoire estimate-memory`` (``tools/memory/estimate.py``) and
+the host-memory checkpointing decision (``model/host_memory.py``) both count activations with
+:func:`activation_bytes_per_token`, so they cannot disagree.
+
 Counted tensor by tensor from what each op of a transformers Llama layer saves for backward
 (read with ``torch.autograd.graph.saved_tensors_hooks`` on the real modules: the unit tests
 compare these formulas with that count in fp32, under bf16 autocast and in pure bf16, full and
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grimoire.tools.memory.shape import INPUT_OF, LINEARS, LoraShape, ModelShape
+from grimoire.config.model_shape import INPUT_OF, LINEARS, LoraShape, ModelShape
 
 #: Bytes of the int64 token ids a forward keeps (the embedding's backward reads them).
 ID_BYTES = 8
@@ -125,6 +129,32 @@ def checkpointed_layer_bytes_per_token(shape: ModelShape, num: Numerics) -> floa
     return num.residual * shape.hidden
 
 
+def activation_bytes_per_token(
+    shape: ModelShape,
+    num: Numerics,
+    *,
+    checkpointing: bool,
+    head_trains: bool = True,
+    lora: LoraShape | None = None,
+) -> float:
+    """Bytes per token of a micro-batch's activations at the start of backward, the whole
+    decoder: every layer kept (or, with ``checkpointing``, each layer's input plus the one layer
+    backward recomputes at a time), what lies outside the layers, and backward's gradient of the
+    hidden states (the one flowing and the one being formed)."""
+    per_layer = layer_bytes_per_token(shape, num, lora)
+    outside = model_bytes_per_token(shape, num, head_trains, lora)
+    if checkpointing:
+        kept = shape.layers * checkpointed_layer_bytes_per_token(shape, num) + per_layer
+    else:
+        kept = shape.layers * per_layer
+    return kept + outside + gradient_flow_bytes_per_token(shape, num)
+
+
+def gradient_flow_bytes_per_token(shape: ModelShape, num: Numerics) -> float:
+    """Backward's gradient of the hidden states: the one flowing and the one being formed."""
+    return 2 * num.residual * shape.hidden
+
+
 # --------------------------------------------------------------------------- the LM head
 
 
@@ -187,7 +217,9 @@ def head_bytes(
 __all__ = [
     "HeadBytes",
     "Numerics",
+    "activation_bytes_per_token",
     "checkpointed_layer_bytes_per_token",
+    "gradient_flow_bytes_per_token",
     "head_bytes",
     "layer_bytes_per_token",
     "model_bytes_per_token",
