@@ -21,6 +21,7 @@ import torch
 from grimoire.batching.budget import method_budget_tokens
 from grimoire.columns import columns_of, sequence_prefixes
 from grimoire.config.model_shape import DTYPE_BYTES, dtype_name, shape_from_config
+from grimoire.contract.method import Method
 from grimoire.errors import ConfigError
 from grimoire.model.activations import Numerics
 from grimoire.model.activations import activation_bytes_per_token as model_activations
@@ -84,7 +85,7 @@ def activation_bytes_per_token(
     return model_activations(shape, num, checkpointing=checkpointing)
 
 
-def micro_batch_tokens(config: Any, method: Any = None, dataset: Any = None) -> int:
+def micro_batch_tokens(config: Any, method: Method | None = None, dataset: Any = None) -> int:
     """An upper bound on the positions one forward pass holds: the token budget when set (every
     method's micro-batches stay within it); else ``batch_size`` rows, each costed by the
     method's own ``budget_tokens`` (as :class:`~grimoire.batching.budget.TokenBudget` does) with
@@ -114,7 +115,7 @@ def checkpointing_decision(
     device_type: str,
     processes: int = 1,
     available: int | None = None,
-    method: Any = None,
+    method: Method | None = None,
     dataset: Any = None,
 ) -> tuple[bool, str]:
     """Whether to checkpoint activations, and why (logged at start). ``processes``: how many

@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator
 
 from grimoire.config.training import TrainingConfig
+from grimoire.contract.method import Method
 from grimoire.errors import ConfigError
 from grimoire.model.host_memory import checkpointing_decision
 
@@ -111,7 +112,7 @@ def resolve_checkpointing(
     model: torch.nn.Module,
     config: TrainingConfig,
     accelerator: Accelerator | None,
-    method: Any = None,
+    method: Method | None = None,
     dataset: Any = None,
 ) -> tuple[bool, str]:
     """``gradient_checkpointing`` for this run (``auto`` resolved by
