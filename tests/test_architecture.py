@@ -164,7 +164,6 @@ LONG_BY_DESIGN: dict[str, str] = {}
 #: Long functions in files another branch of the same change is rewriting; that branch splits
 #: them, and this list is emptied when it is merged.
 PENDING_OTHER_BRANCHES = {
-    "collate/packing.py::pack_samples",
     "forward/precomputed.py::cache_reference_log_probs",
     "forward/precomputed.py::precompute_reference",
 }
