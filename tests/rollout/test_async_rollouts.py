@@ -40,7 +40,9 @@ class Steps(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
-def _trainer(tiny_dir, tmp_path, staleness, steps=4, reward=char_match_reward, sleep=0.0):
+def _trainer(
+    tiny_dir, tmp_path, staleness, steps=4, reward=char_match_reward, sleep=0.0, **overrides
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -48,8 +50,9 @@ def _trainer(tiny_dir, tmp_path, staleness, steps=4, reward=char_match_reward, s
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(64, seed=3)]
     config = quiet_config(
-        tmp_path, max_steps=steps, batch_size=4, learning_rate=1e-2, disable_dropout=True, seed=0
-    )
+        tmp_path, max_steps=steps, batch_size=4, learning_rate=1e-2, disable_dropout=True, seed=0,
+        **overrides,
+    )  # fmt: skip
     method = GRPOMethod([reward], num_generations=4, max_new_tokens=6, max_staleness=staleness)
     steps_cb = Steps(sleep)
     trainer = GrimoireTrainer(
@@ -141,6 +144,30 @@ def test_async_producer_is_joined_on_error_and_on_close(tiny_dir, tmp_path):
     trainer.close()
     assert trainer.rollouts._thread is None
     assert not any(t.name == "grimoire-rollouts" and t.is_alive() for t in _threads())
+
+
+def test_async_signal_stop_joins_producer_and_resume_discards_in_flight_rollouts(
+    tiny_dir, tmp_path, caplog
+):
+    class Signal(TrainerCallback):
+        def on_step_end(self, trainer, step, loss, metrics) -> None:
+            if step == 2:
+                trainer._on_signal("SIGTERM")  # what the SIGTERM handler calls
+
+    trainer, _ = _trainer(tiny_dir, tmp_path, 1, steps=5)
+    trainer.callbacks.callbacks.append(Signal())
+    trainer.train()
+    assert trainer.preempted_by == "SIGTERM" and trainer.global_step == 2
+    assert trainer.rollouts._thread is None  # joined when the loop stopped, before close()
+    trainer.close()
+    assert (tmp_path / "checkpoint-2").is_dir()
+    with caplog.at_level("INFO", logger="grimoire.rollout.async_rollouts"):
+        resumed, steps = _run(tiny_dir, tmp_path, 1, steps=5, resume_from_checkpoint="latest")
+    lines = [r.getMessage() for r in caplog.records if "in flight" in r.getMessage()]
+    assert len(lines) == 1 and "resumed at step 2" in lines[0]
+    assert resumed.global_step == 5
+    # Step 2 is sampled by the checkpoint's own weights; then one step behind, as before.
+    assert [m["staleness/max"] for m in steps.metrics] == [0.0, 1.0, 1.0]
 
 
 def _threads():
