@@ -14,7 +14,8 @@ the learner waits for rollouts; sync: the whole rollout), the mean training rewa
 last quarter of the steps (after ``N`` samples = steps x prompts x G), and steps/s as a ratio
 to ``sync x1``.
 
-    python benchmarks/async_rollouts.py                 # 32 steps per row
+    python benchmarks/async_rollouts.py                 # 32 steps per row, 14 new tokens
+    python benchmarks/async_rollouts.py --tokens 8      # rollout a smaller share of a step
     python benchmarks/async_rollouts.py --steps 3       # seconds: table shape only
 """
 
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--g", type=int, default=16, help="num_generations")
-    parser.add_argument("--tokens", type=int, default=8, help="max_new_tokens")
+    parser.add_argument("--tokens", type=int, default=14, help="max_new_tokens")
     parser.add_argument("--sync2", action="store_true", help="add the sync x2 row")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
