@@ -123,6 +123,52 @@ def test_async_samples_the_planners_prompts_in_order_and_is_reproducible(
         assert torch.equal(p, q)
 
 
+class Snapshots(TrainerCallback):
+    """The policy's weights after each step (version ``step``)."""
+
+    def __init__(self, model):
+        self.versions = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+
+    def on_step_end(self, trainer, step, loss, metrics) -> None:
+        time.sleep(0.2)  # keeps the producer ahead: every step after the first is 1 behind
+        state = trainer.unwrapped_model.state_dict()
+        self.versions[step] = {k: v.clone() for k, v in state.items()}
+
+
+def test_async_old_logps_are_the_sampling_weights_not_the_learners(tiny_dir, tmp_path, monkeypatch):
+    """The ratio's pi_old must be the policy that SAMPLED (version step - 1 at k=1): recompute
+    each trained batch's log-probs under every version's weights, independently."""
+    import copy
+
+    from grimoire.rollout.batches import batch_completion_logps
+
+    batches: list[tuple[int, dict]] = []
+    compute = GRPOMethod.compute_loss
+
+    def recording(self, model, batch):
+        batches.append((self._ctx.step.global_step, {k: v for k, v in batch.items()}))
+        return compute(self, model, batch)
+
+    monkeypatch.setattr(GRPOMethod, "compute_loss", recording)
+    trainer, _ = _trainer(tiny_dir, tmp_path, 1, steps=4)
+    snaps = Snapshots(trainer.unwrapped_model)
+    trainer.callbacks.callbacks.append(snaps)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    probe = copy.deepcopy(trainer.unwrapped_model)
+    for step, batch in batches[1:]:  # step 0: sampled by the learner's own weights
+        under = {}
+        for version in (step - 1, step):
+            probe.load_state_dict(snaps.versions[version])
+            with torch.no_grad():
+                under[version], _ = batch_completion_logps(probe, batch, 1.0, fused=False)
+        sampler_err = (batch["old_logps"] - under[step - 1]).abs().max()
+        learner_err = (batch["old_logps"] - under[step]).abs().max()
+        assert sampler_err < 1e-6 and learner_err > 10 * sampler_err, (sampler_err, learner_err)
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_staleness_never_exceeds_max_staleness(tiny_dir, tmp_path, k):
     # A slower learner (0.3 s more per step) lets the producer run as far ahead as allowed, so
