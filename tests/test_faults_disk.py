@@ -211,3 +211,28 @@ def test_failed_metrics_and_summary_writes_name_the_path_and_the_last_checkpoint
         JsonlLogger(path, enabled=True).write({"step": 1})
     assert str(err.value).startswith(f"could not write metrics to {path}: IsADirectoryError")
     assert f"The last complete checkpoint is {tmp_path / 'checkpoint-2'}" in str(err.value)
+
+
+def test_a_diverged_run_loses_nothing_its_last_good_checkpoint_resumes_to_the_same_weights(
+    tmp_path, uninterrupted
+):
+    """The final norm returns NaN in steps 3-5 (a real non-finite forward): steps 3 and 4 are
+    skipped (checkpoint-4 is written, holding only applied steps), step 5 is the third skip in a
+    row and stops the run: exit 1, one message, no final model. checkpoint-2, the last written
+    before the fault, resumed without it ends with the uninterrupted run's weights."""
+    nan = [("NaNForward", {"steps": [3, 4, 5]})]
+    done = _train(tmp_path, _config(tmp_path, "run", nan), expect=1)
+    (error,) = _grimoire_errors(done.stderr)
+    assert error.startswith("grimoire train: training diverged: 3 consecutive steps up to step 5")
+    assert "the last finite loss was" in error and "at step 2" in error
+    assert "Traceback" not in done.stderr
+    out = tmp_path / "run"
+    assert not (out / "final").exists()
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["skipped_steps"] == 3 and summary["steps"] == 5
+    two = json.dumps(str(out / "checkpoint-2"))
+    resumed = _train(
+        tmp_path, _config(tmp_path, "run"), "--set", f"training.resume_from_checkpoint={two}"
+    )
+    assert f"resumed from {out / 'checkpoint-2'} at step 2" in resumed.stderr
+    _same_as(out / "final", uninterrupted)

@@ -22,6 +22,7 @@ from tests.helpers.train_utils import free_port
 from tests.test_distributed import LAUNCH, _env
 
 from grimoire.model.tiny import reverse_rows, write_jsonl
+from grimoire.training.guard import NonFiniteGuard
 from grimoire.training.step import mark_nonfinite, marked, nonfinite
 
 SCRIPT = Path(__file__).parent / "scripts" / "nan_step.py"
@@ -121,3 +122,30 @@ def test_the_flags_read_with_the_step():
     assert nonfinite(float("nan"), measured=True) == 1.0 and nonfinite(3.0, measured=True) == 0.0
     assert float(nonfinite(torch.tensor(float("nan")))) == 1.0
     assert float(nonfinite(torch.tensor(2.0))) == 0.0
+
+
+class _Engine:
+    """A DeepSpeed engine's verdict on its last step, as the guard reads it."""
+
+    def __init__(self, applied: bool, fp16: bool = False):
+        self.applied, self.fp16 = applied, fp16
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+    def fp16_enabled(self) -> bool:
+        return self.fp16
+
+
+def test_under_deepspeed_the_engines_verdict_is_the_gradient_flag():
+    """The engine stepped inside backward: a step it skipped (inf/NaN gradients) is a skipped
+    step; one it applied despite a NaN loss is not called skipped but counts toward the stop; an
+    fp16 loss-scaler skip is the scaler's business, never a divergence."""
+    finite = {"bad_loss": 0.0, "bad_grad": 0.0}
+    guard = NonFiniteGuard(limit=2, world=2, engine=_Engine(applied=False))
+    assert guard.check(1, finite, 2.0) is True and guard.consecutive == 1
+    guard.engine = _Engine(applied=True)
+    assert guard.check(2, {"bad_loss": 1.0}, float("nan")) is False
+    assert guard.failure is not None and guard.failure.startswith("training diverged: 2 consec")
+    scaler = NonFiniteGuard(limit=1, world=1, loss_scaler=True, engine=_Engine(False, fp16=True))
+    assert scaler.check(1, finite, 2.0) is False and scaler.failure is None

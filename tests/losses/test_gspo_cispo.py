@@ -229,7 +229,7 @@ def test_gspo_cispo_match_trl_grpo_trainer(level, loss_type, extras):
         ref_model="copy" if beta else None,
     )  # fmt: skip
     method.policy_logps = lambda model, batch: (logps, None)
-    method.engine = SimpleNamespace(importance_sampling_cap=cap)
+    method.engine = SimpleNamespace(sampler=SimpleNamespace(importance_sampling_cap=cap))
     batch = {"completion_mask": mask, "advantages": adv, "old_logps": old, "ref_logps": ref}
     if cap is not None:
         batch["sampler_logps"] = sampler

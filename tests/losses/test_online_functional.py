@@ -16,8 +16,8 @@ from grimoire.losses.online_functional import (
     equal_reward_groups,
     group_advantages,
     k3_kl,
-    loss_units,
     reduce_token_loss,
+    reduction_units,
     rloo_advantages,
 )
 
@@ -184,16 +184,16 @@ def test_loss_normalisations_through_trainer_weighting(loss_type):
         masks.append(mask)
     masks[0][1] = 0  # a dropped row (dynamic sampling / placeholder) counts nowhere
     losses = [reduce_token_loss(p, m, loss_type, max_len) for p, m in zip(per_token, masks)]
-    units = [loss_units(m, loss_type) for m in masks]
+    units = [reduction_units(m, loss_type) for m in masks]
     trainer_objective = sum(float(lv) * u for lv, u in zip(losses, units)) / sum(units)
     expected = _naive_global(loss_type, per_token, masks, max_len)
     assert trainer_objective == pytest.approx(expected, rel=1e-5)
 
 
-def test_loss_units_of_empty_micro_batch_is_zero():
+def test_reduction_units_of_empty_micro_batch_are_zero():
     empty = torch.zeros(2, 4, dtype=torch.long)
     for loss_type in LOSS_TYPES:
-        assert loss_units(empty, loss_type) == 0.0
+        assert reduction_units(empty, loss_type) == 0.0
         assert float(reduce_token_loss(torch.ones(2, 4), empty, loss_type, 4)) == 0.0
     with pytest.raises(ValueError, match="loss_type"):
         reduce_token_loss(torch.ones(1, 1), torch.ones(1, 1), "token")

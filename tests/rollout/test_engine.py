@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from grimoire.rollout.engine import RolloutEngine, completion_logps, position_ids_from_mask
 from grimoire.rollout.generation import generation_mode
 from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.stage import RolloutStage, SamplingConfig
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -177,3 +181,49 @@ def test_bad_arguments():
         HFGenerateEngine(max_new_tokens=0)
     with pytest.raises(RuntimeError, match="bind"):
         HFGenerateEngine().generate([[1, 2]], 2)
+
+
+def test_bind_gives_the_token_budget_and_the_ranks_agreement_to_sampling_and_scoring(
+    tiny_model, tokenizer
+):
+    eos = tokenizer.eos_token_id
+    engine = _ScriptedEngine([[10, 11, 12, eos]])  # every completion 4 tokens (max_new_tokens)
+    prompts = [[5, 6, 7], [5, 6, 8], [5, 6, 9]]
+    # Sampling: a prompt's 2 completions cost 2 x (3 + 4) = 14 tokens; 28 fit two prompts.
+    engine.bind(tiny_model, tokenizer.pad_token_id, eos, max_tokens=28, agree=lambda n: n + 1)
+    assert engine.prompt_chunks(prompts, 2) == [prompts[:2], prompts[2:]]
+    # Scoring: rows of width 3 + 4 = 7, so 28 // 7 = 4 rows per forward: 6 rows take 2 forwards,
+    # and the ranks' agreement (here: one more than this rank's) adds one filler forward.
+    calls = []
+    hook = tiny_model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        engine.generate(prompts, 2)
+    finally:
+        hook.remove()
+    assert len(calls) == 3
+    engine.bind(tiny_model, tokenizer.pad_token_id, eos)  # no limits: one call, no filler
+    assert engine.prompt_chunks(prompts, 2) == [prompts]
+    assert engine.max_tokens is None and engine.agree is None
+
+
+def test_the_stage_binds_the_engine_with_the_runs_limits(tiny_model, tokenizer):
+    engine = _ScriptedEngine([[10]])
+    stage = RolloutStage(engine, [], SamplingConfig(num_generations=2), lambda ctx, g: ([], {}))
+
+    def reduce_max(n: int) -> int:
+        return n
+
+    for sharded in (False, True):
+        ctx = SimpleNamespace(
+            unwrapped_model=tiny_model,
+            tokenizer=tokenizer,
+            config=SimpleNamespace(max_tokens_per_device=64, max_length=32),
+            accelerator=SimpleNamespace(autocast=nullcontext),
+            packed=False,
+            sharded=sharded,
+            all_reduce_max=reduce_max,
+        )
+        stage.bind(ctx)
+        assert engine.model is tiny_model
+        assert (engine.max_tokens, engine.max_length) == (64, 32)
+        assert engine.agree is (reduce_max if sharded else None)

@@ -4,8 +4,10 @@ vLLM (the vLLM runs themselves are in tests/vllm_backend)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,8 +21,10 @@ from grimoire.losses.online_functional import truncated_importance_weights
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
 from grimoire.rollout.backends import build_engine, engine_problems
+from grimoire.rollout.engine import RolloutEngine, SamplerConfig
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.stage import SamplingConfig
+from grimoire.rollout.vllm_server import VLLMServerEngine
 
 INSTALL = "pip install 'grimoire[vllm]'"
 
@@ -72,21 +76,72 @@ def test_yaml_engine_problems_are_listed_together():
 
 
 def test_names_and_mappings_get_the_methods_sampling_settings():
-    sampling = SamplingConfig(4, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12)
+    sampling = SamplerConfig(temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=12)
     for spec in (None, "hf", {"type": "hf", "args": {"prefill_once": False}}):
         engine = build_engine(spec, sampling)
         assert isinstance(engine, HFGenerateEngine)
-        assert (engine.temperature, engine.top_p, engine.top_k, engine.max_new_tokens) == (
-            0.7, 0.9, 5, 12
-        )  # fmt: skip
-        assert engine.importance_sampling_cap is None  # samples from the policy: no correction
+        # Samples from the policy itself: no importance-sampling cap, no seed of its own.
+        assert engine.sampler == sampling
     assert (
         build_engine({"type": "hf", "args": {"prefill_once": False}}, sampling).prefill_once
         is False
     )
-    mine = HFGenerateEngine(max_new_tokens=3, temperature=0.5)
-    method = GRPOMethod(["char_match"], engine=mine, max_new_tokens=99)
+    mine = HFGenerateEngine(max_new_tokens=3, temperature=0.5, top_k=2)
+    method = GRPOMethod(["char_match"], engine=mine, max_new_tokens=99, top_k=7)
     assert method.engine is mine and method.max_new_tokens == 3 and method.temperature == 0.5
+    # The method's sampling is the engine's, every setting of it (top_k too), plus G.
+    assert method.sampling == SamplingConfig.of(mine.sampler, 8)
+    assert method.sampling.top_k == 2 and method.sampling.num_generations == 8
+
+
+def test_sampler_settings_are_checked_once_with_every_problem_listed():
+    with pytest.raises(ValueError) as info:
+        SamplerConfig(max_new_tokens=0, temperature=0.0, top_p=1.5, top_k=-1, seed=1.5)
+    message = str(info.value)
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed"):
+        assert f"{name} must be" in message
+    # Every engine and every method goes through the one check.
+    for build in (
+        lambda: HFGenerateEngine(top_k=-1),
+        lambda: vllm_engine.VLLMEngine(top_k=-1),
+        lambda: VLLMServerEngine(top_k=-1),
+        lambda: GRPOMethod(["char_match"], top_k=-1),
+    ):
+        with pytest.raises(ValueError, match=r"sampler settings: top_k must be an int >= 0"):
+            build()
+    with pytest.raises(ValueError, match="importance_sampling_cap must be >= 1"):
+        VLLMServerEngine(importance_sampling_cap=0.5)
+    assert VLLMServerEngine(importance_sampling=False).sampler.importance_sampling_cap is None
+    server = VLLMServerEngine(seed=3, importance_sampling_cap=3.0, top_p=0.5)
+    assert (server.sampler.seed, server.sampler.importance_sampling_cap) == (3, 3.0)
+    assert server.sampler.top_p == 0.5
+
+
+def test_engine_signatures_list_every_argument_they_pass_up():
+    """The YAML check of ``engine.args`` reads the engines' signatures: a backend that passes
+    the sampler settings up as ``**settings`` still lists them, its base's arguments too."""
+    server = inspect.signature(VLLMServerEngine.__init__).parameters
+    assert {"url", "timeout", "api_key", "seed", "importance_sampling_cap"} <= set(server)
+    assert {"max_new_tokens", "temperature", "top_p", "top_k", "generation_batch_size"} <= set(
+        server
+    )
+    assert not any(p.kind is p.VAR_KEYWORD for p in server.values())
+    vllm = inspect.signature(vllm_engine.VLLMEngine.__init__).parameters
+    assert {"gpu_memory_utilization", "seed", "importance_sampling", "top_k"} <= set(vllm)
+    hf = inspect.signature(HFGenerateEngine.__init__).parameters
+    assert {"prefill_once", "static_cache", "top_p"} <= set(hf) and "seed" not in hf
+    assert engine_problems({"type": "vllm-server", "args": {"seed": 1, "api_key": "k"}}) == []
+    assert engine_problems({"type": "hf", "args": {"seed": 1}})[0].startswith(
+        "engine.args.seed: unknown hf engine argument"
+    )
+
+
+def test_an_engine_without_sample_cannot_be_built():
+    class NoSampler(RolloutEngine):
+        pass
+
+    with pytest.raises(TypeError, match="_sample"):
+        NoSampler()  # type: ignore[abstract]
 
 
 def test_truncated_importance_weights_against_a_naive_loop():
@@ -126,7 +181,7 @@ class _Sampler(HFGenerateEngine):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.importance_sampling_cap = 2.0
+        self.sampler = replace(self.sampler, importance_sampling_cap=2.0)
 
 
 def _batch(sampler_shift: float):

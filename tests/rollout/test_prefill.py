@@ -74,7 +74,7 @@ def _plain_generate(model, tokenizer, prompts, n, **kw):
     its default ``DynamicCache``), the seed and sampling settings the engine uses."""
     from transformers import GenerationConfig
 
-    from grimoire.rollout.engine import pad_sequences
+    from grimoire.collate.common import pad_sequences
     from grimoire.rollout.generation import generation_mode
 
     ids, mask = pad_sequences(prompts, tokenizer.pad_token_id, left=True, min_width=2)

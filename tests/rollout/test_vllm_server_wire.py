@@ -14,7 +14,7 @@ import torch
 
 from grimoire.errors import ConfigError
 from grimoire.rollout.backends import build_engine, engine_problems
-from grimoire.rollout.stage import SamplingConfig
+from grimoire.rollout.engine import SamplerConfig
 from grimoire.rollout.vllm_server import (
     API_KEY_ENV,
     ChunkedReader,
@@ -133,7 +133,7 @@ def test_client_pushes_the_policy_and_maps_the_samples(served, tiny_model, token
 
 def test_errors_before_training(served, tiny_model, tokenizer):
     _, url = served
-    sampling = SamplingConfig(max_new_tokens=4)
+    sampling = SamplerConfig(max_new_tokens=4)
     # No server there: named, with the command that starts one.
     engine = build_engine({"type": "vllm-server", "args": {"url": "http://127.0.0.1:9", "timeout": 1}},
                           sampling)  # fmt: skip
@@ -189,7 +189,6 @@ def test_a_keyed_server_answers_only_the_trainer_with_its_key(keyed, tiny_model,
         VLLMServerEngine(url=url, timeout=5, api_key="guess").bind(tiny_model, *ids)
     # A push without the key is refused before a byte of it is read: nothing loaded.
     engine = VLLMServerEngine(url=url, timeout=5, api_key="guess")
-    engine.model = tiny_model
     with pytest.raises(PermissionError):
         engine._request("POST", "/weights", body=weight_frames(tiny_model.state_dict().items()))
     assert stand_in.pushed == [] and stand_in.requests == []

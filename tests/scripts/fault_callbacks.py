@@ -6,6 +6,7 @@
 - ``KillDuringSave``: the checkpoint of step ``step`` is SIGKILLed after its model and optimizer
   state are written, before it is renamed into place.
 - ``StopAt``: a stop request after step ``step`` (its checkpoint is written first).
+- ``NaNForward``: the final norm's output is NaN in the training forwards of chosen steps.
 """
 
 from __future__ import annotations
@@ -64,3 +65,19 @@ class SlowSteps(TrainerCallback):
 
     def on_step_end(self, trainer, step, loss, metrics):
         time.sleep(self.seconds)
+
+
+class NaNForward(TrainerCallback):
+    """The model's final norm returns NaN in the training forwards of the 1-based ``steps``
+    (as an overflowing activation does): the loss and every gradient of those steps are NaN."""
+
+    def __init__(self, steps: list[int]):
+        self.steps = set(steps)
+
+    def on_train_begin(self, trainer):
+        def poison(module, args, output):
+            if module.training and trainer.global_step + 1 in self.steps:
+                return output * float("nan")
+            return None
+
+        trainer.unwrapped_model.get_decoder().norm.register_forward_hook(poison)

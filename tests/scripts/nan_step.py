@@ -1,11 +1,13 @@
 """SFT with a NaN injected into one step's loss (so into its gradients) on one rank.
 
 Usage: nan_step.py MODEL_DIR OUT_DIR BAD_STEPS_JSON BAD_RANK EXTRA_CONFIG_JSON
-Launched with 1 process or under `accelerate launch --num_processes 2`. Writes
-OUT_DIR/params_<rank>_<step>.pt after every step, and OUT_DIR/result_<rank>.json (skipped steps,
-the optimizer's own step count, the learning rates, the error message if the run stopped).
+Launched with 1 process or under `accelerate launch` (DDP, FSDP2 or a DeepSpeed config). Writes
+OUT_DIR/params_<rank>_<step>.pt after every step (the full weights: ZeRO-3 partitions gathered),
+and OUT_DIR/result_<rank>.json (skipped steps, the optimizer's own step count, or the DeepSpeed
+engine's skipped-step count, the learning rates, the error message if the run stopped).
 """
 
+import contextlib
 import json
 import sys
 
@@ -17,6 +19,7 @@ from grimoire import GrimoireTrainer, TrainerCallback
 from grimoire.data import tokenize_sft
 from grimoire.losses import SFTLoss
 from grimoire.model.tiny import reverse_rows
+from grimoire.parallel.deepspeed import is_engine
 from grimoire.training.guard import TrainingDiverged
 
 
@@ -43,10 +46,20 @@ class Snapshots(TrainerCallback):
 
     def on_step_end(self, trainer, step, loss, metrics):
         model = trainer.unwrapped_model
-        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        with gathered(trainer.model):
+            state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
         torch.save(state, f"{self.out}/params_{self.rank}_{step}.pt")
         self.lrs.append(trainer.scheduler.get_last_lr()[0])
+
+
+def gathered(model):
+    """ZeRO-3's partitioned weights gathered whole for the read (a collective: every rank)."""
+    if not is_engine(model) or model.zero_optimization_stage() != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.module.parameters()))
 
 
 model_dir, out_dir = sys.argv[1], sys.argv[2]
@@ -72,11 +85,17 @@ try:
     trainer.train()
 except TrainingDiverged as exc:
     error = str(exc)
-optim_steps = [s["step"] for s in trainer.optimizer.optimizer.state_dict()["state"].values()]
+if is_engine(trainer.model):  # the engine's own counts: steps taken, steps it skipped
+    optim_steps = [trainer.model.global_steps - trainer.model.skipped_steps]
+    engine_skipped = trainer.model.skipped_steps
+else:
+    optim_steps = [s["step"] for s in trainer.optimizer.optimizer.state_dict()["state"].values()]
+    engine_skipped = None
 result = {
     "skipped_steps": trainer.state.skipped_steps,
     "global_step": trainer.global_step,
     "optimizer_steps": sorted({float(s) for s in optim_steps}),
+    "engine_skipped_steps": engine_skipped,
     "lrs": snaps.lrs,
     "error": error,
 }

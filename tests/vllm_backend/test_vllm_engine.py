@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from tests.vllm_backend.common import TINY
@@ -54,17 +56,19 @@ def test_greedy_is_hfs_greedy(engine, model):
 
 def test_temperature_and_top_k_are_vllms_own(engine, model):
     greedy = engine.generate(PROMPTS, 1, greedy=True, with_old_logps=False)
-    engine.top_k = 1  # sampling restricted to the arg max is greedy
+    plain = engine.sampler
+    engine.sampler = replace(plain, top_k=1)  # sampling restricted to the arg max is greedy
     try:
         top1 = engine.generate(PROMPTS, 1, with_old_logps=False)
     finally:
-        engine.top_k = 0
+        engine.sampler = plain
     assert torch.equal(top1.completion_ids, greedy.completion_ids)
-    engine.temperature = 0.5  # log-probs of the temperature-scaled distribution on both sides
+    # Log-probs of the temperature-scaled distribution on both sides.
+    engine.sampler = replace(plain, temperature=0.5)
     try:
         r = engine.generate(PROMPTS, 2)
     finally:
-        engine.temperature = 1.0
+        engine.sampler = plain
     assert (r.old_logps - r.sampler_logps).abs().max() < 1e-4
     logps, _ = completion_logps(model, r.input_ids, r.attention_mask, r.completion_ids.shape[1])
     assert (logps * r.completion_mask - r.sampler_logps).abs().max() > 1e-2  # T=1 differs

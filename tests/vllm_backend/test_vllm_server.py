@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
+from tests.vllm_backend.common import start_server
 from tests.vllm_backend.test_vllm_ddp import WORKER, _env, _records
 from tests.vllm_backend.test_vllm_sync import check_sync
 
@@ -24,22 +24,7 @@ def _pushes(url: str) -> int:
 
 @pytest.fixture(scope="module")
 def server(vllm_tiny):
-    cmd = [sys.executable, "-m", "grimoire", "vllm-serve", "--model", str(vllm_tiny),
-           "--port", "0", "--max-model-len", "128", "--max-num-seqs", "64"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env())  # fmt: skip
-    lines, deadline = [], time.monotonic() + 300
-    url = None
-    while url is None and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if "grimoire vllm-serve: serving" in line:
-            url = line.rsplit(" at ", 1)[1].strip()
-    if url is None:
-        proc.kill()
-        pytest.fail("vllm-serve did not start:\n" + "".join(lines[-40:]))
+    proc, url = start_server(vllm_tiny, _env())
     yield url
     proc.terminate()
     proc.wait(timeout=60)

@@ -6,7 +6,7 @@ Below both :mod:`grimoire.cli.schema` (the whole config) and :mod:`grimoire.cli.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from grimoire.config.training import check_type
@@ -14,7 +14,7 @@ from grimoire.errors import did_you_mean
 
 
 def unknown_keys(
-    section: Mapping[str, Any], known: Sequence[str], where: str, accepted: Sequence[str] = ()
+    section: Mapping[str, Any], known: Sequence[str], where: str, accepted: Iterable[str] = ()
 ) -> list[str]:
     """``where.key: unknown key (did you mean ...); valid keys: ...`` for each unknown key.
 
@@ -31,7 +31,7 @@ def unknown_keys(
 
 
 def section_problems(
-    section: Any, where: str, keys: Mapping[str, Any], accepted: Sequence[str] = ()
+    section: Any, where: str, keys: Mapping[str, Any], accepted: Iterable[str] = ()
 ) -> list[str]:
     """Unknown keys and type errors of a flat section (``None`` = absent)."""
     if section is None:

@@ -1,4 +1,5 @@
-"""Shared pieces of the collators: padding integer lists and right-padding prefixed columns."""
+"""Shared pieces of the collators: padding integer lists (the one padding helper, the rollout's
+prompts and completions included) and right-padding prefixed columns."""
 
 from __future__ import annotations
 
@@ -11,17 +12,22 @@ from grimoire.columns import IGNORE_INDEX
 from grimoire.contract.layout import LAYOUT_KEY, Padded, shifted_targets
 
 
-def pad_sequences(seqs: Sequence[Sequence[int]], value: int, side: str = "right") -> torch.Tensor:
-    """Pad integer lists to the longest: ``[B, T]`` long tensor."""
-    width = max((len(s) for s in seqs), default=0)
-    out = torch.full((len(seqs), width), value, dtype=torch.long)
+def pad_sequences(
+    seqs: Sequence[Sequence[int]], value: int, left: bool = False, min_width: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer lists padded with ``value`` to the longest (at least ``min_width``), at their end
+    or (``left``, prompts that generation appends to) their start: ``(ids, mask)``, both
+    ``[B, T]`` long, ``mask`` 1 on the lists' own values."""
+    width = max(min_width, max((len(s) for s in seqs), default=0))
+    ids = torch.full((len(seqs), width), value, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
-        if len(s):
-            if side == "right":
-                out[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            else:
-                out[i, width - len(s) :] = torch.as_tensor(s, dtype=torch.long)
-    return out
+        if not len(s):
+            continue
+        where = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[i, where] = torch.as_tensor(s, dtype=torch.long)
+        mask[i, where] = 1
+    return ids, mask
 
 
 def collate_prefixed(
@@ -36,9 +42,9 @@ def collate_prefixed(
     batch: dict[str, Any] = {}
     targets = []
     for p in prefixes:
-        ids = [f[f"{p}input_ids"] for f in features]
-        batch[f"{p}input_ids"] = pad_sequences(ids, pad_token_id)
-        batch[f"{p}labels"] = pad_sequences([f[f"{p}labels"] for f in features], IGNORE_INDEX)
+        ids, mask = pad_sequences([f[f"{p}input_ids"] for f in features], pad_token_id)
+        batch[f"{p}input_ids"] = ids
+        batch[f"{p}labels"] = pad_sequences([f[f"{p}labels"] for f in features], IGNORE_INDEX)[0]
         if f"{p}position_ids" in features[0]:
             # Rows that carry their own document boundaries (pretrain blocks): no attention mask,
             # so attention follows position_ids; padding continues the last segment's positions
@@ -50,7 +56,7 @@ def collate_prefixed(
                 ]
             )
         else:
-            batch[f"{p}attention_mask"] = pad_sequences([[1] * len(s) for s in ids], 0)
+            batch[f"{p}attention_mask"] = mask
         keep = shifted_targets(batch[f"{p}labels"], batch.get(f"{p}position_ids"))
         targets.append((p, int(keep.sum())))
     handled = {
@@ -70,7 +76,9 @@ def collate_prefixed(
     # follows their restarts, so a plain causal pass would not be exact).
     own_positions = any(f"{p}position_ids" in batch for p in prefixes)
     tokens = sum(len(f[f"{p}input_ids"]) for p in prefixes for f in features)
-    batch[LAYOUT_KEY] = Padded(tuple(targets), right_padded=not own_positions, tokens=tokens)
+    batch[LAYOUT_KEY] = Padded(
+        tuple(targets), right_padded=not own_positions, tokens=tokens, rows=len(features)
+    )
     return batch
 
 

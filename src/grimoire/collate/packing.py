@@ -67,7 +67,45 @@ def pack_samples(
         raise ValueError("pack_samples needs at least one column")
     if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-    keys = [f"{prefix}{col}" for col in columns]
+    per_col, seq_lens = _sample_columns(samples, [f"{prefix}{col}" for col in columns])
+    total = sum(seq_lens)
+    pad = -total % pad_to_multiple_of if pad_to_multiple_of else 0
+    out: dict[str, Any] = {
+        col: _joined(parts, col, pad, pad_token_id) for col, parts in zip(columns, per_col)
+    }
+    device = out[columns[0]].device
+    sample_index, position_ids = _sample_positions(seq_lens, device)
+    own = f"{prefix}position_ids"
+    segments = None
+    if all(own in s for s in samples):
+        # Samples that already mark internal document boundaries (pretrain blocks) keep them.
+        position_ids = torch.cat(
+            [torch.as_tensor(s[own], dtype=torch.long).reshape(-1) for s in samples]
+        ).to(device)
+        segments = _segments(position_ids)
+    targets = None
+    if "labels" in out and device.type == "cpu":
+        # Each sample's trained targets (the LM head's rows), counted while on the host (a row
+        # packed on a device is not read back for them: the forward counts there).
+        keep = shifted_targets(out["labels"][:, :total], position_ids.unsqueeze(0))[0]
+        counts = torch.zeros(len(seq_lens), dtype=torch.long).index_add_(
+            0, sample_index, keep.long()
+        )
+        targets = tuple(counts.tolist())
+    if pad:
+        sample_index = torch.cat([sample_index, sample_index.new_full((pad,), -1)])
+        position_ids = torch.cat([position_ids, torch.arange(pad, device=device)])
+    out["position_ids"] = position_ids.unsqueeze(0)
+    out["sample_index"] = sample_index.unsqueeze(0)
+    out[LAYOUT_KEY] = Packed(tuple(seq_lens), targets, segments)
+    return out
+
+
+def _sample_columns(
+    samples: Sequence[Mapping[str, Any]], keys: Sequence[str]
+) -> tuple[list[list[Tensor]], list[int]]:
+    """Each key's per-sample 1-D tensors and each sample's length; every problem (a missing
+    column, an empty sample, columns of different lengths) in one :class:`DataError`."""
     problems: list[str] = []
     per_col: list[list[Tensor]] = [[] for _ in keys]
     seq_lens: list[int] = []
@@ -88,56 +126,43 @@ def pack_samples(
         seq_lens.append(n or 0)
     if problems:
         raise DataError(problems, title="cannot pack micro-batch")
+    return per_col, seq_lens
 
-    total = sum(seq_lens)
-    pad = 0
-    if pad_to_multiple_of is not None and pad_to_multiple_of > 1:
-        pad = -total % pad_to_multiple_of
 
-    out: dict[str, Any] = {}
-    for col, parts in zip(columns, per_col):
-        row = torch.cat(parts)
-        if not row.is_floating_point() and row.dtype != torch.bool:
-            row = row.long()
-        if pad:
-            fill = pad_token_id if col == "input_ids" else IGNORE_INDEX if col == "labels" else 0
-            row = torch.cat([row, row.new_full((pad,), fill)])
-        out[col] = row.unsqueeze(0)
-
-    lens = torch.tensor(seq_lens, dtype=torch.long)
-    num = len(seq_lens)
-    sample_index = torch.repeat_interleave(torch.arange(num), lens)
-    starts = torch.cumsum(lens, 0) - lens
-    position_ids = torch.arange(total) - torch.repeat_interleave(starts, lens)
-    own = f"{prefix}position_ids"
-    if all(own in s for s in samples):
-        # Samples that already mark internal document boundaries (pretrain blocks) keep them.
-        position_ids = torch.cat(
-            [torch.as_tensor(s[own], dtype=torch.long).reshape(-1) for s in samples]
-        )
-    segments = None
-    if all(own in s for s in samples):
-        # Attention segments where position_ids restart (transformers' rule: a position that is
-        # not the previous + 1), counted here on the host so no forward reads them back.
-        starts = torch.ones(total, dtype=torch.bool)
-        starts[1:] = position_ids[1:] != position_ids[:-1] + 1
-        bounds = [*starts.nonzero().flatten().tolist(), total]
-        segments = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    targets = None
-    if "labels" in out:
-        # Each sample's trained targets (the LM head's rows), counted while on the host.
-        keep = shifted_targets(out["labels"][:, :total], position_ids.unsqueeze(0))[0]
-        targets = torch.zeros(len(seq_lens), dtype=torch.long).index_add_(
-            0, sample_index, keep.long()
-        )
+def _joined(parts: list[Tensor], col: str, pad: int, pad_token_id: int) -> Tensor:
+    """One column's ``[1, L]`` row: the samples back to back (integers as ``long``), then
+    ``pad`` end positions of ``pad_token_id`` / ``-100`` (labels) / 0."""
+    row = torch.cat(parts)
+    if not row.is_floating_point() and row.dtype != torch.bool:
+        row = row.long()
     if pad:
-        sample_index = torch.cat([sample_index, sample_index.new_full((pad,), -1)])
-        position_ids = torch.cat([position_ids, torch.arange(pad)])
-    out["position_ids"] = position_ids.unsqueeze(0)
-    out["sample_index"] = sample_index.unsqueeze(0)
-    counts = None if targets is None else tuple(targets.tolist())
-    out[LAYOUT_KEY] = Packed(tuple(seq_lens), counts, segments)
-    return out
+        fill = pad_token_id if col == "input_ids" else IGNORE_INDEX if col == "labels" else 0
+        row = torch.cat([row, row.new_full((pad,), fill)])
+    return row.unsqueeze(0)
+
+
+def _sample_positions(seq_lens: list[int], device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(sample_index, position_ids)`` of samples of ``seq_lens`` back to back, ``[sum]``
+    long on ``device``: which sample each position is in, and its position there (from 0)."""
+    total = sum(seq_lens)
+    lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+    # output_size: the result's length is known on the host, so a device never syncs for it.
+    sample_index = torch.repeat_interleave(
+        torch.arange(len(seq_lens), device=device), lens, output_size=total
+    )
+    starts = torch.cumsum(lens, 0) - lens
+    offsets = torch.repeat_interleave(starts, lens, output_size=total)
+    return sample_index, torch.arange(total, device=device) - offsets
+
+
+def _segments(position_ids: Tensor) -> tuple[int, ...]:
+    """Attention segments where ``position_ids`` restart (transformers' rule: a position that
+    is not the previous + 1), counted on the host so no forward reads them back."""
+    total = position_ids.numel()
+    starts = torch.ones(total, dtype=torch.bool)
+    starts[1:] = position_ids[1:].cpu() != position_ids[:-1].cpu() + 1
+    bounds = [*starts.nonzero().flatten().tolist(), total]
+    return tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
 
 
 def pack_row_sides(
@@ -222,6 +247,10 @@ def padding_fraction(
 
 class PackedCollator:
     """Padding-free collator: a micro-batch of samples becomes one ``[1, L]`` packed row."""
+
+    #: Read by the trainer's packing decision: given as ``data_collator``, it makes the run
+    #: packed (a user's collator counts as padded without it).
+    packed = True
 
     def __init__(self, pad_token_id: int, columns: Sequence[str] = ("input_ids", "labels")):
         self.pad_token_id = pad_token_id

@@ -18,20 +18,20 @@ from grimoire.contract.layout import LAYOUT_KEY, Padded
 class GRPOCollator:
     """Left-pads ``prompt_input_ids`` / ``prompt_attention_mask`` to ``[B, P]``; every other
     column is passed through as a list (reward functions get plain Python values). Layout:
-    :class:`~grimoire.contract.layout.Padded` (generation takes padded prompts)."""
+    :class:`~grimoire.contract.layout.Padded` with ``prompts=True`` (generation takes padded
+    prompts; a method meets such a batch only to evaluate it)."""
 
     pad_token_id: int
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        ids = [list(f["prompt_input_ids"]) for f in features]
-        batch: dict[str, Any] = {
-            "prompt_input_ids": pad_sequences(ids, self.pad_token_id, side="left"),
-            "prompt_attention_mask": pad_sequences([[1] * len(s) for s in ids], 0, side="left"),
-        }
+        ids, mask = pad_sequences(
+            [list(f["prompt_input_ids"]) for f in features], self.pad_token_id, left=True
+        )
+        batch: dict[str, Any] = {"prompt_input_ids": ids, "prompt_attention_mask": mask}
         for key in features[0]:
             if key not in batch:
                 batch[key] = [f.get(key) for f in features]
-        batch[LAYOUT_KEY] = Padded()
+        batch[LAYOUT_KEY] = Padded(rows=len(features), prompts=True)
         return batch
 
 

@@ -28,9 +28,10 @@ class PackedSFTCollator(PackedCollator):
     :class:`~grimoire.contract.layout.Packed`).
 
     ``GrimoireTrainer(..., data_collator=PackedSFTCollator(tok.pad_token_id))`` trains packed:
-    the collator says so (``packed = True``), so the trainer switches the model's attention to
-    per-sample (grimoire-rl's version kept an all-ones attention mask, and sdpa/eager attention
-    then crossed sample boundaries). The same as ``TrainingConfig(padding_free=True)``.
+    the collator says so (``packed = True``, as every :class:`PackedCollator`), so the trainer
+    switches the model's attention to per-sample (grimoire-rl's version kept an all-ones
+    attention mask, and sdpa/eager attention then crossed sample boundaries). The same as
+    ``TrainingConfig(padding_free=True)``.
 
     Args:
         pad_token_id: kept for the signature (a packed row has no padding).
@@ -40,9 +41,6 @@ class PackedSFTCollator(PackedCollator):
             new row every ``max_length`` tokens); bound a micro-batch's tokens with
             ``TrainingConfig.max_tokens_per_device``.
     """
-
-    #: Read by the trainer's packing decision (a user's collator counts as padded without it).
-    packed = True
 
     def __init__(
         self, pad_token_id: int = 0, label_pad_token_id: int = IGNORE_INDEX, max_length: int = 2048

@@ -23,6 +23,13 @@ without a ``nonzero`` on the device), the real tokens and whether rows are right
 blocks), the attention segments. These are facts about the same tensors, so
 they are left out of equality (``compare=False``): a layout built by hand without them equals
 the collator's.
+
+The layout answers what code outside ``collate/`` used to learn from the keys (:func:`num_rows`,
+:func:`num_targets`, :func:`num_tokens`, :func:`is_prompt_batch`, :func:`attention_inputs`),
+from the collator's counts when it has them and from the tensors when not (a user collator's
+plain dict); only ``collate/`` and this module read :data:`LAYOUT_KEYS` (a test checks). The one
+shifted-target rule (:func:`shifted_targets`, :func:`shift_labels`) lives here too, so the
+collators' host-side counts and the forward's targets cannot disagree.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -54,11 +61,18 @@ class Padded:
             without restarts, so plain causal attention without a mask is exact for every real
             token (a real token never sees a later position). Set by grimoire's own collators.
         tokens: the real (unpadded) input tokens over every prefix, counted on the host.
+        rows: the batch's rows ``B`` (for rows of several sequences, e.g. preference pairs,
+            the rows of each side's tensors); None when not stated (a user collator).
+        prompts: the rows are prompts to sample from, with nothing to train on yet. In
+            training the rollout stage turns them into training rows; a method is handed such
+            a batch only to evaluate, so this is how a batch says it is for evaluation.
     """
 
     targets: tuple[tuple[str, int], ...] | None = field(default=None, compare=False)
     right_padded: bool = field(default=False, compare=False)
     tokens: int | None = field(default=None, compare=False)
+    rows: int | None = field(default=None, compare=False)
+    prompts: bool = field(default=False, compare=False)
 
     @property
     def num_targets(self) -> int | None:
@@ -68,9 +82,11 @@ class Padded:
     def sides(self, prefixes: tuple[str, ...]) -> Padded:
         """The layout of ``prefixes``' rows alone (or stacked), as un-prefixed rows."""
         counts = dict(self.targets) if self.targets is not None else None
+        rows = None if self.rows is None else self.rows * len(prefixes)
         if counts is None or any(p not in counts for p in prefixes):
-            return Padded(None, self.right_padded)
-        return Padded((("", sum(counts[p] for p in prefixes)),), self.right_padded)  # no tokens
+            return Padded(None, self.right_padded, rows=rows)
+        targets = (("", sum(counts[p] for p in prefixes)),)
+        return Padded(targets, self.right_padded, rows=rows)  # tokens: not counted per side
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,9 @@ class Packed:
     targets: tuple[int, ...] | None = field(default=None, compare=False)
     segments: tuple[int, ...] | None = field(default=None, compare=False)
 
+    #: A packed row is always trained on (prompts to sample from are padded).
+    prompts: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
         lens = tuple(int(n) for n in self.seq_lens)  # also accepts a list or numpy ints
         if not lens or min(lens) < 1:
@@ -108,6 +127,11 @@ class Packed:
 
     @property
     def num_samples(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def rows(self) -> int:
+        """The samples in the row (each is a row of the padded batch it replaces)."""
         return len(self.seq_lens)
 
     @property
@@ -176,15 +200,84 @@ def layout_of(batch: Mapping[str, Any]) -> BatchLayout:
 
 
 def shifted_targets(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Which positions hold a trained TARGET token: ``labels != -100`` except the first column
-    and (packed rows) any position where ``position_ids`` restart, exactly the targets
-    :func:`grimoire.forward.logprobs.shift_labels` keeps, indexed by the target token. Shapes:
-    ``[B, T]`` -> ``[B, T]`` bool. The collators run it on host tensors."""
+    """THE shifted-target rule: which positions hold a trained TARGET token. A token is a
+    target when its label is not ``-100`` and a position before it in the same sample predicts
+    it: not in the first column, and (packed rows, pretrain blocks) not where ``position_ids``
+    restart at 0, where the position before belongs to another sample. Indexed by the target
+    token; :func:`shift_labels` lays the same targets out by predicting position. Shapes:
+    ``[B, T]`` -> ``[B, T]`` bool. The collators run it on host tensors to count targets."""
     keep = labels != IGNORE_INDEX
     keep[:, 0] = False
     if position_ids is not None:
         keep &= position_ids != 0
     return keep
+
+
+def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Targets per predicting position: ``out[:, t] = labels[:, t + 1]`` where
+    :func:`shifted_targets` keeps it, ``-100`` elsewhere (and in the last column). Shapes:
+    ``[B, T]`` -> ``[B, T]``, ``labels``' dtype."""
+    keep = shifted_targets(labels, position_ids)
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:, :-1] = labels[:, 1:].masked_fill(~keep[:, 1:], IGNORE_INDEX)
+    return out
+
+
+def num_rows(batch: Mapping[str, Any]) -> int:
+    """The batch's rows (samples): a packed row's samples, a padded batch's rows (as its
+    collator counted them, else the first ``*input_ids`` tensor's; 1 when it has none)."""
+    layout = layout_of(batch)
+    if layout.rows is not None:
+        return layout.rows
+    for key, value in batch.items():
+        if key.endswith("input_ids") and isinstance(value, torch.Tensor):
+            return int(value.shape[0])
+    return 1
+
+
+def attention_inputs(
+    batch: Mapping[str, Any], prefix: str = ""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(attention_mask, position_ids)`` of ``prefix``'s rows, as the model takes them: a
+    packed row has ``position_ids`` and no mask; padded rows a mask, and ``position_ids`` too
+    when they mark document boundaries (pretrain blocks); a user collator may give neither."""
+    return batch.get(f"{prefix}attention_mask"), batch.get(f"{prefix}position_ids")
+
+
+def target_mask(batch: Mapping[str, Any], prefix: str = "") -> torch.Tensor:
+    """``[B, T]`` bool: where ``prefix``'s rows hold a trained target (:func:`shifted_targets`
+    of its ``labels``, with the ``position_ids`` where samples or documents restart)."""
+    return shifted_targets(batch[f"{prefix}labels"], attention_inputs(batch, prefix)[1])
+
+
+def num_targets(batch: Mapping[str, Any]) -> int:
+    """The batch's trained targets: the collator's host-side count when its layout has one,
+    else counted from the labels (a read from wherever the tensors are)."""
+    counted = layout_of(batch).num_targets
+    return counted if counted is not None else int(target_mask(batch).sum())
+
+
+def num_tokens(batch: Mapping[str, Any]) -> int:
+    """Real (non-pad) input tokens over every ``*input_ids`` column: the layout's host-side
+    count when it has one (a collator's padded rows, a packed row's samples), else each column's
+    ``attention_mask`` sum (all of its positions when it has none)."""
+    layout = layout_of(batch)
+    if isinstance(layout, Packed):
+        return layout.num_tokens
+    if layout.tokens is not None:
+        return layout.tokens
+    total = 0
+    for key, value in batch.items():
+        if key.endswith("input_ids") and isinstance(value, torch.Tensor):
+            mask = batch.get(key.replace("input_ids", "attention_mask"))
+            total += int(mask.sum()) if isinstance(mask, torch.Tensor) else value.numel()
+    return total
+
+
+def is_prompt_batch(batch: Mapping[str, Any]) -> bool:
+    """Whether the batch holds prompts to sample from (:attr:`Padded.prompts`), which a method
+    that generates is handed only to evaluate."""
+    return layout_of(batch).prompts
 
 
 def to_device(batch: Mapping[str, Any], device: Any) -> dict[str, Any]:
@@ -201,12 +294,33 @@ def to_device(batch: Mapping[str, Any], device: Any) -> dict[str, Any]:
     }
 
 
+#: The batch keys that tell a batch's layout apart (besides :data:`LAYOUT_KEY` itself). Only
+#: ``collate/`` (which writes them) and this module read them to learn the layout; everyone
+#: else asks the layout (tests/test_layout_keys.py checks).
+LAYOUT_KEYS = (
+    LAYOUT_KEY,
+    "position_ids",
+    "attention_mask",
+    "sample_index",
+    "seq_lens",
+    "cu_seqlens",
+    "max_seqlen",
+)
+
 __all__ = [
     "LAYOUT_KEY",
+    "LAYOUT_KEYS",
     "BatchLayout",
     "Packed",
     "Padded",
+    "attention_inputs",
+    "is_prompt_batch",
     "layout_of",
+    "num_rows",
+    "num_targets",
+    "num_tokens",
+    "shift_labels",
     "shifted_targets",
+    "target_mask",
     "to_device",
 ]

@@ -1,7 +1,8 @@
 """One forward per batch layout: per-sample token log-probs from padded rows or a packed row.
 
-A batch states its layout (:func:`grimoire.contract.layout.layout_of`); :func:`sample_token_logps`
-is the one place that turns it into a forward:
+A batch states its layout (:func:`grimoire.contract.layout.layout_of`); :func:`layout_token_logps`
+is the one place that turns it into a forward (every loss's, the rollout's completion scoring
+too), and :func:`sample_token_logps` its per-sample rows:
 
 - :class:`~grimoire.contract.layout.Padded`: one call on the ``[B, T]`` rows with their
   ``attention_mask``; the result is already one row per sample;
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from grimoire.collate.preference import pad_right
 from grimoire.columns import IGNORE_INDEX
-from grimoire.contract.layout import BatchLayout, Packed, Padded, layout_of
+from grimoire.contract.layout import BatchLayout, Packed, Padded, attention_inputs, layout_of
 from grimoire.forward.logprobs import TokenLogps
 
 #: ``compute(input_ids, labels, attention_mask, position_ids, layout) -> TokenLogps``.
@@ -64,7 +65,7 @@ def unpack_rows(out: TokenLogps, layout: Packed) -> TokenLogps:
     return TokenLogps(rows(out.logps), out.mask[0][index] & valid, entropy)
 
 
-def sample_token_logps(
+def layout_token_logps(
     compute: TokenLogpsFn,
     input_ids: Tensor,
     labels: Tensor,
@@ -72,12 +73,12 @@ def sample_token_logps(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
 ) -> TokenLogps:
-    """Per-sample token log-probs ``[N, T]`` of one forward, whatever the layout.
+    """THE dispatch on a batch's layout: ``compute`` called with the inputs the layout takes,
+    and its result as it comes, ``[B, T]`` for padded rows, ``[1, L]`` for a packed row.
 
-    Padded: ``compute`` on the ``[N, T]`` rows with ``attention_mask`` (and ``position_ids`` if
+    Padded: ``compute`` on the ``[B, T]`` rows with ``attention_mask`` (and ``position_ids`` if
     given, e.g. pretrain blocks). Packed: ``compute`` on the ``[1, L]`` row with
-    ``position_ids`` (required: they mark the samples' boundaries) and no mask, then
-    :func:`unpack_rows`.
+    ``position_ids`` (required: they mark the samples' boundaries) and no mask.
 
     Raises:
         ValueError: for a packed row without ``position_ids`` or with an ``attention_mask``
@@ -88,8 +89,23 @@ def sample_token_logps(
             raise ValueError(
                 "a packed row is scored with its position_ids and without an attention_mask"
             )
-        return unpack_rows(compute(input_ids, labels, None, position_ids, layout), layout)
+        return compute(input_ids, labels, None, position_ids, layout)
     return compute(input_ids, labels, attention_mask, position_ids, layout)
+
+
+def sample_token_logps(
+    compute: TokenLogpsFn,
+    input_ids: Tensor,
+    labels: Tensor,
+    layout: BatchLayout,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+) -> TokenLogps:
+    """Per-sample token log-probs ``[N, T]`` of one forward, whatever the layout:
+    :func:`layout_token_logps`, a packed row's result cut back into samples
+    (:func:`unpack_rows`)."""
+    out = layout_token_logps(compute, input_ids, labels, layout, attention_mask, position_ids)
+    return unpack_rows(out, layout) if isinstance(layout, Packed) else out
 
 
 @dataclass(frozen=True)
@@ -103,16 +119,22 @@ class LayoutRows:
     attention_mask: Tensor | None = None
     position_ids: Tensor | None = None
 
+    @classmethod
+    def of(cls, batch: Mapping[str, Any]) -> LayoutRows:
+        """A batch's own rows (``input_ids``, ``labels`` and what its layout takes)."""
+        mask, position_ids = attention_inputs(batch)
+        return cls(batch["input_ids"], batch["labels"], layout_of(batch), mask, position_ids)
+
     def token_logps(self, compute: TokenLogpsFn) -> TokenLogps:
         """``[rows, T]`` per-sample token log-probs (:func:`sample_token_logps`)."""
-        return sample_token_logps(
-            compute,
-            self.input_ids,
-            self.labels,
-            self.layout,
-            self.attention_mask,
-            self.position_ids,
-        )
+        return sample_token_logps(compute, *self._inputs())
+
+    def forward(self, compute: TokenLogpsFn) -> TokenLogps:
+        """The forward's own result, a packed row not cut (:func:`layout_token_logps`)."""
+        return layout_token_logps(compute, *self._inputs())
+
+    def _inputs(self) -> tuple[Tensor, Tensor, BatchLayout, Tensor | None, Tensor | None]:
+        return self.input_ids, self.labels, self.layout, self.attention_mask, self.position_ids
 
 
 def rows_per_side(batch: Mapping[str, Any], sides: Sequence[str]) -> int:
@@ -148,7 +170,7 @@ def side_rows(batch: Mapping[str, Any], sides: Sequence[str]) -> list[LayoutRows
     padded = layout if isinstance(layout, Padded) else Padded()
     for side in sides:
         ids = batch[f"{side}input_ids"]
-        mask = batch.get(f"{side}attention_mask")
+        mask = attention_inputs(batch, side)[0]
         labels = batch.get(f"{side}labels")
         parts.append(
             LayoutRows(
@@ -221,6 +243,7 @@ __all__ = [
     "LayoutRows",
     "TokenLogpsFn",
     "joint_rows",
+    "layout_token_logps",
     "rows_per_side",
     "sample_token_logps",
     "side_rows",

@@ -22,7 +22,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -36,6 +36,9 @@ from grimoire.forward.head.sharded import (
     root_unit,
     unshard_in_backward,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # The public entry point lives in grimoire.forward.logprobs, and so does the logger name users
 # filter on.
@@ -79,11 +82,11 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(
             model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel
         ) or type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine"):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile
-            model = model._orig_mod
-        elif _from_peft(model) and hasattr(model, "get_base_model"):
-            inner = model.get_base_model()
+            model = cast(torch.nn.Module, model.module)  # each wrapper's wrapped module
+        elif isinstance(compiled := getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = compiled  # torch.compile's original module
+        elif _from_peft(model) and callable(get_base := getattr(model, "get_base_model", None)):
+            inner = cast(torch.nn.Module, get_base())  # peft's transformers model
             if inner is model:
                 break
             model = inner
@@ -172,7 +175,10 @@ def fused_parts(model: torch.nn.Module, require: bool = False) -> _Parts | None:
     state = _STATE.setdefault(base, _FusedState())
     if state.disabled is not None:
         return None
-    head = base.get_output_embeddings()
+    # _unsupported_reason found a head and a decoder: a transformers CausalLM.
+    causal_lm = cast("PreTrainedModel", base)
+    head = causal_lm.get_output_embeddings()
+    assert head is not None, "checked by _unsupported_reason"
     if _UNITS.get(model, (None,))[0] is not type(model):
         # FSDP2: gather the head's unit around the chunk loop, and in backward the root too
         # (its pre-backward hook sits on the model's own logits, which this path drops).
@@ -182,7 +188,7 @@ def fused_parts(model: torch.nn.Module, require: bool = False) -> _Parts | None:
         _UNITS[model] = (type(model), unit, units)
     _, unit, units = _UNITS[model]
     return _Parts(
-        base=base, decoder=base.get_decoder(), head=head, state=state, unit=unit, units=units
+        base=base, decoder=causal_lm.get_decoder(), head=head, state=state, unit=unit, units=units
     )
 
 
@@ -356,7 +362,10 @@ def target_index(flat_mask: Tensor, count: int) -> Tensor:
     ``cumsum(mask)[i] - 1``; the others write to a spare last slot, dropped. A ``count`` that
     is not the mask's (a layout that does not belong to these rows) fails a device-side assert.
     """
-    torch._assert_async(flat_mask.sum() == count, "the layout's target count is not the mask's")
+    # A device-side assert (no host sync); torch has no public name for it.
+    torch._assert_async(  # pyright: ignore[reportPrivateImportUsage]
+        flat_mask.sum() == count, "the layout's target count is not the mask's"
+    )
     slot = torch.where(flat_mask, flat_mask.cumsum(0) - 1, count).clamp(max=count)
     positions = torch.arange(flat_mask.numel(), device=flat_mask.device)
     out = torch.zeros(count + 1, dtype=torch.long, device=flat_mask.device)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from grimoire.columns import IGNORE_INDEX
-from grimoire.contract.layout import BatchLayout
+from grimoire.contract.layout import BatchLayout, shift_labels
 from grimoire.forward.attention_hints import attention_hint
 from grimoire.forward.fused_head import fused_parts, fused_token_logps
 from grimoire.forward.head.workspace import release_workspace
@@ -61,21 +61,6 @@ class TokenLogps:
     def mean(self) -> Tensor:
         """Length-averaged log-prob of each row, ``[B]``; 0 for rows with no targets."""
         return self.sum() / self.count().clamp(min=1.0)
-
-
-def shift_labels(labels: Tensor, position_ids: Tensor | None = None) -> Tensor:
-    """Targets per predicting position: ``out[:, t] = labels[:, t + 1]``, last column ignored.
-
-    With ``position_ids`` (packed rows), a target that is the first token of a sample
-    (``position_ids == 0``) is ignored: it would be predicted from another sample's context.
-    """
-    out = torch.full_like(labels, IGNORE_INDEX)
-    out[:, :-1] = labels[:, 1:]
-    if position_ids is not None:
-        starts = torch.zeros_like(out, dtype=torch.bool)
-        starts[:, :-1] = position_ids[:, 1:] == 0
-        out = out.masked_fill(starts, IGNORE_INDEX)
-    return out
 
 
 def logps_from_logits(logits: Tensor, targets: Tensor) -> Tensor:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from grimoire.batching.budget import default_budget_tokens, truncate_sequences
 from grimoire.columns import columns_of
-from grimoire.contract.layout import Packed, layout_of
+from grimoire.contract.layout import num_rows
 from grimoire.forward.reference import Reference
 from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.rewards import RewardFunction
@@ -117,13 +117,7 @@ class GrimoireLoss(abc.ABC):
     def loss_weight(self, batch: dict[str, Any]) -> float:
         """Loss units in ``batch``; default: one per sample (samples equally weighted): the
         rows of a padded batch, the samples of a packed row."""
-        layout = layout_of(batch)
-        if isinstance(layout, Packed):
-            return float(layout.num_samples)
-        for key, value in batch.items():
-            if key.endswith("input_ids") and isinstance(value, Tensor):
-                return float(value.shape[0])
-        return 1.0
+        return float(num_rows(batch))
 
     def budget_tokens(self, lengths: dict[str, int], packed: bool) -> int:
         """Tokens a row puts into the largest forward pass it takes part in under

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -180,7 +180,7 @@ class DistillMethod(OnlineMethod):
         self.teacher_vocab: dict[str, int] | None = None
         if isinstance(teacher, str):  # loaded last: every cheap argument check has passed
             teacher, self.teacher_vocab = load_teacher(teacher)
-        self.reference = Reference(teacher, "DistillMethod (teacher)")
+        self.teacher = self.reference = Reference(teacher, "DistillMethod (teacher)")
 
     @property
     def needs_reference_model(self) -> bool:  # type: ignore[override]
@@ -192,10 +192,10 @@ class DistillMethod(OnlineMethod):
         self._check_vocab(ctx)
         super().setup(ctx)
         if not self.needs_reference_model:
-            self.reference.setup(ctx)
+            self.teacher.setup(ctx)
 
     def _check_vocab(self, ctx: Any) -> None:
-        teacher = self.reference.ref_model
+        teacher = cast(torch.nn.Module, self.teacher.ref_model)  # __init__ loaded a path
         problems = []
         rows, student_rows = _head_rows(teacher), _head_rows(ctx.unwrapped_model)
         if rows is not None and student_rows is not None and rows != student_rows:
@@ -226,7 +226,7 @@ class DistillMethod(OnlineMethod):
     @torch.no_grad()
     def teacher_logits(self, batch: dict[str, Any]) -> Tensor:
         ctx = self._ctx
-        with self.reference.model(ctx.unwrapped_model) as teacher, ctx.accelerator.autocast():
+        with self.teacher.model(ctx.unwrapped_model) as teacher, ctx.accelerator.autocast():
             return completion_logits(teacher, batch, self.logp_temperature)
 
     def compute_loss(

@@ -98,10 +98,12 @@ class DPOLoss(ReferenceLoss, DPOFamilyLoss):
         self, model: torch.nn.Module, batch: dict[str, Any]
     ) -> tuple[Tensor, Tensor]:
         """``[B]`` reference log-probs of chosen and rejected: cached, or one no-grad forward."""
-        cached = self.reference.cached(batch, self.logp_reduction)
+        cached = self.frozen_reference.cached(batch, self.logp_reduction)
         if cached is not None:
             return cached[0], cached[1]
-        compute = self.reference.compute(model, fused=self.fused, chunk_size=self.fused_chunk_size)
+        compute = self.frozen_reference.compute(
+            model, fused=self.fused, chunk_size=self.fused_chunk_size
+        )
         chosen, rejected = pair_forward(batch, compute)
         return reduce_logps(chosen, self.logp_reduction), reduce_logps(
             rejected, self.logp_reduction

@@ -66,9 +66,9 @@ from grimoire.losses.online_functional import (
     group_advantages,
     importance_ratio,
     k3_kl,
-    loss_units,
     masked_mean,
     reduce_token_loss,
+    reduction_units,
 )
 from grimoire.rollout.rewards import RewardFn
 from grimoire.rollout.stage import ScoredGroup
@@ -279,7 +279,7 @@ class GRPOMethod(OnlineMethod):
         )
 
     def training_loss_weight(self, batch: dict[str, Any]) -> float:
-        return loss_units(batch["completion_mask"], self.loss_type)
+        return reduction_units(batch["completion_mask"], self.loss_type)
 
 
 __all__ = ["GRPOMethod"]

@@ -246,10 +246,12 @@ class KTOLoss(ReferenceLoss):
     ) -> tuple[Tensor, Tensor]:
         """``[B]`` reference log-probs of the rows and of their KL pairs, in
         :data:`REF_KTO_COLUMNS` order: cached, or ONE no-grad forward over both groups."""
-        cached = self.reference.cached(batch, self.logp_reduction)
+        cached = self.frozen_reference.cached(batch, self.logp_reduction)
         if cached is not None:
             return cached[0], cached[1]
-        ref_fn = self.reference.compute(model, fused=self.fused, chunk_size=self.fused_chunk_size)
+        ref_fn = self.frozen_reference.compute(
+            model, fused=self.fused, chunk_size=self.fused_chunk_size
+        )
         ref_t, ref_kl_t = joint_logps(batch, ref_fn)
         return reduce_logps(ref_t, self.logp_reduction), reduce_logps(ref_kl_t, self.logp_reduction)
 

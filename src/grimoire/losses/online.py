@@ -31,6 +31,7 @@ from torch import Tensor
 
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.columns import column_values, columns_of, listed
+from grimoire.contract.layout import is_prompt_batch, num_rows
 from grimoire.errors import ConfigError, DataError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
@@ -44,6 +45,7 @@ from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
 from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
+from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.stage import SamplingConfig, ScoredGroup
 
 logger = logging.getLogger(__name__)
@@ -69,8 +71,9 @@ class OnlineMethod(GrimoireLoss):
             vllm-serve`` process, :class:`~grimoire.rollout.vllm_server.VLLMServerEngine`),
             a mapping ``{"type": "vllm",
             "args": {...}}`` with the engine's own settings (the sampling arguments above are
-            passed to it), or an engine object, whose own ``temperature`` /
-            ``max_new_tokens`` then override the arguments above.
+            passed to it), or an engine object, whose own sampler settings
+            (``engine.sampler``: temperature, top_p, top_k, max_new_tokens, ...) then override
+            the arguments above (:attr:`sampling` holds the engine's).
         log_entropy: compute the policy's token entropy as a metric (one extra softmax).
         fused, fused_chunk_size: the training log-probs (policy and reference) use the fused,
             chunked LM-head path (as every loss does by default), or the full logits with
@@ -140,19 +143,21 @@ class OnlineMethod(GrimoireLoss):
         if fused_chunk_size <= 0:
             raise ValueError(f"{name}: fused_chunk_size must be > 0, got {fused_chunk_size}")
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
-        if isinstance(engine, RolloutEngine):  # it samples, so its settings are the ones held
-            temperature, max_new_tokens = engine.temperature, engine.max_new_tokens
-        self.sampling = SamplingConfig(
-            num_generations, temperature, top_p, top_k, max_new_tokens, generation_batch_size
+        requested = SamplerConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            generation_batch_size=generation_batch_size,
         )
-        self.engine: RolloutEngine = build_engine(engine, self.sampling)
+        self.engine: RolloutEngine = build_engine(engine, requested)
+        # An engine object samples with its own settings, so those are the ones held.
+        self.sampling = SamplingConfig.of(self.engine.sampler, num_generations)
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
         self.fused = fused
         self.fused_chunk_size = fused_chunk_size
-        #: Emit packed TRAINING micro-batches (padding-free run or token budget); set in setup.
-        self.pack_training = False
         self._ctx: Any = None
         #: A tokenizer given the grimoire-rl way (checked against the trainer's in setup).
         self.peer_tokenizer: Any = None
@@ -265,7 +270,6 @@ class OnlineMethod(GrimoireLoss):
         if problem is not None:
             raise ConfigError([problem])
         self._check_lengths(ctx)
-        self.pack_training = ctx.packed
         if self.needs_reference_model:
             self.reference.setup(ctx)
         policy = ctx.unwrapped_model
@@ -326,6 +330,12 @@ class OnlineMethod(GrimoireLoss):
     def build_batch(self, group: ScoredGroup) -> tuple[dict[str, Any], dict[str, float]]:
         raise NotImplementedError
 
+    @property
+    def pack_training(self) -> bool:
+        """Whether TRAINING micro-batches are packed rows: the run's decision, as the context
+        holds it (padding-free run or token budget); False before ``setup``."""
+        return bool(self._ctx is not None and self._ctx.packed)
+
     def training_batch(self, group: ScoredGroup, rows: Sequence[int]) -> dict[str, Any]:
         """The training batch of ``rows`` of ``group`` (see :func:`training_batch`), with those
         rows' reference log-probs as ``ref_logps [rows, C]`` when the stage computed them."""
@@ -356,7 +366,7 @@ class OnlineMethod(GrimoireLoss):
         metrics; ``(None, {})`` when the engine samples from the policy itself (HF), so nothing
         changes there. A placeholder batch has no sampler log-probs: weight 1, and its metrics
         still register (weight 0), so every rank logs the same keys."""
-        cap = self.engine.importance_sampling_cap
+        cap = self.engine.sampler.importance_sampling_cap
         if cap is None:
             return None, {}
         sampler = batch.get("sampler_logps")
@@ -379,7 +389,7 @@ class OnlineMethod(GrimoireLoss):
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
     ) -> tuple[Tensor, dict[str, Any]]:
-        if "completion_mask" not in batch:  # an evaluation batch of prompts
+        if is_prompt_batch(batch):  # an evaluation batch of prompts
             raise RuntimeError(
                 f"{type(self).__name__}: prompt batches are sampled and scored by the rollout "
                 "stage (GrimoireTrainer.rollouts.evaluate), not by the loss"
@@ -392,8 +402,8 @@ class OnlineMethod(GrimoireLoss):
         raise NotImplementedError
 
     def loss_weight(self, batch: dict[str, Any]) -> float:
-        if "completion_mask" not in batch:  # an evaluation batch of prompts
-            return float(batch["prompt_input_ids"].shape[0])
+        if is_prompt_batch(batch):  # an evaluation batch: one unit per prompt
+            return float(num_rows(batch))
         return self.training_loss_weight(batch)
 
     def training_loss_weight(self, batch: dict[str, Any]) -> float:

@@ -247,7 +247,7 @@ def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
 def reduce_token_loss(
     per_token: Tensor, mask: Tensor, loss_type: str, max_completion_length: int | None = None
 ) -> Tensor:
-    r"""Reduce a per-token loss of ONE micro-batch; pair with :func:`loss_units`.
+    r"""Reduce a per-token loss of ONE micro-batch; pair with :func:`reduction_units`.
 
     The trainer multiplies each micro-batch's loss by ``units / sum(units over the global step,
     all ranks)``; with these pairs the optimizer step minimises (``M`` = mask, sums over the
@@ -285,7 +285,7 @@ def reduce_token_loss(
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
-def loss_units(mask: Tensor, loss_type: str) -> float:
+def reduction_units(mask: Tensor, loss_type: str) -> float:
     """The micro-batch's weight for the trainer's global normalisation (see
     :func:`reduce_token_loss`): tokens ("dapo", "cispo"), sequences ("grpo", "dr_grpo") or 1 ("bnpo";
     0 for a micro-batch without any token)."""
@@ -351,9 +351,9 @@ __all__ = [
     "group_advantages",
     "importance_ratio",
     "k3_kl",
-    "loss_units",
     "masked_mean",
     "reduce_token_loss",
+    "reduction_units",
     "reward_std",
     "rloo_advantages",
     "truncated_importance_weights",

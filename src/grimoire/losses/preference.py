@@ -143,16 +143,21 @@ class ReferenceLoss(TokenLogpsLoss):
     """
 
     needs_reference_model = True
-    reference: Reference
     logp_reduction: str
+
+    @property
+    def frozen_reference(self) -> Reference:
+        """``self.reference``, which every subclass's constructor sets."""
+        assert self.reference is not None, f"{type(self).__name__} sets its reference in __init__"
+        return self.reference
 
     @property
     def ref_model(self) -> torch.nn.Module | str | None:
         """The reference given at construction: a model, ``"copy"``, or None."""
-        return self.reference.ref_model
+        return self.frozen_reference.ref_model
 
     def setup(self, ctx: Any) -> None:
-        self.reference.setup(ctx, self.logp_reduction)
+        self.frozen_reference.setup(ctx, self.logp_reduction)
 
 
 class PairwiseLoss(TokenLogpsLoss):

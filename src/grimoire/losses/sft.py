@@ -9,8 +9,7 @@ from torch import Tensor
 
 from grimoire.collate.packing import PackedCollator
 from grimoire.collate.sft import SFTCollator
-from grimoire.columns import IGNORE_INDEX
-from grimoire.contract.layout import layout_of
+from grimoire.contract.layout import attention_inputs, layout_of, num_targets
 from grimoire.forward.logprobs import compute_token_logps
 from grimoire.losses.base import TokenLogpsLoss
 
@@ -27,13 +26,14 @@ class SFTLoss(TokenLogpsLoss):
 
     def __call__(
         self, model: torch.nn.Module, batch: dict[str, Any], training: bool = True
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    ) -> tuple[Tensor, dict[str, Tensor | float]]:
+        attention_mask, position_ids = attention_inputs(batch)
         out = compute_token_logps(
             model,
             batch["input_ids"],
             batch["labels"],
-            attention_mask=batch.get("attention_mask"),
-            position_ids=batch.get("position_ids"),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             fused=self.fused,
             chunk_size=self.fused_chunk_size,
             uniform_grad=True,  # -sum(logps) / N: one upstream grad for every token
@@ -44,15 +44,8 @@ class SFTLoss(TokenLogpsLoss):
         return loss, {"nll": loss.detach(), "num_loss_tokens": n_tokens.detach().float()}
 
     def loss_weight(self, batch: dict[str, Any]) -> float:
-        counted = layout_of(batch).num_targets  # the collator's count, on the host
-        if counted is not None:
-            return float(counted)
-        labels = batch["labels"]
-        # Trained targets after the shift: every label except the first column (and, in packed
-        # rows, each sample's first token) — mirrors logprobs.shift_labels without the model.
-        if "position_ids" in batch:
-            return float(((labels != IGNORE_INDEX) & (batch["position_ids"] != 0)).sum())
-        return float((labels[:, 1:] != IGNORE_INDEX).sum())
+        # The collator's host-side count, else counted from the labels by the shifted-target rule.
+        return float(num_targets(batch))
 
     def create_collator(self, pad_token_id: int) -> SFTCollator:
         return SFTCollator(pad_token_id=pad_token_id)

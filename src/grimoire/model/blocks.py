@@ -1,8 +1,20 @@
-"""The repeated transformer blocks of a model: what FSDP2 shards and ``torch_compile`` compiles."""
+"""The repeated transformer blocks of a model: what FSDP2 shards and ``torch_compile`` compiles;
+and the transformers model under a PEFT wrapper."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def peft_base(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers model a PEFT wrapper holds (``get_base_model()``), else ``model``."""
+    get_base = getattr(model, "get_base_model", None)
+    return cast("PreTrainedModel", get_base() if callable(get_base) else model)
 
 
 def block_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -20,4 +32,4 @@ def block_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return blocks
 
 
-__all__ = ["block_modules"]
+__all__ = ["block_modules", "peft_base"]

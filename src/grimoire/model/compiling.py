@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._dynamo.exc  # what a failed compile raises (transformers' models load it anyway)
 
 from grimoire.model.blocks import block_modules
 

@@ -99,7 +99,8 @@ def micro_batch_tokens(config: Any, method: Any = None, dataset: Any = None) -> 
     try:
         prefixes = sequence_prefixes(columns_of(dataset))
         # Costed padded: never below the packed cost of the same row (sequences x longest >= sum).
-        per_row = method_budget_tokens(method, dict.fromkeys(prefixes, config.max_length), False)
+        lengths = {prefix: config.max_length for prefix in prefixes}
+        per_row = method_budget_tokens(method, lengths, False)
     except (TypeError, IndexError, KeyError, AttributeError):
         # A stream (no columns to read) or rows the method's cost does not describe (they are
         # checked, with a proper message, where the budget or the collator reads them).

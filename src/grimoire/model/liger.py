@@ -14,6 +14,7 @@ import logging
 import torch
 
 from grimoire.errors import ConfigError
+from grimoire.model.blocks import peft_base
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def apply_liger(model: torch.nn.Module) -> torch.nn.Module:
 
     from liger_kernel.transformers import monkey_patch
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    base = peft_base(model)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     supported = getattr(monkey_patch, "MODEL_TYPE_TO_APPLY_LIGER_FN", {})
     if model_type not in supported:

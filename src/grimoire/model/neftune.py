@@ -22,10 +22,15 @@ which must score the clean policy.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from grimoire.model.blocks import peft_base
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def token_lengths(
@@ -52,7 +57,7 @@ class NEFTune:
     """The hooks of one model: a pre-hook on the CausalLM records the batch layout, a forward
     hook on its input embeddings adds the noise. ``remove()`` takes both off."""
 
-    def __init__(self, model: torch.nn.Module, alpha: float):
+    def __init__(self, model: PreTrainedModel, alpha: float):
         if alpha <= 0:
             raise ValueError(f"neftune_noise_alpha must be > 0, got {alpha}")
         embed = model.get_input_embeddings()
@@ -89,7 +94,7 @@ class NEFTune:
 
 def attach_neftune(model: torch.nn.Module, alpha: float) -> NEFTune:
     """Install NEFTune on ``model`` (a CausalLM, or a PEFT model: its base gets the hooks)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     return NEFTune(base, alpha)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -215,18 +216,20 @@ def apply_osft(
     """
     _check_osft_arguments(model, unfreeze_rank_ratio, upcast_dtype, rank, world_size)
     names = resolve_osft_targets(model, target_modules)
+    # resolve_osft_targets returns nn.Linear modules only.
+    linears = {n: cast(nn.Linear, model.get_submodule(n)) for n in names}
     problems = [
-        f"{n}: weight dtype {model.get_submodule(n).weight.dtype} is not a float type "
+        f"{n}: weight dtype {linears[n].weight.dtype} is not a float type "
         "(quantized weights cannot be decomposed)"
         for n in names
-        if not model.get_submodule(n).weight.is_floating_point()
+        if not linears[n].weight.is_floating_point()
     ]
     if problems:
         raise ConfigError(problems, title="invalid OSFT targets")
 
     state = OSFTState({}, unfreeze_rank_ratio, upcast_dtype)
     for i, name in enumerate(names):
-        linear = model.get_submodule(name)
+        linear = linears[name]
         mine = decompose and i % world_size == rank
         module = OSFTLinear.from_linear(
             linear, unfreeze_rank_ratio, upcast_dtype, svd_device, decompose=mine

@@ -39,6 +39,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from fractions import Fraction
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -86,10 +87,11 @@ def _remove_component(x: Tensor, basis: Tensor, compute_dtype: torch.dtype) -> T
     projected, and each rank keeps its own rows again (no further communication).
     """
     if hasattr(x, "full_tensor"):
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        out = _remove_component(x.full_tensor(), basis, compute_dtype)
-        return distribute_tensor(out, x.device_mesh, x.placements, src_data_rank=None)
+        dx = cast(DTensor, x)
+        out = _remove_component(dx.full_tensor(), basis, compute_dtype)
+        return distribute_tensor(out, dx.device_mesh, dx.placements, src_data_rank=None)
     b = basis.to(compute_dtype)
     x_c = x.to(compute_dtype)
     return (x_c - b @ (b.T @ x_c)).to(x.dtype)
@@ -113,6 +115,11 @@ class OSFTLinear(nn.Module):
     ``U_h [N, k]``, ``S_h [k]``, ``V_h [M, k]`` (persistent buffers, so checkpoints restore them);
     ``U_l [N, r]``, ``S_l [r]``, ``V_l [M, r]`` (parameters; ``requires_grad=False`` when r = 0).
     """
+
+    # The buffers, registered in __init__ (nn.Module's __getattr__ would type them loosely).
+    U_h: Tensor
+    S_h: Tensor
+    V_h: Tensor
 
     def __init__(
         self,
@@ -222,7 +229,8 @@ class OSFTLinear(nn.Module):
         # Built on meta so nn.Linear's random init is skipped; real tensors are assigned below.
         linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
         linear.weight = nn.Parameter(self.merged_weight(upcast_dtype))
-        linear.bias = self.bias
+        if self.bias is not None:  # built with bias=False: None already otherwise
+            linear.bias = self.bias
         return linear
 
     def extra_repr(self) -> str:

@@ -53,6 +53,7 @@ from transformers.masking_utils import (
 )
 
 from grimoire.forward.attention_hints import PACKED_ATTENTION, RowsHint, rows_hint
+from grimoire.model.blocks import peft_base
 from grimoire.model.varlen_attention import route_for, varlen_forward
 
 logger = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ def _log_once(reason: str) -> None:
 
 def unsupported_reason(model: torch.nn.Module, torch_compile: bool = False) -> str | None:
     """Why :data:`NAME` would not be exact or useful on ``model`` (``None``: it would)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     config = getattr(base, "config", None)
     if config is None or not hasattr(base, "set_attn_implementation"):
         return f"{type(base).__name__} is not a transformers model"
@@ -333,7 +334,7 @@ def enable_packed_attention(model: torch.nn.Module, torch_compile: bool = False)
         _log_once(reason)
         return False
     register()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = peft_base(model)
     base.set_attn_implementation(NAME)
     return base.config._attn_implementation == NAME
 

@@ -21,10 +21,10 @@ def enable_checkpointing(model: torch.nn.Module) -> None:
     """Activation checkpointing, non-reentrant: it needs no input grads, so it also works with
     frozen embeddings under LoRA. transformers 5 renamed the API; accept both names."""
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if callable(enable := getattr(model, "activation_checkpointing_enable", None)):
+        enable(activation_checkpointing_kwargs=kwargs)
+    elif callable(enable := getattr(model, "gradient_checkpointing_enable", None)):
+        enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def disable_dropout(model: torch.nn.Module) -> None:

@@ -87,7 +87,7 @@ def tiny_config(
     """A small random-init config of ``arch`` ("llama", "qwen2" or "gemma2")."""
     from transformers import AutoConfig
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,

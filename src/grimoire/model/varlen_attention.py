@@ -33,7 +33,7 @@ import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -146,10 +146,11 @@ def varlen_forward(
         from torch.nn.attention.varlen import varlen_attn
 
         # window_size must be this TUPLE: varlen_attn derives is_causal from == (-1, 0).
-        out = varlen_attn(
+        # Without return_aux it returns the output alone (its annotation also admits the pair).
+        out = cast(Tensor, varlen_attn(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
             scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
-        )  # fmt: skip
+        ))  # fmt: skip
     elif route == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 

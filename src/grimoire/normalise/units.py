@@ -12,24 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from grimoire.contract.layout import Padded, layout_of
+from grimoire.contract.layout import num_tokens
 from grimoire.losses.base import GrimoireLoss
 
 
 def count_tokens(batch: Mapping[str, Any]) -> float:
-    """Real (non-pad) input tokens in a collated batch, over every ``*input_ids`` column (the
-    collator's host-side count when its layout has one: nothing is read from the tensors)."""
-    layout = layout_of(batch)
-    if isinstance(layout, Padded) and layout.tokens is not None:
-        return float(layout.tokens)
-    total = 0.0
-    for key, value in batch.items():
-        if key.endswith("input_ids") and isinstance(value, torch.Tensor):
-            mask = batch.get(key.replace("input_ids", "attention_mask"))
-            total += float(mask.sum()) if isinstance(mask, torch.Tensor) else float(value.numel())
-    return total
+    """Real (non-pad) input tokens in a collated batch (:func:`~grimoire.contract.layout.num_tokens`:
+    the collator's host-side count when its layout has one, nothing read from the tensors)."""
+    return float(num_tokens(batch))
 
 
 def loss_units(method: GrimoireLoss, batch: dict[str, Any]) -> float:

@@ -154,7 +154,9 @@ def partition_frozen(model: torch.nn.Module, accelerator: Accelerator) -> torch.
         return model
     import deepspeed
 
-    ds = accelerator.state.deepspeed_plugin.deepspeed_config
+    plugin = accelerator.state.deepspeed_plugin
+    assert plugin is not None, "zero_stage found the DeepSpeed plugin"
+    ds = plugin.deepspeed_config
     zero = ds.get("zero_optimization", {})
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,  # unused: no optimizer, no data loader

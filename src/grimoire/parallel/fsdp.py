@@ -22,7 +22,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ import torch.distributed as dist
 from grimoire.errors import ConfigError
 from grimoire.model.blocks import block_modules
 from grimoire.model.precision import decide
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ def shard_mesh(config: Any) -> Any:
 def gradient_sync(accelerator: Any, model: torch.nn.Module, sync: bool) -> Iterator[None]:
     """Accumulate locally unless ``sync``: FSDP2 skips its reduce-scatter, DDP its all-reduce."""
     if is_sharded(model):
-        model.set_requires_gradient_sync(sync)
+        cast("FSDPModule", model).set_requires_gradient_sync(sync)
         yield
     elif sync:
         yield
@@ -167,7 +170,9 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return tie_shared(get_model_state_dict(model, options=options), model)
+    # Typed for every option; with full_state_dict=True each value is a (CPU) tensor.
+    state = cast(dict[str, torch.Tensor], get_model_state_dict(model, options=options))
+    return tie_shared(state, model)
 
 
 def tie_shared(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -192,7 +197,11 @@ def save_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
 
     msd, osd = get_state_dict(model, _inner(optimizer))
     with _single_process_quiet():
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(folder / DCP_DIR))
+        # dcp.save/load are torch's documented API; its __init__ re-exports them without
+        # __all__, which pyright reads as private.
+        dcp.save(  # pyright: ignore[reportPrivateImportUsage]
+            {"model": msd, "optimizer": osd}, checkpoint_id=str(folder / DCP_DIR)
+        )
 
 
 @contextlib.contextmanager
@@ -218,7 +227,9 @@ def load_dcp(folder: Path, model: torch.nn.Module, optimizer: Any) -> None:
     msd, osd = get_state_dict(model, _inner(optimizer))
     state = {"model": msd, "optimizer": osd}
     with _single_process_quiet():
-        dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
+        dcp.load(  # pyright: ignore[reportPrivateImportUsage] (as dcp.save in save_dcp)
+            state, checkpoint_id=str(folder / DCP_DIR)
+        )
     set_state_dict(
         model,
         _inner(optimizer),

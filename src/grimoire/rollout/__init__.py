@@ -9,12 +9,14 @@ from grimoire.rollout.rewards import (
     resolve_reward_funcs,
     score_completions,
 )
+from grimoire.rollout.sampler import SamplerConfig
 
 __all__ = [
     "HFGenerateEngine",
     "RewardFunctionError",
     "Rollout",
     "RolloutEngine",
+    "SamplerConfig",
     "char_match_reward",
     "exact_match_reward",
     "resolve_reward_funcs",

@@ -108,9 +108,11 @@ class AsyncRolloutStage(RolloutStage):
         self.sampler_model = copy.deepcopy(self._policy)
         self.sampler_model.requires_grad_(False)
         self.sampler_engine = copy.copy(self.engine)
+        engine = self.engine
         self.sampler_engine.bind(
-            self.sampler_model, self.pad_token_id, self.engine.eos_token_ids, self.engine.autocast
-        )
+            self.sampler_model, self.pad_token_id, engine.eos_token_ids, engine.autocast,
+            max_tokens=engine.max_tokens, max_length=engine.max_length,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ the learner's side
 

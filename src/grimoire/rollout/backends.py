@@ -24,7 +24,7 @@ from typing import Any
 from grimoire.errors import ConfigError, did_you_mean
 from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.hf import HFGenerateEngine
-from grimoire.rollout.stage import SamplingConfig
+from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.vllm_engine import VLLMEngine, require_vllm
 from grimoire.rollout.vllm_server import VLLMServerEngine
 
@@ -82,8 +82,9 @@ def engine_problems(spec: Any, where: str = "engine") -> list[str]:
     return problems
 
 
-def build_engine(spec: EngineSpec, sampling: SamplingConfig) -> RolloutEngine:
-    """The engine ``spec`` names (module docstring), with the method's ``sampling`` settings."""
+def build_engine(spec: EngineSpec, sampling: SamplerConfig) -> RolloutEngine:
+    """The engine ``spec`` names (module docstring), with the method's ``sampling`` settings
+    (an engine object keeps its own)."""
     if isinstance(spec, RolloutEngine):
         return spec
     problems = engine_problems(spec)
@@ -92,14 +93,8 @@ def build_engine(spec: EngineSpec, sampling: SamplingConfig) -> RolloutEngine:
     spec = spec or "hf"
     name = spec if isinstance(spec, str) else spec["type"]
     args = {} if isinstance(spec, str) else dict(spec.get("args") or {})
-    return ENGINES[name](
-        max_new_tokens=sampling.max_new_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        generation_batch_size=sampling.generation_batch_size,
-        **args,
-    )
+    settings = {k: getattr(sampling, k) for k in SAMPLING_ARGS}
+    return ENGINES[name](**settings, **args)
 
 
 __all__ = ["ENGINES", "SAMPLING_ARGS", "EngineSpec", "build_engine", "engine_problems"]

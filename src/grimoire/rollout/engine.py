@@ -7,15 +7,22 @@ The interface online methods use is one call::
 returning a :class:`Rollout` of ``N = len(prompts) * n`` rows, **prompt-major** (rows
 ``i*n .. i*n+n-1`` are prompt ``i``'s group). Methods never see the backend.
 
+An engine owns its sampler settings (:class:`SamplerConfig`: temperature, top-p, top-k,
+max_new_tokens, seed, importance-sampling cap), given at construction and checked once; the
+limits only the run knows (token budget, context length, the sharded ranks' ``agree``) come
+with :meth:`RolloutEngine.bind`.
+
 Adding a backend (e.g. vLLM): subclass :class:`RolloutEngine` and implement
 
-- ``_sample(prompts, n, greedy) -> list[list[int]] | Samples``: the completion token ids per row
-  (any length up to ``max_new_tokens``; an EOS, if produced, ends the completion and is kept),
-  or :class:`Samples` with the sampler's own per-token log-probs too (they become
+- ``_sample(prompts, n, greedy) -> list[list[int]] | Samples`` (abstract): the completion token
+  ids per row (any length up to ``max_new_tokens``; an EOS, if produced, ends the completion
+  and is kept), or :class:`Samples` with the sampler's own per-token log-probs too (they become
   :attr:`Rollout.sampler_logps`, for the importance-sampling correction);
 - ``sync_weights()`` (optional): push the trained weights to the backend's copy. The methods
   call it once before every rollout batch. The HF backend samples from the training model
-  itself, so it is a no-op there.
+  itself, so it is a no-op there;
+- ``_attach()`` (optional): start or reach the backend once :meth:`RolloutEngine.bind` has
+  attached the model.
 
 The base class pads and masks the completions and computes the *old* log-probs with the training
 policy (a no-grad forward in the trainer's autocast), so every backend yields the same
@@ -24,15 +31,20 @@ log-probs the loss will be compared with, whatever precision the sampler used.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from grimoire.collate.common import pad_sequences
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
+from grimoire.rollout.sampler import SamplerConfig
 
 
 @dataclass
@@ -142,7 +154,9 @@ def completion_logps(
             return_entropy=with_entropy,
         )
         # Predicting positions P-1 .. P+C-2 hold the completion's targets.
-        entropy = out.entropy[:, -(c + 1) : -1].detach() if with_entropy else None
+        entropy = None
+        if with_entropy and out.entropy is not None:
+            entropy = out.entropy[:, -(c + 1) : -1].detach()
         return out.logps[:, -(c + 1) : -1], entropy
     logits = model(
         input_ids=input_ids,
@@ -157,78 +171,118 @@ def completion_logps(
     return logps, (token_entropy(logits.detach()) if with_entropy else None)
 
 
-class RolloutEngine:
+#: ``agree(n)``: the largest ``n`` over the ranks (a sharded policy's engines must all make as
+#: many forwards: each one is a collective).
+Agree = Callable[[int], int]
+
+
+class RolloutEngine(ABC):
     """Backend-independent part of a rollout engine (see the module docstring).
 
-    Call :meth:`bind` once (the methods do it in ``setup``) with the training model; then
-    :meth:`generate`. ``generation_batch_size`` caps how many sequences one sampling call and
-    one log-prob forward process at a time (memory), never the results. ``max_tokens`` (set
-    from ``TrainingConfig.max_tokens_per_device`` by the methods) caps the tokens of one such
-    call: ``rows x (longest prompt + max_new_tokens)`` for sampling (the KV cache's final
-    size), ``rows x width`` for scoring. A prompt group is never split.
+    Its sampler settings (:class:`SamplerConfig`, :attr:`sampler`) are given at construction and
+    checked there, once; a backend's own ``__init__`` takes its own arguments and passes the rest
+    (``**settings``) up (its signature then lists them too). Call :meth:`bind` once (the rollout
+    stage does it when the trainer is built) with the training model and the run's limits;
+    then :meth:`generate`.
+
+    ``generation_batch_size`` caps how many sequences one sampling call and one log-prob forward
+    process at a time (memory), never the results. ``max_tokens`` (given to :meth:`bind`;
+    ``TrainingConfig.max_tokens_per_device``) caps the tokens of one such call:
+    ``rows x (longest prompt + max_new_tokens)`` for sampling (the KV cache's final size),
+    ``rows x width`` for scoring. A prompt group is never split.
     """
 
     def __init__(
         self,
         max_new_tokens: int = 256,
         temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
         generation_batch_size: int | None = None,
     ):
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
-        if not temperature > 0:
-            raise ValueError(
-                f"temperature must be > 0 (online RL needs diverse samples), got {temperature}"
-            )
-        if generation_batch_size is not None and generation_batch_size <= 0:
-            raise ValueError(f"generation_batch_size must be > 0, got {generation_batch_size}")
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.generation_batch_size = generation_batch_size
+        self.sampler = SamplerConfig(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            generation_batch_size=generation_batch_size,
+        )
+        #: The token budget of one sampling call / scoring forward (from :meth:`bind`).
         self.max_tokens: int | None = None
-        #: The run's context limit (``TrainingConfig.max_length``; set by the rollout stage):
-        #: prompt + completion never exceed it (checked before training).
+        #: The run's context limit (from :meth:`bind`): prompt + completion never exceed it.
         self.max_length: int | None = None
-        #: Cap of the truncated importance-sampling weight ``min(pi_old / pi_sampler, cap)`` the
-        #: policy-gradient losses apply when rollouts carry ``sampler_logps``; ``None``: the
-        #: engine samples from the training model itself, so there is no mismatch to correct.
-        self.importance_sampling_cap: float | None = None
         #: Set when the policy is sharded (FSDP2): every forward is a collective, so all ranks
-        #: must run as many. ``agree(n)`` returns the largest ``n`` over ranks; the engine pads
-        #: its sampling and scoring calls up to it, and sampling runs with ``synced_gpus``.
-        self.agree: Any = None
+        #: must run as many; the engine pads its sampling and scoring calls up to the agreed
+        #: count, and sampling runs with ``synced_gpus``.
+        self.agree: Agree | None = None
         self.model: torch.nn.Module | None = None
         self.pad_token_id = 0
         self.eos_token_ids: list[int] = []
-        self.autocast: Any = nullcontext
+        self.autocast: Callable[[], AbstractContextManager[Any]] = nullcontext
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass ``__init__`` ending in ``**settings`` (passed on up) gets its base's
+        arguments in its signature, so ``help()`` and the YAML check of ``engine.args``
+        (:func:`~grimoire.rollout.backends.engine_problems`) see every argument it takes."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        own = list(inspect.signature(init).parameters.values())
+        if not any(p.kind is p.VAR_KEYWORD for p in own):
+            return
+        parent = next(b for b in cls.__mro__[1:] if "__init__" in b.__dict__)
+        params = [p for p in own if p.kind is not p.VAR_KEYWORD]
+        names = {p.name for p in params}
+        inherited = list(inspect.signature(parent.__dict__["__init__"]).parameters.values())[1:]
+        params += [p.replace(kind=p.KEYWORD_ONLY) for p in inherited if p.name not in names]
+        init.__signature__ = inspect.Signature(params)
 
     def bind(
         self,
         model: torch.nn.Module,
         pad_token_id: int,
-        eos_token_id: int | list[int] | None,
-        autocast: Any = nullcontext,
+        eos_token_id: int | list[int] | tuple[int, ...] | None,
+        autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+        *,
+        max_tokens: int | None = None,
+        max_length: int | None = None,
+        agree: Agree | None = None,
     ) -> None:
-        """Attach the (unwrapped) training model, the special ids and the autocast factory."""
+        """Attach the (unwrapped) training model, the special ids, the autocast factory and the
+        run's limits (``max_tokens``: token budget per call; ``max_length``: the context limit;
+        ``agree``: set when the policy is sharded), then :meth:`_attach` the backend."""
         self.model = model
         self.pad_token_id = int(pad_token_id)
-        eos = eos_token_id if isinstance(eos_token_id, list | tuple) else [eos_token_id]
+        eos = list(eos_token_id) if isinstance(eos_token_id, list | tuple) else [eos_token_id]
         self.eos_token_ids = [int(e) for e in eos if e is not None]
         self.autocast = autocast
+        self.max_tokens, self.max_length, self.agree = max_tokens, max_length, agree
+        self._attach()
 
-    def sync_weights(self) -> None:
+    def _attach(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
+        """What a backend does once bound (start or reach its sampler); nothing by default."""
+
+    def sync_weights(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Make the sampler use the current weights; no-op when it shares the training model."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Release what the backend holds (processes, memory); no-op when it holds nothing."""
 
+    @abstractmethod
     def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]] | Samples:
-        raise NotImplementedError
+        """The ``len(prompts) * n`` completions, prompt-major (module docstring)."""
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        """The bound training model."""
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}.bind(model, ...) must be called first")
+        return self.model
 
     @property
     def device(self) -> torch.device:
-        assert self.model is not None, "call bind() first"
-        return next(self.model.parameters()).device
+        return next(self.policy.parameters()).device
 
     def generate(
         self,
@@ -243,21 +297,19 @@ class RolloutEngine:
         ``with_old_logps=False`` skips the extra forward when the loss does not need it (e.g.
         a single policy update per rollout, where old == current log-probs in value).
         """
-        if self.model is None:
-            raise RuntimeError(f"{type(self).__name__}.bind(model, ...) must be called first")
+        device = self.device  # unbound: the error names bind()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs a non-empty list of non-empty prompts")
         samples = self._sample(prompts, n, greedy)
         if not isinstance(samples, Samples):
             samples = Samples(samples)
-        rows = [self._cut_at_eos(c[: self.max_new_tokens]) for c in samples.ids]
+        rows = [self._cut_at_eos(c[: self.sampler.max_new_tokens]) for c in samples.ids]
         repeated = [p for p in prompts for _ in range(n)]
         if len(rows) != len(repeated):
             raise RuntimeError(
                 f"{type(self).__name__}._sample returned {len(rows)} completions for "
                 f"{len(prompts)} prompts x {n}"
             )
-        device = self.device
         prompt_ids, prompt_mask = pad_sequences(repeated, self.pad_token_id, left=True)
         # Empty completions (a sampler that stopped at once) still get one slot so C >= 1.
         completion_ids, completion_mask = pad_sequences(
@@ -293,7 +345,7 @@ class RolloutEngine:
         dropout on, ratio noise remains: disable dropout for online RL).
         """
         c = rollout.completion_ids.shape[1]
-        chunk = self.generation_batch_size or input_ids.shape[0]
+        chunk = self.sampler.generation_batch_size or input_ids.shape[0]
         if self.max_tokens:  # padded rows: each costs the full width
             chunk = max(1, min(chunk, self.max_tokens // input_ids.shape[1]))
         starts = range(0, input_ids.shape[0], chunk)
@@ -304,18 +356,20 @@ class RolloutEngine:
         for s in starts:
             with self.autocast():
                 logps, _ = completion_logps(
-                    self.model,
+                    self.policy,
                     input_ids[s : s + chunk],
                     attention_mask[s : s + chunk],
                     c,
-                    self.temperature,
+                    self.sampler.temperature,
                 )
             out.append(logps)
         # Sharded: fillers rerun the first row through the very same path, so every rank makes
         # the same collectives (the decoder's gathers and, on the fused path, the head's own).
         for _ in range(total - len(starts)):
             with self.autocast():
-                completion_logps(self.model, input_ids[:1], attention_mask[:1], c, self.temperature)
+                completion_logps(
+                    self.policy, input_ids[:1], attention_mask[:1], c, self.sampler.temperature
+                )
         return torch.cat(out) * rollout.completion_mask
 
     def prompt_chunks(self, prompts: list[list[int]], n: int) -> list[list[list[int]]]:
@@ -324,11 +378,11 @@ class RolloutEngine:
         the ``n`` completions per prompt are full (left padding to the run's longest included).
         A prompt that alone exceeds ``max_tokens`` still gets its own call: the trainer rejects
         such rows before training, so this only happens when the engine is used on its own."""
-        rows_cap = max(self.generation_batch_size or len(prompts) * n, n)
+        rows_cap = max(self.sampler.generation_batch_size or len(prompts) * n, n)
         runs: list[list[list[int]]] = []
         longest = 0  # of the current run
         for p in prompts:
-            width = max(longest, len(p)) + self.max_new_tokens
+            width = max(longest, len(p)) + self.sampler.max_new_tokens
             rows = (len(runs[-1]) + 1) * n if runs else 0
             if (
                 runs
@@ -349,26 +403,12 @@ class RolloutEngine:
         return list(ids)
 
 
-def pad_sequences(
-    seqs: list[list[int]], pad: int, left: bool, min_width: int = 0
-) -> tuple[Tensor, Tensor]:
-    width = max(min_width, max(len(s) for s in seqs))
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if not s:
-            continue
-        sl = slice(width - len(s), width) if left else slice(0, len(s))
-        ids[i, sl] = torch.as_tensor(s, dtype=torch.long)
-        mask[i, sl] = 1
-    return ids, mask
-
-
 __all__ = [
+    "Agree",
     "Rollout",
     "RolloutEngine",
+    "SamplerConfig",
     "Samples",
     "completion_logps",
-    "pad_sequences",
     "position_ids_from_mask",
 ]

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.rollout.engine import RolloutEngine, pad_sequences
+from grimoire.collate.common import pad_sequences
+from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.environment import Environment
 from grimoire.rollout.episodes import (
     Episode,

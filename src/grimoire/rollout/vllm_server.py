@@ -35,7 +35,6 @@ import struct
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
 from typing import Any, BinaryIO
 
 import torch
@@ -44,9 +43,8 @@ from torch import Tensor
 
 from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import ConfigError
-from grimoire.rollout.engine import RolloutEngine, Samples
-from grimoire.rollout.vllm_common import RequestSeeds, sampling_args, setting_problems
-from grimoire.rollout.vllm_weights import policy_weights, weights_version
+from grimoire.rollout.vllm_common import VLLMSamplerEngine, plain_model
+from grimoire.rollout.vllm_weights import policy_weights
 
 _FRAME = struct.Struct("<Q")
 #: The environment variable holding the shared secret (vLLM's own server reads the same one).
@@ -142,65 +140,41 @@ class ChunkedReader:
         return data
 
 
-class VLLMServerEngine(RolloutEngine):
+class VLLMServerEngine(VLLMSamplerEngine):
     """Samples with a ``grimoire vllm-serve`` server at ``url``; see the module docstring.
 
-    Args (besides the sampling ones every engine takes):
+    Args (besides the sampler settings every engine takes, and ``seed``,
+    ``importance_sampling``, ``importance_sampling_cap``:
+    :class:`~grimoire.rollout.vllm_common.VLLMSamplerEngine`):
         url: the server's address, e.g. ``http://127.0.0.1:8000``.
         timeout: seconds to wait for the server to answer at :meth:`bind` (it may still be
             starting) and for any one request.
-        seed: base of the per-request seeds; default: torch's seed at :meth:`bind` (the run's).
-        importance_sampling: correct the losses for the sampler/learner mismatch.
-        importance_sampling_cap: the truncation ``C`` of the token weight ``min(ratio, C)``.
         api_key: the server's shared secret; default: the ``VLLM_API_KEY`` environment variable.
     """
 
     def __init__(
         self,
-        max_new_tokens: int = 256,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        generation_batch_size: int | None = None,
         *,
         url: str = "http://127.0.0.1:8000",
         timeout: float = 300.0,
-        seed: int | None = None,
-        importance_sampling: bool = True,
-        importance_sampling_cap: float = 2.0,
         api_key: str | None = None,
+        **settings: Any,
     ):
-        super().__init__(max_new_tokens, temperature, generation_batch_size)
+        super().__init__(**settings)
         parsed = urllib.parse.urlsplit(url)
-        problems = setting_problems(top_p, top_k, importance_sampling_cap)
         if parsed.scheme != "http" or not parsed.hostname:
-            problems.append(f"url must look like http://HOST:PORT, got {url!r}")
-        if problems:
-            raise ValueError("VLLMServerEngine: " + "; ".join(problems))
+            raise ValueError(f"VLLMServerEngine: url must look like http://HOST:PORT, got {url!r}")
         self.url, self.timeout = url, timeout
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-        self.host, self.port = parsed.hostname, parsed.port or 80
-        self.top_p, self.top_k = top_p, top_k
-        self.seed = seed
-        self.importance_sampling_cap = importance_sampling_cap if importance_sampling else None
-        #: Weight pushes done (the weight version the server holds is the policy's after the last).
-        self.syncs = 0
-        self._synced_version: tuple[int, int] | None = None
-        self._seeds = RequestSeeds()
+        self.host: str = parsed.hostname
+        self.port = parsed.port or 80
 
     # ------------------------------------------------------------------ set-up
 
-    def bind(
-        self, model: torch.nn.Module, pad_token_id: int, eos_token_id: Any, autocast=nullcontext
-    ):
-        """Attach the training model; wait for the server and check it serves this model."""
-        super().bind(model, pad_token_id, eos_token_id, autocast)
-        self._synced_version = None  # whatever the server holds, the next rollout pushes ours
-        if self.seed is None:
-            self.seed = torch.initial_seed() % (1 << 31)
-        self._seeds.base = self.seed
+    def _connect(self) -> None:
+        """Wait for the server and check it serves the bound model."""
         info = self._wait_for_server()
-        problems = _model_mismatch(info, model)
+        problems = _model_mismatch(info, self.policy)
         if problems:
             raise ConfigError(
                 [f"engine: vllm-server at {self.url}: {p}" for p in problems],
@@ -231,13 +205,10 @@ class VLLMServerEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def sync_weights(self) -> None:
-        """Push the policy's weights to the server if they changed since the last push."""
-        version = weights_version(self.model)
-        if version == self._synced_version:
-            return
+    def _push_weights(self) -> None:
+        """Send the policy's weights to the server (rank 0; every rank walks them)."""
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        weights = policy_weights(self.model)  # every rank walks it: FSDP2 gathers are collective
+        weights = policy_weights(self.policy)  # every rank walks it: FSDP2 gathers are collective
         if not sharded or dist.get_rank() == 0:
             self._request("POST", "/weights", body=weight_frames(weights))
         else:
@@ -245,21 +216,16 @@ class VLLMServerEngine(RolloutEngine):
                 pass
         if sharded:  # no rank samples before the server holds this step's weights
             dist.barrier()
-        self._synced_version = version
-        self._seeds.new_version()
-        self.syncs += 1
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> Samples:
-        self.sync_weights()  # also before evaluation, which calls generate() directly
-        want = not greedy and self.importance_sampling_cap is not None
-        params = [
-            sampling_args(self, n, greedy, None if greedy else self._seeds(p)) for p in prompts
-        ]
+    def _draw(
+        self, prompts: list[list[int]], n: int, greedy: bool, with_logps: bool
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        params = [self.request_args(p, n, greedy) for p in prompts]
         body = json.dumps({"prompts": prompts, "params": params}).encode()
         out = self._request("POST", "/generate", body=body)
-        return Samples(out["ids"], out["logps"] if want else None)
+        return out["ids"], out["logps"] if with_logps else []
 
     # ------------------------------------------------------------------ HTTP
 
@@ -298,8 +264,7 @@ class VLLMServerEngine(RolloutEngine):
 
 def _model_mismatch(info: dict[str, Any], model: torch.nn.Module) -> list[str]:
     """What differs between the server's model and the policy (shape-defining config keys)."""
-    get_base = getattr(model, "get_base_model", None)
-    config = (get_base() if callable(get_base) else model).config.get_text_config(decoder=True)
+    config = plain_model(model).config.get_text_config(decoder=True)
     served = info.get("config", {})
     keys = (*SHAPE_KEYS, "model_type")
     return [

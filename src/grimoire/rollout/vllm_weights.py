@@ -25,7 +25,7 @@ checkpoint load, any other in-place write).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -83,7 +83,7 @@ def checkpoint_name(name: str) -> str:
 def _full(t: Tensor) -> Tensor:
     """The whole tensor of an FSDP2 shard (one all-gather), or ``t`` itself."""
     full_tensor = getattr(t, "full_tensor", None)  # DTensor's: the one sharded type we meet
-    return full_tensor() if callable(full_tensor) else t
+    return cast(Tensor, full_tensor()) if callable(full_tensor) else t
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:

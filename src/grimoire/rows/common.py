@@ -50,7 +50,7 @@ def counting_cuts() -> Iterator[dict[str, int]]:
 
     A side channel rather than a column, so a row's columns never depend on whether it was
     cut (``datasets.map`` needs every row to return the same keys)."""
-    totals = dict.fromkeys(_CUT_FIELDS, 0)
+    totals: dict[str, int] = dict.fromkeys(_CUT_FIELDS, 0)
     token = _CUTS.set(totals)
     try:
         yield totals

@@ -14,17 +14,16 @@ exactly one of:
   ``.jsonl`` / ``.json`` as ``jsonl``.
 
 Optional: ``max_samples`` (keep the first N rows) after ``shuffle: true`` (seeded by ``seed``,
-default 42).
-
-Paths: relative paths resolve against the current working directory; ``grimoire://REL`` points
-inside the installed ``grimoire`` package (e.g. ``grimoire://assets/reverse_train.jsonl``), so
-bundled configs work from any folder.
+default 42). Relative paths resolve against the current working directory; ``grimoire://REL``
+points inside the installed package (``grimoire://assets/reverse_train.jsonl``), so bundled
+configs work from any folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,7 +206,8 @@ def read_source(section: Mapping[str, Any], where: str = "dataset") -> LoadedSou
     if problems:
         raise ConfigError(problems, title=f"invalid {where} section")
     kind = _effective_kind(section, next(k for k in _KINDS if k in section))
-    lines: list[int] | None = None
+    lines: list[int] | None = None  # set, with path, for a JSONL file
+    path: Path | None = None
     bad: list[str] = []
     if kind == "name":
         ds = _load_hub(section, where)
@@ -287,7 +287,7 @@ def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None, list
     return rows, lines, problems
 
 
-def rows_to_dataset(rows: list[Mapping[str, Any]], source: str = "rows"):
+def rows_to_dataset(rows: Sequence[Mapping[str, Any]], source: str = "rows"):
     """A ``Dataset`` whose columns are the union of all rows' keys (absent values -> null).
 
     ``Dataset.from_list`` keeps only the first row's keys, which would silently drop a column
@@ -364,7 +364,7 @@ def _tokenize_rows(
             else:
                 found.extend(f"{source_name} row {i}: {p}" for p in exc.problems)
         except Exception as exc:
-            if hasattr(exc, "add_note"):  # Python >= 3.11
+            if sys.version_info >= (3, 11):  # add_note is 3.11's
                 where = f" ({locations[i]})" if locations is not None else ""
                 exc.add_note(f"while tokenizing {source_name} row {i}{where}")
             raise
@@ -426,7 +426,7 @@ def _load_disk(section: Mapping[str, Any], where: str):
             raise DataError(
                 [
                     f"{where}.split: {split!r} not in {path}; it has {sorted(ds)}"
-                    f"{did_you_mean(split, ds)}"
+                    f"{did_you_mean(split, [str(name) for name in ds])}"
                 ]
             )
         ds = ds[split]

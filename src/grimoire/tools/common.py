@@ -145,7 +145,8 @@ def load_for_inference(
     is_adapter, base_path, adapter_cfg = _model_source(path, base)
     # Reward models are trained as sequence classifiers; their adapters say so, and carry the
     # trained head, whose size the base's config.json does not know (it says 2 labels).
-    auto, kwargs = AutoModelForCausalLM, {}
+    kwargs: dict[str, Any] = {}
+    auto = AutoModelForCausalLM
     if adapter_cfg.get("task_type") == "SEQ_CLS":
         auto, kwargs = AutoModelForSequenceClassification, {"num_labels": _head_size(path)}
     try:

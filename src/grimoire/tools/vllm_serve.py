@@ -25,7 +25,7 @@ import os
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import GrimoireError
@@ -159,7 +159,9 @@ def handler(sampler: Sampler, api_key: str | None = None) -> type[BaseHTTPReques
                     result = sampler.generate(json.loads(self.rfile.read(size)))
                 elif self.path == "/weights":
                     chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
-                    stream = ChunkedReader(self.rfile) if chunked else self.rfile
+                    # rfile is the socket's buffered binary reader (typeshed: BufferedIOBase).
+                    rfile = cast(BinaryIO, self.rfile)
+                    stream = ChunkedReader(rfile) if chunked else rfile
                     result = sampler.load_weights(stream)
                 else:
                     return self._answer(404, {"error": f"no such path {self.path}"})

@@ -21,7 +21,7 @@ import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -105,7 +105,7 @@ def damaged_message(spec: str, path: Path, why: str) -> str:
 
 
 def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
+    np_state = cast(tuple[Any, ...], np.random.get_state())  # legacy=True: the 5-tuple
     state = {
         "python": random.getstate(),
         "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate import Accelerator
@@ -35,12 +35,15 @@ def save_hf(
     if is_sharded(wrapped):
         state_dict = full_state_dict(wrapped)
     else:
-        state_dict = accelerator.get_state_dict(wrapped)
+        # accelerate leaves the type to inference; it is the model's state dict
+        state_dict = cast(dict[str, torch.Tensor], accelerator.get_state_dict(wrapped))
     if not accelerator.is_main_process:
         return
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model = accelerator.unwrap_model(wrapped)
+    # A transformers model or a peft wrapper of one: duck-typed below (merge_and_unload is
+    # forwarded by peft's __getattr__, so no class declares it).
+    model: Any = accelerator.unwrap_model(wrapped)
     if is_engine(wrapped):
         state_dict = tie_shared(state_dict, model)
     for hook in hooks:

@@ -12,10 +12,13 @@ data moves on (``global_step`` counts it, as Megatron's and DeepSpeed's skipped 
 
 Two engines step on their own terms: under a loss scaler (``mixed_precision: fp16``) an
 overflowing gradient is the scaler's business (it skips the step and lowers its scale, as
-DeepSpeed's fp16 engine does), so only a non-finite loss counts there; DeepSpeed steps its
-engine inside the last backward pass, before the flags are read, so there a non-finite step is
-counted and stops the run but the engine has already applied it (its fp16 loss scaler skips
-overflows itself).
+DeepSpeed's fp16 engine does), so only a non-finite loss counts there. A DeepSpeed engine steps
+inside the step's last backward pass, before the flags are read, so there the engine decides:
+its ZeRO optimizer checks the gradients for inf/NaN (all-reduced over ranks, so every rank
+agrees) and skips a step that has any (no optimizer or scheduler step, the gradients dropped:
+``engine.was_step_applied()`` is False), and the guard reads that verdict, a host attribute,
+as the step's gradient flag. A non-finite loss whose gradients were finite (a loss term with no
+path to the weights) was applied by the engine: the guard says so and counts it toward the stop.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import math
 from typing import Any
 
 from grimoire.errors import GrimoireError
+from grimoire.parallel.deepspeed import is_engine
 from grimoire.training.step import marked
 
 logger = logging.getLogger(__name__)
@@ -41,37 +45,51 @@ class NonFiniteGuard:
         limit: consecutive skipped steps that stop the run.
         world: the number of processes (the micro-batch mask is exact on one).
         loss_scaler: whether a loss scaler owns gradient overflows (fp16 autocast).
+        engine: the DeepSpeed engine that steps itself (its verdict is the gradient flag).
     """
 
-    def __init__(self, limit: int, world: int, loss_scaler: bool = False):
+    def __init__(self, limit: int, world: int, loss_scaler: bool = False, engine: Any = None):
         self.limit, self.world, self.loss_scaler = limit, world, loss_scaler
+        self.engine = engine
         self.consecutive = 0
         self.last_finite: tuple[int, float] | None = None  # (step, loss)
         #: Set when the run must stop: the message of :class:`TrainingDiverged`.
         self.failure: str | None = None
 
     @classmethod
-    def for_run(cls, config: Any, accelerator: Any) -> NonFiniteGuard:
+    def for_run(cls, config: Any, accelerator: Any, model: Any = None) -> NonFiniteGuard:
+        engine = model if is_engine(model) else None
         scaler = getattr(accelerator, "scaler", None) is not None
-        return cls(config.max_consecutive_skipped_steps, accelerator.num_processes, scaler)
+        scaler = scaler or (engine is not None and engine.fp16_enabled())
+        limit, world = config.max_consecutive_skipped_steps, accelerator.num_processes
+        return cls(limit, world, scaler, engine)
 
     def check(self, step: int, totals: dict[str, float], loss: float) -> bool:
-        """True when step ``step`` (1-based) must be skipped; logs one line per skipped step."""
+        """True when step ``step`` (1-based) must be skipped, or under DeepSpeed was skipped by
+        the engine; logs one line per non-finite step."""
         bad_loss = totals.get("bad_loss", 0.0) > 0 or not math.isfinite(loss)
-        bad_grad = totals.get("bad_grad", 0.0) > 0 and not self.loss_scaler
+        applied = None if self.engine is None else bool(self.engine.was_step_applied())
+        if applied is None:
+            bad_grad = totals.get("bad_grad", 0.0) > 0 and not self.loss_scaler
+        else:  # the engine's all-reduced inf/NaN check (under fp16, its loss scaler's)
+            bad_grad = not applied and not self.loss_scaler
         if not (bad_loss or bad_grad):
             self.consecutive = 0
             self.last_finite = (step, loss)
             return False
         self.consecutive += 1
         what = self._what(totals, bad_loss, bad_grad)
+        if applied:
+            taken = "its gradients were finite and the DeepSpeed engine applied it"
+        else:
+            taken = "no optimizer or scheduler step was taken"
         logger.warning(
-            "step %d skipped: %s; no optimizer or scheduler step was taken (%d in a row, the run "
-            "stops at %d)", step, what, self.consecutive, self.limit,
+            "step %d %s: %s; %s (%d in a row, the run stops at %d)", step,
+            "skipped" if not applied else "not finite", what, taken, self.consecutive, self.limit,
         )  # fmt: skip
         if self.consecutive >= self.limit:
             self.failure = self._failure(step, what)
-        return True
+        return not applied
 
     def raise_if_failed(self) -> None:
         """Raise :class:`TrainingDiverged` when the run stopped on non-finite steps."""

@@ -74,7 +74,9 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
         # that group itself first (accelerate turns DeepSpeed off for cpu=True).
         cpu=not has_accelerator() and not start_deepspeed_on_cpu(),
         mixed_precision=resolve_mixed_precision(config),
-        log_with=config.log_with,
+        # accelerate types log_with as an invariant list[str | LoggerType | GeneralTracker],
+        # so a list[str] (which it accepts) does not match.
+        log_with=config.log_with,  # pyright: ignore[reportArgumentType]
         project_dir=config.output_dir,
     )
     check_world_size(accelerator.num_processes)
@@ -154,8 +156,9 @@ def prepare_model(
         model = get_peft_model(model, peft_config)
     if checkpointing:
         enable_checkpointing(model)
-    if getattr(model, "config", None) is not None and hasattr(model.config, "use_cache"):
-        model.config.use_cache = False
+    hf_config: Any = getattr(model, "config", None)
+    if hf_config is not None and hasattr(hf_config, "use_cache"):
+        hf_config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
     if packed or _on_cuda(accelerator):
@@ -177,7 +180,7 @@ def _on_cuda(accelerator: Accelerator | None) -> bool:
     return accelerator is not None and accelerator.device.type == "cuda"
 
 
-def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerator | None) -> Any:
+def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerator) -> Any:
     """How a frozen model kept beside the policy (a reference) is prepared: the policy's
     attention (:func:`prepare_model`), so both run the same kernels (policy == reference then
     gives exact ties, and the reference passes are as fast), and the policy's FSDP2 sharding or

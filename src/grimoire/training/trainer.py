@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -129,7 +129,7 @@ class GrimoireTrainer:
         self.launch: dict[str, Any] | None = None
         self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
         self._reduction = StepReduction(acc)
-        self.guard = NonFiniteGuard.for_run(self.config, acc)  # non-finite steps are skipped
+        self.guard = NonFiniteGuard.for_run(self.config, acc, self.model)  # skips non-finite
         self._stop = self._stop_requested = False
         #: The signal that stopped the run with a checkpoint (preemption), else None.
         self.preempted_by: str | None = None
@@ -146,7 +146,7 @@ class GrimoireTrainer:
 
     @property
     def unwrapped_model(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        return cast(torch.nn.Module, self.accelerator.unwrap_model(self.model))  # untyped upstream
 
     @property
     def stopped_early(self) -> bool:

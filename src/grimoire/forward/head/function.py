@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -153,15 +153,17 @@ class _HeadLogps(torch.autograd.Function):
                 )  # fmt: skip
                 out = stats[0]
             else:
-                if weight is not None:
-                    logits = _linear_logits(spec.head, hidden[c], weight)
+                if weight is not None:  # only for a bare Linear head (_plain_weight)
+                    logits = _linear_logits(cast(torch.nn.Linear, spec.head), hidden[c], weight)
                 else:
                     logits = _head_logits(spec.head, spec.transforms, hidden[c])
                 out = _softmax_stats(logits, targets[c], spec.return_entropy)
                 del logits  # (a non-Linear head's [C, V] output: not alive next to the next one)
             logps[c], lse[c] = out[0], out[1]
             if entropy is not None:
-                entropy[c] = out[2]
+                chunk_entropy = out[2]
+                assert chunk_entropy is not None, "return_entropy asks _softmax_stats for it"
+                entropy[c] = chunk_entropy
         # Intermediates, not inputs or outputs: kept on ctx, dropped once used.
         ctx.eager = (grad_h, grad_params) if eager else None
         if entropy is None:
@@ -171,7 +173,10 @@ class _HeadLogps(torch.autograd.Function):
         return logps, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logps: Tensor | None, grad_entropy: Tensor | None = None):
+    # torch types backward as (ctx, *grad_outputs); it is called with one grad per output.
+    def backward(  # pyright: ignore[reportIncompatibleMethodOverride]
+        ctx: Any, grad_logps: Tensor | None, grad_entropy: Tensor | None = None
+    ):
         spec: _HeadSpec = ctx.spec
         saved = ctx.saved_tensors
         hidden, targets, lse = saved[:3]
@@ -204,7 +209,8 @@ def _accumulate(total: list[Tensor | None], wanted: list[int], grads: list) -> N
     """Sum one chunk's parameter gradients into ``total`` (in place after the first chunk)."""
     for i, g in zip(wanted, grads):
         if g is not None:
-            total[i] = g if total[i] is None else total[i].add_(g)
+            sum_so_far = total[i]
+            total[i] = g if sum_so_far is None else sum_so_far.add_(g)
 
 
 def _chunk_gradients(
@@ -230,9 +236,10 @@ def _chunk_gradients(
     fresh ``out`` (the head's graph may hold on to its output).
     """
     if weight is not None:
-        logits = _linear_logits(spec.head, hidden[c], weight)
+        head = cast(torch.nn.Linear, spec.head)  # a weight is given only for a bare Linear
+        logits = _linear_logits(head, hidden[c], weight)
         grad = grad_of_logits(logits, logits)
-        grads = _linear_grads(spec.head, grad, weight, hidden[c], need_h, params, wanted)
+        grads = _linear_grads(head, grad, weight, hidden[c], need_h, params, wanted)
     else:
         enabled, dtype = autocast
         with torch.enable_grad(), torch.autocast(spec.device_type, dtype=dtype, enabled=enabled):
@@ -243,7 +250,9 @@ def _chunk_gradients(
         inputs = ([h] if need_h else []) + [params[i] for i in wanted]
         grads = list(torch.autograd.grad(logits, inputs, grad, allow_unused=True)) if inputs else []
     if need_h:
-        grad_h[c] = grads.pop(0)
+        g_h = grads.pop(0)
+        assert grad_h is not None and g_h is not None, "need_h: a buffer, and h feeds the logits"
+        grad_h[c] = g_h
     _accumulate(grad_params, wanted, grads)
 
 

@@ -10,13 +10,15 @@ goes through the module's own forward under autograd
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 from torch import Tensor
 
 from grimoire.forward.head.workspace import _scratch
 
 
-def _plain_linear(head: torch.nn.Module, transforms: list) -> bool:
+def _plain_linear(head: torch.nn.Module, transforms: list) -> TypeGuard[torch.nn.Linear]:
     """A bare ``nn.Linear`` head with no post-head transforms and no hooks: its logits and
     gradients are three plain matmuls, done here by hand into a reusable buffer (no autograd
     graph). Anything else (LoRA, hooks, offloading) goes through the module's own forward."""

@@ -24,9 +24,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 def _fsdp_module_type() -> type | None:
@@ -83,13 +87,14 @@ def gathered(unit: torch.nn.Module | None, head: torch.nn.Module) -> Iterator[bo
     if unit is None:
         yield True
         return
+    fsdp_unit = cast("FSDPModule", unit)  # the units here come from fully_shard
     was_sharded = any(is_dtensor(p) for p in head.parameters())
-    unit.unshard()
+    fsdp_unit.unshard()
     try:
         yield not any(is_dtensor(p) for p in head.parameters())
     finally:
         if was_sharded:
-            unit.reshard()
+            fsdp_unit.reshard()
 
 
 class _UnshardInBackward(torch.autograd.Function):
@@ -99,7 +104,7 @@ class _UnshardInBackward(torch.autograd.Function):
     def forward(ctx, units: tuple[torch.nn.Module, ...], *tensors: Tensor):
         ctx.units = units
         outs = tuple(t.view_as(t) for t in tensors)
-        return outs if len(outs) > 1 else outs[0]
+        return outs[0] if len(outs) == 1 else outs
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):

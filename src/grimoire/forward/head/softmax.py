@@ -62,14 +62,14 @@ def _softmax_stats(
         t = targets[rows].unsqueeze(-1)
         picked = z.gather(-1, t).squeeze(-1)
         # exp(z - m): into ``unit_grad`` for fp32, else over the fp32 block (ours to overwrite).
-        e = unit_grad[rows] if fp32_out else z
+        e = unit_grad[rows] if fp32_out and unit_grad is not None else z
         torch.sub(z, m, out=e)  # z - m (e may alias z: elementwise, so that is safe)
         shifted = e.clone() if entropy is not None else None
         total = e.exp_().sum(-1, keepdim=True)
         log_total = total.log()
         lse[rows] = (m + log_total).squeeze(-1)
         logps[rows] = picked - lse[rows]
-        if entropy is not None:
+        if entropy is not None and shifted is not None:  # shifted is kept for the entropy
             # H = lse - sum_v p_v z_v = log(total) - sum_v e_v (z_v - m) / total.
             entropy[rows] = (log_total - (e * shifted).sum(-1, keepdim=True) / total).squeeze(-1)
         if unit_grad is None:
@@ -98,7 +98,6 @@ def _grad_logits(
     ``dlogp_t/dz = onehot(t) - p`` and ``dH/dz = -p * (log p + H)``; computed in fp32, in place,
     one row block at a time.
     """
-    use_entropy = entropy is not None and grad_entropy is not None
     in_place = out.dtype == torch.float32
     for rows in _row_blocks(logits.shape[0], logits.shape[-1]):
         # log p, written by one op into fresh memory, never an alias of ``logits`` (the head's
@@ -108,7 +107,7 @@ def _grad_logits(
         z = out[rows] if in_place else _fp32_scratch(logits[rows])
         torch.sub(logits[rows], lse[rows].unsqueeze(-1), out=z)  # log p
         g = grad_logps[rows].unsqueeze(-1)
-        if use_entropy:
+        if entropy is not None and grad_entropy is not None:
             probs = z.exp()
             # -p * (g + e * (log p + H)), in place on log p.
             z.add_(entropy[rows].unsqueeze(-1)).mul_(grad_entropy[rows].unsqueeze(-1)).add_(g)
