@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -96,6 +97,28 @@ def run(args: argparse.Namespace, staleness: int, threads: int) -> dict[str, flo
     }
 
 
+def concurrency_probe() -> float:
+    """Time of one thread's matmuls while a second thread runs the same, over the time alone:
+    1.00x when two cores are free for this process, 2.00x when the two threads share one (a
+    machine loaded by other jobs); async can only gain what this leaves."""
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+
+    def work() -> float:
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        for _ in range(150):
+            a @ a
+        return time.perf_counter() - start
+
+    alone = work()
+    other = threading.Thread(target=work)
+    other.start()
+    together = work()
+    other.join()
+    return together / alone
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=32)
@@ -106,11 +129,15 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = [("sync x1", 0, 1)] + [("sync x2", 0, 2)] * args.sync2 + [("async k=1", 1, 1)]
+    probe = concurrency_probe()
     results = {name: run(args, k, t) for name, k, t in rows}
+    after = concurrency_probe()
     samples = args.steps * args.prompts * args.g
     base = results["sync x1"]["steps_s"]
     print(f"GRPO, {args.steps} steps x {args.prompts} prompts x G={args.g}, "
           f"max_new_tokens={args.tokens} (reward: mean of the last quarter, after {samples} samples)")  # fmt: skip
+    print(f"concurrency probe (two threads' matmuls vs one alone; 1.00x = two free cores): "
+          f"{probe:.2f}x before, {after:.2f}x after")  # fmt: skip
     print("| run | steps/s | sampler idle % | learner idle % | reward | vs sync x1 |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
