@@ -50,6 +50,7 @@ from grimoire.parallel.deepspeed import (
     zero_stage,
 )
 from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
+from grimoire.rollout.async_rollouts import AsyncRolloutStage, async_problems
 from grimoire.rollout.stage import RolloutStage
 from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
 
@@ -304,7 +305,15 @@ def build_rollouts(method: GrimoireLoss, context: TrainingContext) -> RolloutSta
         raise ConfigError(
             [f"{method.method_name} generates: not supported under DeepSpeed ZeRO-3 (use FSDP2)"]
         )
-    stage = RolloutStage(
+    staleness = getattr(method, "max_staleness", 0)
+    problems = async_problems(
+        "loss.args.max_staleness", staleness, method.engine, method.steps_per_batch,
+        context.accelerator.num_processes,
+    )  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
+    async_args = {"max_staleness": staleness} if staleness > 0 else {}
+    stage = (AsyncRolloutStage if staleness > 0 else RolloutStage)(
         method.engine,
         method.reward_funcs,
         method.sampling,
@@ -312,6 +321,7 @@ def build_rollouts(method: GrimoireLoss, context: TrainingContext) -> RolloutSta
         steps_per_batch=method.steps_per_batch,
         needs_old_logps=method.needs_old_logps,
         reference_logps=method.reference_logps if method.needs_reference_model else None,
+        **async_args,
     )
     stage.bind(context)
     return stage
