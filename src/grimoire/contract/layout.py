@@ -24,10 +24,10 @@ blocks), the attention segments. These are facts about the same tensors, so
 they are left out of equality (``compare=False``): a layout built by hand without them equals
 the collator's.
 
-The layout answers what code outside ``collate/`` would otherwise read from the keys
-(:func:`num_rows`, :func:`num_targets`, :func:`num_tokens`, :func:`is_prompt_batch`,
-:func:`attention_inputs`), from the collator's counts when it has them and from the tensors when
-not (a user collator's plain dict); only ``collate/`` and this module read :data:`LAYOUT_KEYS` (a test checks). The one
+The layout answers what code outside ``collate/`` would otherwise read from the keys (:func:`num_rows`,
+:func:`num_targets`, :func:`num_tokens`, :func:`is_prompt_batch`, :func:`attention_inputs`),
+from the collator's counts when it has them and from the tensors when not (a user collator's
+plain dict); only ``collate/`` and this module read :data:`LAYOUT_KEYS` (a test checks). The one
 shifted-target rule (:func:`shifted_targets`, :func:`shift_labels`) lives here too, so the
 collators' host-side counts and the forward's targets cannot disagree.
 """

@@ -238,6 +238,12 @@ class GeneratingMethod(Method, Protocol[EngineT, RewardT, SamplingT, GroupT]):
         """Rollouts record the sampling policy's log-probs (an extra no-grad forward)."""
         ...
 
+    @property
+    def max_staleness(self) -> int:
+        """How many optimizer steps old the weights that sampled a step's rollouts may be (0:
+        each step samples with its own weights)."""
+        ...
+
     def build_batches(
         self, ctx: TrainingContext, groups: list[GroupT]
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -257,6 +263,7 @@ GENERATING_MEMBERS: tuple[str, ...] = (
     "reward_funcs",
     "sampling",
     "needs_old_logps",
+    "max_staleness",
     "build_batches",
     "reference_logps",
 )

@@ -259,7 +259,8 @@ class GeneratingAdapter(MethodAdapter):
     """A duck-typed method that generates (``needs_generation``), seen as a
     :class:`~grimoire.contract.method.GeneratingMethod`: it must define ``engine``, ``sampling``
     and ``build_batches(ctx, groups)``; the other members default to no reward functions, no
-    old log-probs and no ``reference_logps(batch)`` (a method without a reference).
+    old log-probs, synchronous rollouts (``max_staleness`` 0) and no ``reference_logps(batch)``
+    (a method without a reference).
 
     Raises:
         TypeError: (on construction) the object lacks one of the required members.
@@ -271,6 +272,7 @@ class GeneratingAdapter(MethodAdapter):
     sampling: Any
     reward_funcs: Sequence[Any]
     needs_old_logps: bool
+    max_staleness: int
 
     def __init__(self, wrapped: Any):
         super().__init__(wrapped)
@@ -299,7 +301,11 @@ class GeneratingAdapter(MethodAdapter):
 #: The :class:`GeneratingAdapter` members a duck type that generates must define.
 _GENERATING_REQUIRED = ("engine", "sampling", "build_batches")
 #: The defaults of the members it may leave out.
-_GENERATING_DEFAULTS: dict[str, Any] = {"reward_funcs": (), "needs_old_logps": False}
+_GENERATING_DEFAULTS: dict[str, Any] = {
+    "reward_funcs": (),
+    "needs_old_logps": False,
+    "max_staleness": 0,
+}
 
 
 def _forwarding(name: str, default: Any) -> property:

@@ -82,6 +82,10 @@ class OnlineMethod(GrimoireLoss):
         fused, fused_chunk_size: the training log-probs (policy and reference) use the fused,
             chunked LM-head path (as every loss does by default), or the full logits with
             ``fused=False``; the rollout's own scoring is unchanged.
+        max_staleness: 0 (default) samples each step's rollouts with the step's own weights;
+            ``k >= 1`` samples them in a background producer with weights at most ``k``
+            optimizer steps old, while the learner trains
+            (:mod:`grimoire.rollout.async_rollouts`; HF engine, one process).
 
     Subclasses list only their own arguments and end with ``**kwargs`` passed on to this
     constructor; their signature (for the YAML CLI's checks and ``help()``) is completed with
@@ -118,8 +122,21 @@ class OnlineMethod(GrimoireLoss):
         log_entropy: bool = True,
         fused: bool = True,
         fused_chunk_size: int = 1024,
+        max_staleness: int = 0,
     ):
         name = type(self).__name__
+        if (
+            isinstance(max_staleness, bool)
+            or not isinstance(max_staleness, int)
+            or max_staleness < 0
+        ):
+            raise ValueError(
+                f"{name}: max_staleness must be an int >= 0 (0: synchronous rollouts), got "
+                f"{max_staleness!r}"
+            )
+        #: Optimizer steps a rollout may lag the learner (>= 1: asynchronous rollouts,
+        #: :mod:`grimoire.rollout.async_rollouts`); 0 samples each step with its own weights.
+        self.max_staleness = max_staleness
         if not isinstance(num_generations, int) or num_generations < self.min_generations:
             raise ValueError(
                 f"{name}: num_generations must be an int >= {self.min_generations} (the method "

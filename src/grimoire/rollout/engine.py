@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -283,6 +283,18 @@ class RolloutEngine(ABC):
     @property
     def device(self) -> torch.device:
         return next(self.policy.parameters()).device
+
+    @contextmanager
+    def turn_limit(self, max_new_tokens: int) -> Iterator[None]:
+        """Sample at most ``max_new_tokens`` per completion inside the block (what a multi-turn
+        episode has left); the sampler's own ``max_new_tokens`` stays the ceiling."""
+        kept = self.sampler
+        limit = max(1, min(kept.max_new_tokens, max_new_tokens))
+        self.sampler = replace(kept, max_new_tokens=limit)
+        try:
+            yield
+        finally:
+            self.sampler = kept
 
     def generate(
         self,

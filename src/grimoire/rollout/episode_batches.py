@@ -41,17 +41,13 @@ from grimoire.rollout.tool_calls import ToolCallParser
 
 def engine_generate_batch(engine: RolloutEngine) -> GenerateBatch:
     """``generate_batch(prompts, max_new_tokens)`` sampling one turn per prompt with ``engine``
-    (already bound); ``engine.max_new_tokens`` is lowered to the turn's limit for the call."""
+    (already bound), at most the turn's ``max_new_tokens`` (:meth:`RolloutEngine.turn_limit`)."""
 
     def generate_batch(
         prompts: list[list[int]], max_new_tokens: int
     ) -> list[tuple[list[int], list[float] | None]]:
-        limit = engine.max_new_tokens
-        engine.max_new_tokens = max(1, min(limit, max_new_tokens))
-        try:
+        with engine.turn_limit(max_new_tokens):
             rollout = engine.generate(prompts, 1, with_old_logps=True)
-        finally:
-            engine.max_new_tokens = limit
         logps = rollout.sampler_logps if rollout.sampler_logps is not None else rollout.old_logps
         out = []
         for i in range(len(prompts)):

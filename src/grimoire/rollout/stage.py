@@ -26,7 +26,7 @@ whoever builds it (the trainer, from a :data:`RolloutMethod`'s members) owns it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -165,19 +165,7 @@ class RolloutStage:
             reused = {**metrics, **timing, "time/generation": 0.0, "time/rollout": 0.0}
             return batches, reused, weight
 
-        self.engine.sync_weights()
-        groups = []
-        g, old = self.sampling.num_generations, self.needs_old_logps
-        for prompts, keep in micro:
-            if keep:
-                rollout = self.engine.generate(prompt_token_lists(prompts), g, with_old_logps=old)
-                groups.append(self.score(prompts, rollout))
-        # Sharded policy: every forward is a collective, so every rank runs as many sampling
-        # calls and reference passes (fillers on a pad token), all before build_batches, whose
-        # step statistics are all-reduces of their own.
-        fillers = ctx.all_reduce_max(len(groups)) - len(groups) if self.sharded else 0
-        for _ in range(fillers):
-            self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
+        groups, fillers = self.scored_groups(ctx, micro)
         t_gen = time.perf_counter() - now
         if self.reference_logps is not None:
             for group in groups:  # every row's reference log-probs; methods select rows
@@ -203,6 +191,33 @@ class RolloutStage:
             self._cache = (key, batches, dict(metrics), weight)
         metrics.update(timing)
         return batches, metrics, weight
+
+    def feed(self, batches: Iterable[Any], first_step: int) -> Iterable[Any]:
+        """The epoch's prompt micro-batches, in the planner's order, as the trainer walks them
+        (``first_step``: the global step of the first). Synchronous: unchanged; an asynchronous
+        stage (:mod:`grimoire.rollout.async_rollouts`) reads ahead of the learner here."""
+        return batches
+
+    def scored_groups(
+        self, ctx: Any, micro: list[tuple[dict[str, Any], float]]
+    ) -> tuple[list[ScoredGroup], int]:
+        """The step's real groups, sampled now by the policy, and the number of filler calls.
+
+        Sharded policy: every forward is a collective, so every rank runs as many sampling
+        calls and reference passes (fillers on a pad token), all before build_batches, whose
+        step statistics are all-reduces of their own.
+        """
+        self.engine.sync_weights()
+        groups = []
+        g, old = self.sampling.num_generations, self.needs_old_logps
+        for prompts, keep in micro:
+            if keep:
+                rollout = self.engine.generate(prompt_token_lists(prompts), g, with_old_logps=old)
+                groups.append(self.score(prompts, rollout))
+        fillers = ctx.all_reduce_max(len(groups)) - len(groups) if self.sharded else 0
+        for _ in range(fillers):
+            self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
+        return groups, fillers
 
     def score(self, prompts: dict[str, Any], rollout: Rollout) -> ScoredGroup:
         """Decode the completions and run the reward functions on them."""

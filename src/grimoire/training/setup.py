@@ -50,6 +50,7 @@ from grimoire.parallel.deepspeed import (
     zero_stage,
 )
 from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
+from grimoire.rollout.async_rollouts import AsyncRolloutStage, async_problems
 from grimoire.rollout.stage import RolloutStage
 from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
 
@@ -306,7 +307,15 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
         raise ConfigError(
             [f"{method.method_name} generates: not supported under DeepSpeed ZeRO-3 (use FSDP2)"]
         )
-    stage = RolloutStage(
+    staleness = online.max_staleness
+    problems = async_problems(
+        "loss.args.max_staleness", staleness, online.engine, online.steps_per_batch,
+        context.accelerator.num_processes,
+    )  # fmt: skip
+    if problems:
+        raise ConfigError(problems)
+    async_args = {"max_staleness": staleness} if staleness > 0 else {}
+    stage = (AsyncRolloutStage if staleness > 0 else RolloutStage)(
         online.engine,
         online.reward_funcs,
         online.sampling,
@@ -314,6 +323,7 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
         steps_per_batch=online.steps_per_batch,
         needs_old_logps=online.needs_old_logps,
         reference_logps=online.reference_logps if online.needs_reference_model else None,
+        **async_args,
     )
     stage.bind(context)
     return stage

@@ -204,7 +204,9 @@ class GrimoireTrainer:
             epoch = self.state.epoch
             self.callbacks("on_epoch_begin", self, epoch)
             start = self.state.step_in_epoch
-            for micro in self.loader.epoch(epoch, start, cfg.dataloader_num_workers):
+            batches = self.loader.epoch(epoch, start, cfg.dataloader_num_workers)
+            feed = self.rollouts.feed if self.rollouts else lambda b, _: b  # async reads ahead
+            for micro in feed(batches, self.global_step):
                 self._optimizer_step(micro)
                 self.state.step_in_epoch += 1
                 self._end_of_step()

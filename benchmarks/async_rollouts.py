@@ -1,0 +1,151 @@
+"""GRPO steps/s with synchronous vs asynchronous rollouts (``max_staleness``) on the CPU.
+
+The toy reverse task from the bundled warm-started tiny Llama (``grimoire/assets/reverse_warm``,
+as examples/grpo_toy.yaml). Threads are pinned per role: the main thread (the learner, and in
+the sync rows also the sampler) runs ``torch.set_num_threads(T)``; the async producer thread
+calls ``torch.set_num_threads(1)`` itself (``AsyncRolloutStage.sampler_threads``), so async gets
+one core for sampling and one for learning, and ``sync x1`` one core for both; ``--sync2`` adds ``sync x2`` (two threads
+for the one loop), the two-core baseline (on a shared, loaded machine two threads per process
+oversubscribe the cores and that row is much slower, so it is not run by default).
+
+Per row: steps/s over the whole ``train()`` (the first step, which cannot overlap, included),
+sampler idle % (wall time the sampler is not generating or scoring), learner idle % (wall time
+the learner waits for rollouts; sync: the whole rollout), the mean training reward over the
+last quarter of the steps (after ``N`` samples = steps x prompts x G), and steps/s as a ratio
+to ``sync x1``.
+
+    python benchmarks/async_rollouts.py                 # 32 steps per row, 14 new tokens
+    python benchmarks/async_rollouts.py --tokens 8      # rollout a smaller share of a step
+    python benchmarks/async_rollouts.py --steps 3       # seconds: table shape only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import grimoire
+from grimoire import GrimoireTrainer, TrainingConfig
+from grimoire.losses.grpo import GRPOMethod
+from grimoire.rollout.async_rollouts import AsyncRolloutStage
+from grimoire.rows.prompts import tokenize_grpo
+from grimoire.training.callbacks import TrainerCallback
+
+ASSETS = Path(grimoire.__file__).parent / "assets"
+
+
+class Rewards(TrainerCallback):
+    def __init__(self) -> None:
+        self.rewards: list[float] = []
+        self.rollout: list[float] = []
+
+    def on_step_end(self, trainer, step, loss, metrics) -> None:
+        self.rewards.append(metrics["rewards/mean"])
+        self.rollout.append(metrics.get("time/rollout", 0.0))
+
+
+def run(args: argparse.Namespace, staleness: int, threads: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    warm = ASSETS / "reverse_warm"
+    tok = AutoTokenizer.from_pretrained(warm)
+    lines = (ASSETS / "reverse_train.jsonl").read_text().splitlines()
+    rows = [tokenize_grpo(json.loads(line), tok, max_length=64) for line in lines]
+    method = GRPOMethod(
+        ["char_match", "exact_match"], reward_weights=[1.0, 0.5], num_generations=args.g,
+        max_new_tokens=args.tokens, loss_type="dapo", max_staleness=staleness,
+    )  # fmt: skip
+    rewards = Rewards()
+    with tempfile.TemporaryDirectory() as out:
+        config = TrainingConfig(
+            output_dir=out, max_steps=args.steps, batch_size=args.prompts, learning_rate=5e-4,
+            lr_scheduler="constant", warmup_ratio=0.0, weight_decay=0.0, max_length=64,
+            mixed_precision="no", gradient_checkpointing=False, disable_dropout=True,
+            logging_steps=10**6, save_on_epoch_end=False, progress_bar=False, seed=0,
+        )  # fmt: skip
+        trainer = GrimoireTrainer(
+            model=AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32), tokenizer=tok,
+            config=config, loss_fn=method, train_dataset=rows, callbacks=[rewards],
+        )  # fmt: skip
+        stage = trainer.rollouts
+        if isinstance(stage, AsyncRolloutStage):
+            stage.sampler_threads = 1
+        start = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - start
+        trainer.close()
+    if isinstance(stage, AsyncRolloutStage):
+        busy = sum(b - a for who, _, a, b in stage.timeline if who == "sampler")
+        waited = sum(b - a for who, _, a, b in stage.timeline if who == "wait")
+    else:
+        busy = waited = sum(rewards.rollout)  # the learner waits through every rollout
+    last = rewards.rewards[-max(1, args.steps // 4) :]
+    return {
+        "steps_s": args.steps / wall,
+        "sampler_idle": 100 * max(0.0, 1 - busy / wall),
+        "learner_idle": 100 * waited / wall,
+        "reward": sum(last) / len(last),
+    }
+
+
+def concurrency_probe() -> float:
+    """Time of one thread's matmuls while a second thread runs the same, over the time alone:
+    1.00x when two cores are free for this process, 2.00x when the two threads share one (a
+    machine loaded by other jobs); async can only gain what this leaves."""
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+
+    def work() -> float:
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        for _ in range(150):
+            a @ a
+        return time.perf_counter() - start
+
+    alone = work()
+    other = threading.Thread(target=work)
+    other.start()
+    together = work()
+    other.join()
+    return together / alone
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--g", type=int, default=16, help="num_generations")
+    parser.add_argument("--tokens", type=int, default=14, help="max_new_tokens")
+    parser.add_argument("--sync2", action="store_true", help="add the sync x2 row")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    rows = [("sync x1", 0, 1)] + [("sync x2", 0, 2)] * args.sync2 + [("async k=1", 1, 1)]
+    probe = concurrency_probe()
+    results = {name: run(args, k, t) for name, k, t in rows}
+    after = concurrency_probe()
+    samples = args.steps * args.prompts * args.g
+    base = results["sync x1"]["steps_s"]
+    print(f"GRPO, {args.steps} steps x {args.prompts} prompts x G={args.g}, "
+          f"max_new_tokens={args.tokens} (reward: mean of the last quarter, after {samples} samples)")  # fmt: skip
+    print(f"concurrency probe (two threads' matmuls vs one alone; 1.00x = two free cores): "
+          f"{probe:.2f}x before, {after:.2f}x after")  # fmt: skip
+    print("| run | steps/s | sampler idle % | learner idle % | reward | vs sync x1 |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['steps_s']:.3f} | {r['sampler_idle']:.0f} | {r['learner_idle']:.0f} "
+            f"| {r['reward']:.3f} | {r['steps_s'] / base:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Asynchronous rollouts with a staleness bound (``loss.args.max_staleness = k >= 1``).
+
+A producer THREAD samples and scores the rollouts of the next steps while the learner trains on
+the current ones (torch releases the GIL inside its ops, so the two use two cores). It samples
+with its OWN copy of the policy (a deep copy made at bind), never the learner's:
+
+- versions: the weights after ``v`` optimizer steps are version ``v``. When the learner asks
+  for step ``j``'s rollouts its weights are version ``j``; it publishes them then (a detached
+  copy of its ``state_dict``, handed over under a lock, so the learner never waits on a
+  sampling call). The producer loads the newest published state at the start of each step's
+  generation.
+- the bound: the producer generates step ``j``'s rollouts only with a version ``>= j - k``; it
+  WAITS for the learner otherwise (nothing is ever discarded or regenerated: ``discarded``
+  stays 0). So a group is trained at most ``k`` optimizer steps after the weights that sampled
+  it, and the producer is never more than ``k + 1`` steps ahead. ``staleness/mean`` and
+  ``staleness/max`` (learner version minus sampling version, over the step's groups) are logged.
+- old log-probs: every rollout is scored by the sampler's own model (``with_old_logps``), so
+  the policy-gradient ratio ``pi / pi_old`` (GRPO's clipped surrogate) is taken against the
+  weights that SAMPLED, which is the off-policy importance-sampling correction.
+- order: the producer walks the planner's prompt micro-batches of the epoch in the planner's
+  order (:meth:`AsyncRolloutStage.feed` wraps the trainer's iterator), one step at a time, so
+  a run samples the same prompts in the same order as the synchronous loop.
+- reference log-probs, advantages and the training batches are built on the learner's thread
+  (:meth:`RolloutStage.step`): only the sampler's model is touched by the producer.
+
+Checkpoints hold no rollouts: a resumed run regenerates from the checkpoint's weights (one log
+line says the in-flight rollouts were discarded). The producer is stopped and joined when the
+epoch's iterator ends or is closed (a stop, a signal, an error) and in :meth:`close`.
+
+Limits of this engine-level slice: one process, the HF engine, one optimizer step per rollout
+(``num_iterations = 1``); the producer does not read ahead across an epoch boundary.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from grimoire.collate.prompts import prompt_token_lists
+from grimoire.contract.layout import to_device
+from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.stage import RolloutStage, ScoredGroup
+
+logger = logging.getLogger(__name__)
+
+Micro = list[tuple[dict[str, Any], float]]
+
+
+def async_problems(
+    key: str, max_staleness: int, engine: Any, steps_per_batch: int, processes: int
+) -> list[str]:
+    """What this run's settings lack for asynchronous rollouts (``key``: the setting's name)."""
+    if max_staleness < 1:
+        return []
+    problems = []
+    if not isinstance(engine, HFGenerateEngine):
+        problems.append(
+            f"{key}={max_staleness} needs the HF engine (got {type(engine).__name__}); "
+            "set it to 0 for other engines"
+        )
+    if steps_per_batch > 1:
+        problems.append(
+            f"{key}={max_staleness} needs one optimizer step per rollout (num_iterations=1), "
+            f"got {steps_per_batch}"
+        )
+    if processes > 1:
+        problems.append(f"{key}={max_staleness} runs on one process so far, got {processes}")
+    return problems
+
+
+class AsyncRolloutStage(RolloutStage):
+    """A :class:`RolloutStage` whose groups come from a producer thread (module docstring).
+
+    Attributes for tests and benchmarks: ``timeline`` holds ``(who, step, start, end)``
+    (``"sampler"``: one step's generation and scoring; ``"wait"``: the learner waiting for that
+    step's rollouts), ``sampler_threads`` the torch thread count the producer sets for itself.
+    """
+
+    def __init__(self, *args: Any, max_staleness: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.max_staleness = int(max_staleness)
+        self.sampler_threads: int | None = None
+        self.sampler_model: torch.nn.Module | None = None
+        self.sampler_engine: Any = None
+        self.timeline: list[tuple[str, int, float, float]] = []
+        self.discarded = 0
+        self._policy: torch.nn.Module | None = None
+        self._cond = threading.Condition()
+        self._published: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._ready: dict[int, tuple[int, list[ScoredGroup], float]] = {}
+        self._micro: dict[int, Micro] = {}
+        self._finished = False
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fed = False
+        self._step_info: tuple[int, list[int], float] | None = None
+
+    def bind(self, ctx: Any) -> None:
+        super().bind(ctx)
+        self._policy = ctx.unwrapped_model
+        self.sampler_model = copy.deepcopy(self._policy)
+        self.sampler_model.requires_grad_(False)
+        self.sampler_engine = copy.copy(self.engine)
+        engine = self.engine
+        self.sampler_engine.bind(
+            self.sampler_model, self.pad_token_id, engine.eos_token_ids, engine.autocast,
+            max_tokens=engine.max_tokens, max_length=engine.max_length,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ the learner's side
+
+    def publish(self, version: int) -> None:
+        """Hand the learner's current weights (version ``version``) to the producer."""
+        assert self._policy is not None, "bind() first"
+        with self._cond:
+            if self._published is not None and self._published[0] == version:
+                return
+        state = {k: v.detach().clone() for k, v in self._policy.state_dict().items()}
+        with self._cond:
+            self._published = (version, state)
+            self._cond.notify_all()
+
+    def feed(self, batches: Iterable[Any], first_step: int) -> Iterator[Micro]:
+        if first_step > 0 and not self._fed:
+            logger.info(
+                "async rollouts: resumed at step %d; rollouts in flight when the checkpoint was "
+                "written were discarded (not saved), sampling restarts from its weights",
+                first_step,
+            )
+        self._fed = True
+        self._start(iter(batches), first_step)
+        try:
+            step = first_step
+            while True:
+                self.publish(step)  # the weights after `step` optimizer steps
+                t0 = time.perf_counter()
+                with self._cond:
+                    while step not in self._ready and not self._finished and self._error is None:
+                        self._cond.wait()
+                    if self._error is not None:
+                        raise RuntimeError("the rollout producer failed") from self._error
+                    if step not in self._ready:
+                        return
+                    micro = self._micro.pop(step)
+                    self.timeline.append(("wait", step, t0, time.perf_counter()))
+                yield micro
+                step += 1
+        finally:
+            self.shutdown()
+
+    def scored_groups(self, ctx: Any, micro: Micro) -> tuple[list[ScoredGroup], int]:
+        step = ctx.step.global_step
+        with self._cond:
+            version, groups, seconds = self._ready.pop(step)
+        if step - version > self.max_staleness:  # the producer's wait makes this unreachable
+            raise RuntimeError(f"rollouts of version {version} reached step {step}")
+        self._step_info = (step, [step - version] * len(groups), seconds)
+        return groups, 0
+
+    def step(self, ctx: Any, micro: Micro) -> tuple[Micro, dict[str, float], float]:
+        batches, metrics, weight = super().step(ctx, micro)
+        assert self._step_info is not None
+        step, staleness, seconds = self._step_info
+        waits = [end - start for who, s, start, end in self.timeline if who == "wait" and s == step]
+        metrics.update(
+            {
+                "staleness/mean": sum(staleness) / max(1, len(staleness)),
+                "staleness/max": float(max(staleness, default=0)),
+                "time/sampler_generation": seconds,
+                "time/learner_wait": waits[-1] if waits else 0.0,
+            }
+        )
+        return batches, metrics, weight
+
+    # ------------------------------------------------------------------ the producer
+
+    def _start(self, batches: Iterator[Micro], first_step: int) -> None:
+        self.shutdown()
+        self._stop.clear()
+        self._finished, self._error = False, None
+        assert self.sampler_model is not None and self._policy is not None
+        self.sampler_model.train(self._policy.training)  # old log-probs as the training forward
+        self._thread = threading.Thread(
+            target=self._produce, args=(batches, first_step), name="grimoire-rollouts", daemon=True
+        )
+        self._thread.start()
+
+    def _produce(self, batches: Iterator[Micro], first_step: int) -> None:
+        if self.sampler_threads is not None:
+            torch.set_num_threads(self.sampler_threads)
+        loaded = None
+        try:
+            for step, micro in enumerate(batches, start=first_step):
+                with self._cond:
+                    while not self._stop.is_set() and self._usable(step) is None:
+                        self._cond.wait()
+                    if self._stop.is_set():
+                        return
+                    version, state = self._usable(step)  # type: ignore[misc]
+                if version != loaded:
+                    self.sampler_model.load_state_dict(state)  # type: ignore[union-attr]
+                    loaded = version
+                t0 = time.perf_counter()
+                groups = self._sample(micro)
+                t1 = time.perf_counter()
+                with self._cond:
+                    self._ready[step] = (version, groups, t1 - t0)
+                    self._micro[step] = micro
+                    self.timeline.append(("sampler", step, t0, t1))
+                    self._cond.notify_all()
+        except BaseException as error:  # handed to the learner, which raises it
+            with self._cond:
+                self._error = error
+        finally:
+            with self._cond:
+                self._finished = True
+                self._cond.notify_all()
+
+    def _usable(self, step: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest published weights if they may sample ``step``'s rollouts."""
+        published = self._published
+        if published is None or published[0] < step - self.max_staleness:
+            return None
+        return published
+
+    def _sample(self, micro: Micro) -> list[ScoredGroup]:
+        engine, g = self.sampler_engine, self.sampling.num_generations
+        groups = []
+        for host, keep in micro:
+            if keep:
+                prompts = to_device(host, engine.device)
+                rollout = engine.generate(prompt_token_lists(prompts), g, with_old_logps=True)
+                groups.append(self.score(prompts, rollout))
+        return groups
+
+    def shutdown(self) -> None:
+        """Stop the producer and join it; rollouts not yet trained on are dropped."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        thread.join()
+        with self._cond:
+            self._ready.clear()
+            self._micro.clear()
+        self._thread = None
+
+    def close(self) -> None:
+        self.shutdown()
+        super().close()
+
+
+__all__ = ["AsyncRolloutStage", "async_problems"]
