@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from grimoire.collate.prompts import prompt_token_lists
+from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import to_device
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.stage import RolloutStage, ScoredGroup
@@ -102,7 +103,7 @@ class AsyncRolloutStage(RolloutStage):
         self._fed = False
         self._step_info: tuple[int, list[int], float] | None = None
 
-    def bind(self, ctx: Any) -> None:
+    def bind(self, ctx: TrainingContext) -> None:
         super().bind(ctx)
         self._policy = ctx.unwrapped_model
         self.sampler_model = copy.deepcopy(self._policy)
@@ -155,7 +156,7 @@ class AsyncRolloutStage(RolloutStage):
         finally:
             self.shutdown()
 
-    def scored_groups(self, ctx: Any, micro: Micro) -> tuple[list[ScoredGroup], int]:
+    def scored_groups(self, ctx: TrainingContext, micro: Micro) -> tuple[list[ScoredGroup], int]:
         step = ctx.step.global_step
         with self._cond:
             version, groups, seconds = self._ready.pop(step)
@@ -164,7 +165,7 @@ class AsyncRolloutStage(RolloutStage):
         self._step_info = (step, [step - version] * len(groups), seconds)
         return groups, 0
 
-    def step(self, ctx: Any, micro: Micro) -> tuple[Micro, dict[str, float], float]:
+    def step(self, ctx: TrainingContext, micro: Micro) -> tuple[Micro, dict[str, float], float]:
         batches, metrics, weight = super().step(ctx, micro)
         assert self._step_info is not None
         step, staleness, seconds = self._step_info

@@ -199,7 +199,7 @@ class RolloutStage:
         return batches
 
     def scored_groups(
-        self, ctx: Any, micro: list[tuple[dict[str, Any], float]]
+        self, ctx: TrainingContext, micro: list[tuple[dict[str, Any], float]]
     ) -> tuple[list[ScoredGroup], int]:
         """The step's real groups, sampled now by the policy, and the number of filler calls.
 
