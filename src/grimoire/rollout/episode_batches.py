@@ -45,11 +45,11 @@ def engine_generate_batch(engine: RolloutEngine) -> GenerateBatch:
 
     def generate_batch(
         prompts: list[list[int]], max_new_tokens: int
-    ) -> list[tuple[list[int], list[float] | None]]:
+    ) -> list[tuple[Sequence[int], Sequence[float] | None]]:
         with engine.turn_limit(max_new_tokens):
             rollout = engine.generate(prompts, 1, with_old_logps=True)
         logps = rollout.sampler_logps if rollout.sampler_logps is not None else rollout.old_logps
-        out = []
+        out: list[tuple[Sequence[int], Sequence[float] | None]] = []
         for i in range(len(prompts)):
             keep = rollout.completion_mask[i].bool()
             ids = rollout.completion_ids[i][keep].tolist()

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from grimoire.rollout.environment import (
     Environment,
@@ -230,7 +230,7 @@ class EpisodeRun:
         if isinstance(step, EnvironmentFailure):
             self._fail(step)
             return
-        new, reward, done = step  # type: ignore[misc]
+        new, reward, done = cast("tuple[list[Message], float, bool]", step)  # checked by guarded
         self.rewards.append(reward)
         before = list(self.messages)
         self.messages += [dict(m) for m in new]

@@ -32,7 +32,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from grimoire.config.registry import TOOL_CALL_PARSERS, resolve
 
@@ -268,7 +268,7 @@ def resolve_tool_call_parser(parser: str | ToolCallParser | Any) -> ToolCallPars
     parse = getattr(obj, "parse", obj)
     if not callable(parse):
         raise TypeError(f"tool_call_parser: {parser!r} is neither callable nor has .parse")
-    return parse
+    return cast(ToolCallParser, parse)  # its result is checked per turn (a wrong type: an error)
 
 
 __all__ = [

@@ -63,7 +63,7 @@ def tool_schema(function: Callable[..., Any]) -> dict[str, Any]:
 
     Raises :class:`ConfigError` naming the function and what to add to it.
     """
-    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import get_json_schema
 
     try:
         return get_json_schema(function)
