@@ -26,7 +26,7 @@ class _LLM:
         self.kwargs, self.calls, self.loaded = kwargs, [], []
         _LLM.made.append(self)
 
-    def generate(self, requests, params, use_tqdm=False):
+    def generate(self, requests, params, use_tqdm=False, lora_request=None):
         if not isinstance(params, list):  # vLLM takes one for every request, or one each
             params = [params] * len(requests)
         self.calls.append(([r["prompt_token_ids"] for r in requests], params))

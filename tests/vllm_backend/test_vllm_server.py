@@ -12,19 +12,19 @@ import urllib.request
 import pytest
 from tests.vllm_backend.common import start_server
 from tests.vllm_backend.test_vllm_ddp import WORKER, _env, _records
-from tests.vllm_backend.test_vllm_sync import check_sync
+from tests.vllm_backend.test_vllm_sync import K, _run, check_sync
 
 from grimoire.rollout.vllm_server import VLLMServerEngine
 
 
-def _pushes(url: str) -> int:
+def _pushes(url: str, kind: str = "weight_pushes") -> int:
     with urllib.request.urlopen(url + "/health", timeout=30) as answer:
-        return json.loads(answer.read())["weight_pushes"]
+        return json.loads(answer.read())[kind]
 
 
 @pytest.fixture(scope="module")
 def server(vllm_tiny):
-    proc, url = start_server(vllm_tiny, _env())
+    proc, url = start_server(vllm_tiny, _env(), "--max-lora-rank", "8")
     yield url
     proc.terminate()
     proc.wait(timeout=60)
@@ -35,6 +35,22 @@ def test_server_logps_equal_the_policys_after_k_steps_and_differ_without_push(
     vllm_tiny, tmp_path, server, peft
 ):
     check_sync(vllm_tiny, tmp_path, peft, lambda: VLLMServerEngine(max_new_tokens=8, url=server))
+
+
+def test_server_adapter_only_lora_sync_loads_base_once_and_one_adapter_per_step(
+    vllm_tiny, tmp_path, server
+):
+    """``lora_sync: adapter`` against the server: one full push (the base), then adapters
+    only, counted by the server itself; vLLM's log-probs still equal the policy's."""
+    before = _pushes(server), _pushes(server, "adapter_pushes")
+    engine = VLLMServerEngine(max_new_tokens=8, url=server)
+    gap, syncs, records, _ = _run(vllm_tiny, tmp_path, False, peft=True, engine=engine)
+    after = _pushes(server), _pushes(server, "adapter_pushes")
+    print(json.dumps({"server_lora_sync": "adapter", "gap": gap,
+                      "bytes_per_step": [r["weight_sync/bytes"] for r in records]}))  # fmt: skip
+    assert gap <= 1e-3
+    assert (after[0] - before[0], after[1] - before[1]) == (1, syncs) == (1, K + 1)
+    assert engine.base_loads == 1
 
 
 def test_two_processes_sharing_one_server_match_one_process(vllm_tiny, tmp_path, server):

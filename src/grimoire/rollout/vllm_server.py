@@ -35,6 +35,7 @@ import struct
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
@@ -44,7 +45,7 @@ from torch import Tensor
 from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import ConfigError
 from grimoire.rollout.vllm_common import VLLMSamplerEngine, plain_model
-from grimoire.rollout.vllm_weights import policy_weights
+from grimoire.rollout.vllm_weights import lora_rank
 
 _FRAME = struct.Struct("<Q")
 #: The environment variable holding the shared secret (vLLM's own server reads the same one).
@@ -175,6 +176,13 @@ class VLLMServerEngine(VLLMSamplerEngine):
         """Wait for the server and check it serves the bound model."""
         info = self._wait_for_server()
         problems = _model_mismatch(info, self.policy)
+        served_rank = int(info.get("max_lora_rank") or 0)
+        if self.adapter_sync and served_rank < lora_rank(self.policy):
+            problems.append(
+                f"lora_sync: adapter needs a server started with --max-lora-rank >= "
+                f"{lora_rank(self.policy)} (the policy's LoRA rank); it has "
+                f"{served_rank or 'LoRA off'}. Restart it so, or set lora_sync: merged"
+            )
         if problems:
             raise ConfigError(
                 [f"engine: vllm-server at {self.url}: {p}" for p in problems],
@@ -205,16 +213,30 @@ class VLLMServerEngine(VLLMSamplerEngine):
 
     # ------------------------------------------------------------------ weights
 
-    def _push_weights(self) -> None:
-        """Send the policy's weights to the server (rank 0; every rank walks them)."""
+    def _push_weights(self, weights: Iterator[tuple[str, Tensor]]) -> None:
+        """Send weights to the server (rank 0; every rank walks them: FSDP2 gathers are
+        collective)."""
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        weights = policy_weights(self.policy)  # every rank walks it: FSDP2 gathers are collective
         if not sharded or dist.get_rank() == 0:
             self._request("POST", "/weights", body=weight_frames(weights))
         else:
             for _ in weights:
                 pass
         if sharded:  # no rank samples before the server holds this step's weights
+            dist.barrier()
+
+    def _push_adapter(self, adapter_id: int, folder: Path) -> None:
+        """Send the adapter saved in ``folder`` (its config in the query, its tensors as weight
+        frames) to ``/adapter`` (rank 0; the others wait for it)."""
+        sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if not sharded or dist.get_rank() == 0:
+            from safetensors.torch import load_file
+
+            config = (folder / "adapter_config.json").read_text()
+            query = urllib.parse.urlencode({"id": adapter_id, "config": config})
+            tensors = load_file(str(folder / "adapter_model.safetensors"))
+            self._request("POST", f"/adapter?{query}", body=weight_frames(tensors.items()))
+        if sharded:
             dist.barrier()
 
     # ------------------------------------------------------------------ sampling

@@ -9,7 +9,9 @@ LoRA pair) in full at a time:
 - FSDP2 (``DTensor`` shards): each parameter is gathered on its own (``full_tensor``, one
   all-gather of one tensor), handed on, and dropped, so no rank ever holds the whole model;
   every rank must walk the same parameters in the same order (every gather is a collective);
-- LoRA (peft): adapter weights are not sent; each adapted layer's weight is sent MERGED,
+- LoRA (peft), merged (``merge_lora=True``; with ``False`` the base weights go as they are and
+  :func:`write_adapter` saves the adapter for a sampler that applies it itself): adapter weights
+  are not sent; each adapted layer's weight is sent MERGED,
   ``W + scaling * B @ A`` for the active adapters, computed on the side, so the trained base
   weights are never merged and unmerged in place (which would add rounding to them);
 - wrappers' name parts (peft's ``base_model.model.`` and ``base_layer``, ``torch.compile``'s
@@ -25,11 +27,15 @@ checkpoint load, any other in-place write).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from grimoire.errors import ConfigError
 
 #: Name parts wrappers add around a model's own parameter names.
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "modules_to_save.default.")
@@ -54,9 +60,10 @@ def _count_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     _STEPS[0] += 1
 
 
-def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
+def policy_weights(model: torch.nn.Module, merge_lora: bool = True) -> Iterator[tuple[str, Tensor]]:
     """``(checkpoint name, full detached tensor)`` per parameter, LoRA merged (module
-    docstring). Lazy: FSDP2 gathers happen as the caller consumes the iterator."""
+    docstring; ``merge_lora=False``: the base weights alone, for a sampler that applies the
+    adapter itself). Lazy: FSDP2 gathers happen as the caller consumes the iterator."""
     lora = {name: m for name, m in model.named_modules() if _is_lora_layer(m)}
     # Tied weights (an LM head sharing the embedding) are sent under every name: vLLM's in-place
     # reload re-creates each layer's parameters, which unties them, so the head must get its own.
@@ -66,10 +73,60 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
         owner, _, leaf = name.rpartition(".")
         tensor = _full(param.detach())
         layer = lora.get(owner.removesuffix(".base_layer"))
-        if layer is not None and owner.endswith(".base_layer") and leaf == "weight":
+        if merge_lora and layer and owner.endswith(".base_layer") and leaf == "weight":
             # Merged in fp32, then cast once: a bf16 weight gets one rounding, not two.
             tensor = (tensor.float() + _lora_delta(layer)).to(tensor.dtype)
         yield checkpoint_name(name), tensor
+
+
+def is_lora_policy(model: torch.nn.Module) -> bool:
+    """Whether ``model`` carries peft LoRA layers."""
+    return any(_is_lora_layer(m) for m in model.modules())
+
+
+def merged_bytes(model: torch.nn.Module) -> int:
+    """Bytes :func:`policy_weights` sends (every weight in full, tied ones once per name),
+    counted from the shapes without gathering or merging anything."""
+    return sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if ".lora_" not in name and ".original_module." not in name
+    )
+
+
+def lora_rank(model: torch.nn.Module) -> int:
+    """The largest LoRA rank of the active adapter (``r`` and any ``rank_pattern`` entry)."""
+    config = _adapter_config(model)
+    return max([int(config.r), *(int(r) for r in (config.rank_pattern or {}).values())])
+
+
+def write_adapter(model: torch.nn.Module, folder: Path) -> int:
+    """The active adapter as ``save_pretrained`` writes it (``adapter_model.safetensors`` with
+    peft's names, and ``adapter_config.json``), which is what vLLM loads a ``LoRARequest`` from;
+    returns the tensors' bytes. Only adapter layers are written: trainable weights outside them
+    (``modules_to_save``) would be lost, so they are refused."""
+    from peft import get_peft_model_state_dict  # peft imports transformers: seconds
+
+    config = _adapter_config(model)
+    if getattr(config, "modules_to_save", None):
+        raise ConfigError(
+            [
+                "engine.args.lora_sync: adapter sends LoRA layers only, and this policy also "
+                f"trains modules_to_save={sorted(config.modules_to_save)}: use lora_sync: merged"
+            ]
+        )
+    state = {k: _full(v.detach()).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "adapter_model.safetensors"))
+    config.save_pretrained(str(folder))
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _adapter_config(model: torch.nn.Module) -> Any:
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        raise ValueError("not a peft model: no adapter to send")
+    return configs[getattr(model, "active_adapter", "default")]
 
 
 def checkpoint_name(name: str) -> str:
@@ -115,4 +172,12 @@ def _lora_delta(layer: Any) -> Tensor:
     return delta if isinstance(delta, Tensor) else torch.zeros(())
 
 
-__all__ = ["checkpoint_name", "policy_weights", "weights_version"]
+__all__ = [
+    "checkpoint_name",
+    "is_lora_policy",
+    "lora_rank",
+    "merged_bytes",
+    "policy_weights",
+    "weights_version",
+    "write_adapter",
+]

@@ -5,10 +5,12 @@ Usage::
     grimoire vllm-serve --model path/to/policy [--host 127.0.0.1] [--port 8000] [--api-key K]
 
 One vLLM ``LLM`` in this process, behind a small HTTP server that answers one request at a
-time (``GET /health``, ``POST /generate``, ``POST /weights``; the format is in
+time (``GET /health``, ``POST /generate``, ``POST /weights``, ``POST /adapter``; the format is in
 :mod:`grimoire.rollout.vllm_server`). Samples are token ids with the drawn tokens' log-probs;
 ``/weights`` loads a pushed weight stream into vLLM (``reload_weights``) and drops the prefix
-cache. Everything decoded is JSON or ``safetensors`` (no pickle).
+cache; with ``--max-lora-rank`` (vLLM started with LoRA on), ``/adapter?id=N&config=JSON``
+takes a LoRA adapter's tensors in the same stream format and samples with it from then on (the
+base weights stay). Everything decoded is JSON or ``safetensors`` (no pickle).
 
 Access: with ``--api-key`` (or ``VLLM_API_KEY`` in the environment) every request must carry
 ``Authorization: Bearer <key>`` (else 401); binding to an address other machines reach without
@@ -22,6 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
+import urllib.parse
 from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -29,7 +34,7 @@ from typing import Any, BinaryIO, cast
 
 from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import GrimoireError
-from grimoire.rollout.vllm_common import completions, llm_args, require_vllm
+from grimoire.rollout.vllm_common import completions, llm_args, lora_args, require_vllm
 from grimoire.rollout.vllm_server import (
     API_KEY_ENV,
     ChunkedReader,
@@ -46,7 +51,7 @@ log = logging.getLogger(__name__)
 class Sampler:
     """The vLLM side of the server: start, sample, load weights (no HTTP here)."""
 
-    def __init__(self, model: str, **settings: Any):
+    def __init__(self, model: str, max_lora_rank: int = 0, **settings: Any):
         from transformers import AutoConfig
 
         # A path (not a hub name "org/name") that is not there: say so, not the hub's complaint.
@@ -65,8 +70,16 @@ class Sampler:
         if settings.get("dtype", "auto") == "auto":  # the checkpoint's own (vLLM's auto may cast)
             saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
             settings["dtype"] = str(saved or "float32").removeprefix("torch.")
-        self.llm = LLM(**llm_args(self.config, model=model, **settings))
+        #: LoRA adapters served (``--max-lora-rank``; 0: off): pushed to ``/adapter``.
+        self.max_lora_rank = int(max_lora_rank)
+        kwargs = llm_args(self.config, model=model, **settings)
+        if self.max_lora_rank:
+            kwargs.update(lora_args(self.max_lora_rank))
+        self.llm = LLM(**kwargs)
         self.pushes = 0
+        self.adapter_pushes = 0
+        self.lora_request: Any = None
+        self._adapters = tempfile.TemporaryDirectory(prefix="grimoire-serve-lora-")
         #: The served checkpoint's {name: (shape, dtype)}: what a push is checked against.
         self.expected = checkpoint_weights(Path(model))
         self.tied = ["lm_head.weight"] if getattr(self.config, "tie_word_embeddings", False) else []
@@ -74,7 +87,9 @@ class Sampler:
     def info(self) -> dict[str, Any]:
         config = {k: getattr(self.config, k, None) for k in SHAPE_KEYS}
         config["model_type"] = self.config.model_type
-        return {"ok": True, "config": config, "weight_pushes": self.pushes}
+        return {"ok": True, "config": config, "weight_pushes": self.pushes,
+                "adapter_pushes": self.adapter_pushes,
+                "max_lora_rank": self.max_lora_rank}  # fmt: skip
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -86,6 +101,7 @@ class Sampler:
             [{"prompt_token_ids": [int(t) for t in p]} for p in prompts],
             [SamplingParams(**p) for p in params],
             use_tqdm=False,
+            lora_request=self.lora_request,
         )
         with_logps = all(p.get("logprobs") is not None for p in params)
         ids, logps = completions(outputs, with_logps=with_logps)
@@ -102,9 +118,44 @@ class Sampler:
             "reload_weights",
             kwargs={"weights_iterator": iter(frames), "is_checkpoint_format": True},
         )
+        # Full weights are the whole policy: a trainer syncing adapters pushes one next.
+        self._drop_adapter()
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.pushes += 1
         return {"ok": True, "tensors": len(frames), "weight_pushes": self.pushes}
+
+    def load_adapter(self, adapter_id: int, config: dict[str, Any], stream: Any) -> dict[str, Any]:
+        """A pushed LoRA adapter (its ``adapter_config.json`` fields and its tensors, peft's
+        names) saved as ``save_pretrained`` does and served from now on as adapter
+        ``adapter_id``; the one before it is dropped."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if not self.max_lora_rank:
+            raise ValueError("this server serves no LoRA adapters: start it with --max-lora-rank")
+        frames = dict(read_frames(stream))
+        problems = [f"{n}: not a LoRA weight" for n in frames if ".lora_" not in n]
+        ranks = [int(config.get("r", 0)), *map(int, (config.get("rank_pattern") or {}).values())]
+        if max(ranks) > self.max_lora_rank or min(ranks) < 1:
+            problems.append(f"rank {max(ranks)} is not in 1..{self.max_lora_rank}")
+        if problems:
+            raise ValueError(f"adapter not loaded: {'; '.join(problems[:20])}")
+        folder = Path(self._adapters.name) / f"v{int(adapter_id)}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(frames, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        self._drop_adapter()
+        self.lora_request = LoRARequest(f"policy-{adapter_id}", int(adapter_id), str(folder))
+        self.llm.llm_engine.add_lora(self.lora_request)
+        self.llm.reset_prefix_cache()
+        self.adapter_pushes += 1
+        return {"ok": True, "tensors": len(frames), "adapter_pushes": self.adapter_pushes}
+
+    def _drop_adapter(self) -> None:
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+            shutil.rmtree(self.lora_request.lora_path, ignore_errors=True)
+            self.lora_request = None
 
 
 def checkpoint_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -130,6 +181,17 @@ _DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "b
                 "BOOL": "bool"}  # fmt: skip
 
 
+def _load_pushed(sampler: Sampler, path: str, query: str, stream: Any) -> dict[str, Any]:
+    """A ``/weights`` push (full weights), or an ``/adapter?id=N&config=JSON`` one."""
+    if path == "/weights":
+        return sampler.load_weights(stream)
+    q = urllib.parse.parse_qs(query)
+    config = json.loads(q["config"][0])
+    if not isinstance(config, dict):
+        raise ValueError("config: not a JSON object")
+    return sampler.load_adapter(int(q["id"][0]), config, stream)
+
+
 def handler(sampler: Sampler, api_key: str | None = None) -> type[BaseHTTPRequestHandler]:
     """The request handler class serving ``sampler`` (errors answered as 400/500 + message);
     with ``api_key``, every request without it is answered 401 before anything is read."""
@@ -153,16 +215,17 @@ def handler(sampler: Sampler, api_key: str | None = None) -> type[BaseHTTPReques
         def do_POST(self) -> None:
             if self._refused():
                 return
+            path, _, query = self.path.partition("?")
             try:
-                if self.path == "/generate":
+                if path == "/generate":
                     size = int(self.headers.get("Content-Length", 0))
                     result = sampler.generate(json.loads(self.rfile.read(size)))
-                elif self.path == "/weights":
+                elif path in ("/weights", "/adapter"):
                     chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()
                     # rfile is the socket's buffered binary reader (typeshed: BufferedIOBase).
                     rfile = cast(BinaryIO, self.rfile)
                     stream = ChunkedReader(rfile) if chunked else rfile
-                    result = sampler.load_weights(stream)
+                    result = _load_pushed(sampler, path, query, stream)
                 else:
                     return self._answer(404, {"error": f"no such path {self.path}"})
             except (ValueError, KeyError, TypeError) as exc:
@@ -186,6 +249,11 @@ def handler(sampler: Sampler, api_key: str | None = None) -> type[BaseHTTPReques
             log.debug("%s " + format, self.address_string(), *args)
 
     return Handler
+
+
+#: The command-line options handed on to :class:`Sampler` as they are.
+_SAMPLER_ARGS = ("dtype", "seed", "max_model_len", "gpu_memory_utilization", "enforce_eager",
+                 "kv_cache_memory_bytes", "max_num_seqs", "max_lora_rank")  # fmt: skip
 
 
 def main(argv: Sequence[str]) -> int:
@@ -214,6 +282,8 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--kv-cache-memory-bytes", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", default=None)
+    p.add_argument("--max-lora-rank", type=int, default=0, help="serve LoRA adapters up to this "
+                   "rank, pushed by trainers with lora_sync: adapter (0: off)")  # fmt: skip
 
     def body() -> int:
         args = p.parse_args(list(argv))
@@ -225,16 +295,7 @@ def main(argv: Sequence[str]) -> int:
                 f"(or set {API_KEY_ENV}) and give the trainer the same key, or keep 127.0.0.1"
             )
         require_vllm("grimoire vllm-serve")  # before loading anything
-        sampler = Sampler(
-            args.model,
-            dtype=args.dtype,
-            seed=args.seed,
-            max_model_len=args.max_model_len,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=args.enforce_eager,
-            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-            max_num_seqs=args.max_num_seqs,
-        )
+        sampler = Sampler(args.model, **{k: getattr(args, k) for k in _SAMPLER_ARGS})
         server = HTTPServer((args.host, args.port), handler(sampler, api_key))
         host, port = server.server_address[:2]  # --port 0: a free port, printed here
         print(f"grimoire vllm-serve: serving {args.model} at http://{host}:{port}", flush=True)
