@@ -109,8 +109,8 @@ def test_vllm_adapter_only_lora_sync_logps_equal_the_policys_and_base_loaded_onc
         assert syncs == K + 1
         assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3 for r in records)
     adapter, merged = engines["adapter"], engines["merged"]
-    assert adapter.base_loads == 1 and adapter.adapter_id == K + 1
-    assert merged.base_loads == K + 1 and merged.adapter_id == 0
+    assert adapter.base_loads == 1 and adapter.adapter_pushes == K + 1
+    assert merged.base_loads == K + 1 and merged.adapter_pushes == 0
     # After the first sync (base + adapter) every adapter push is the same size, and smaller.
     assert sent["adapter"][1:] == [sent["adapter"][1]] * (K - 1)
     assert sent["adapter"][1] * 10 < sent["merged"][1] == sent["merged"][0]

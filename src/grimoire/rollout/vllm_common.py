@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import tempfile
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
@@ -44,6 +45,8 @@ from grimoire.rollout.vllm_weights import (
     write_adapter,
 )
 
+#: LoRA adapter ids (vLLM keeps an adapter by its id: never reuse one in a process).
+_ADAPTER_IDS = itertools.count(1)
 #: How a LoRA policy reaches vLLM: its adapter alone, or merged into full weights.
 LORA_SYNCS = ("adapter", "merged")
 
@@ -244,8 +247,11 @@ class VLLMSamplerEngine(RolloutEngine):
         #: Bytes sent at the last sync, and what sending every weight merged would have taken.
         self.last_sync_bytes = 0
         self.last_merged_bytes = 0
-        #: The adapter vLLM samples with (an int id per weight version), or 0: none.
+        #: The adapter vLLM samples with (an int id per weight version, unique in the process:
+        #: engines copied for asynchronous rollouts share one vLLM), or 0: none.
         self.adapter_id = 0
+        #: Adapters handed to vLLM by this engine.
+        self.adapter_pushes = 0
         self._adapter_sync = False
         self._base_loaded = False
         self._adapters: Any = None
@@ -311,7 +317,8 @@ class VLLMSamplerEngine(RolloutEngine):
         if self._adapter_sync:
             if self._adapters is None:
                 self._adapters = tempfile.TemporaryDirectory(prefix="grimoire-lora-")
-            self.adapter_id += 1
+            self.adapter_id = next(_ADAPTER_IDS)
+            self.adapter_pushes += 1
             folder = Path(self._adapters.name) / f"v{self.adapter_id}"
             sent += write_adapter(self.policy, folder)
             self._push_adapter(self.adapter_id, folder)

@@ -126,8 +126,8 @@ class Sampler:
 
     def load_adapter(self, adapter_id: int, config: dict[str, Any], stream: Any) -> dict[str, Any]:
         """A pushed LoRA adapter (its ``adapter_config.json`` fields and its tensors, peft's
-        names) saved as ``save_pretrained`` does and served from now on as adapter
-        ``adapter_id``; the one before it is dropped."""
+        names) saved as ``save_pretrained`` does and served from now on (named after the
+        trainer's ``adapter_id``, numbered by the server); the one before it is dropped."""
         from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
@@ -140,12 +140,15 @@ class Sampler:
             problems.append(f"rank {max(ranks)} is not in 1..{self.max_lora_rank}")
         if problems:
             raise ValueError(f"adapter not loaded: {'; '.join(problems[:20])}")
-        folder = Path(self._adapters.name) / f"v{int(adapter_id)}"
+        folder = Path(self._adapters.name) / f"v{self.adapter_pushes + 1}"
         folder.mkdir(parents=True, exist_ok=True)
         save_file(frames, str(folder / "adapter_model.safetensors"))
         (folder / "adapter_config.json").write_text(json.dumps(config))
         self._drop_adapter()
-        self.lora_request = LoRARequest(f"policy-{adapter_id}", int(adapter_id), str(folder))
+        # The server's own ids: trainers (runs, ranks) number their adapters independently.
+        self.lora_request = LoRARequest(
+            f"policy-{adapter_id}", self.adapter_pushes + 1, str(folder)
+        )
         self.llm.llm_engine.add_lora(self.lora_request)
         self.llm.reset_prefix_cache()
         self.adapter_pushes += 1
