@@ -102,3 +102,30 @@ def test_vllm_lora_rank_rounds_up_to_a_rank_vllm_accepts():
     assert lora_args(300)["max_lora_rank"] == 320
     with pytest.raises(ConfigError, match="up to 512"):
         lora_args(1024)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [(dict(use_dora=True), "no DoRA adapters"), (dict(modules_to_save=["lm_head"]), "merged")],
+    ids=["dora", "modules_to_save"],
+)
+def test_adapter_sync_refuses_what_an_adapter_alone_cannot_carry_at_bind(
+    tiny_model, tokenizer, extra, message
+):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **extra)
+    policy = get_peft_model(tiny_model, config)
+    stand_in = LoRAStandIn(tiny_model.config, 8)
+    server, url = _serve(stand_in)
+    try:
+        engine = VLLMServerEngine(max_new_tokens=4, url=url)
+        with pytest.raises(ConfigError, match=message):
+            engine.bind(policy, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        assert stand_in.pushed == [] and stand_in.adapters == []  # nothing was sent
+        merged = VLLMServerEngine(max_new_tokens=4, url=url, lora_sync="merged")
+        if "modules_to_save" in extra:  # the merged sync carries them
+            merged.bind(policy, tokenizer.pad_token_id, tokenizer.eos_token_id)
+            merged.generate([[10, 11]], 1)
+            assert len(stand_in.pushed) == 1 and stand_in.adapters == []
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -38,6 +38,7 @@ from grimoire.errors import ConfigError
 from grimoire.rollout.engine import RolloutEngine, Samples
 from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.vllm_weights import (
+    adapter_problems,
     is_lora_policy,
     merged_bytes,
     policy_weights,
@@ -266,6 +267,9 @@ class VLLMSamplerEngine(RolloutEngine):
         self._synced_version = None  # whatever vLLM holds, the next rollout loads this model's
         self._base_loaded = False
         self._adapter_sync = self.lora_sync == "adapter" and is_lora_policy(self.policy)
+        problems = adapter_problems(self.policy) if self._adapter_sync else []
+        if problems:
+            raise ConfigError(problems, title="vLLM cannot sample with this adapter")
         seed = self.sampler.seed
         self._seeds.base = torch.initial_seed() % (1 << 31) if seed is None else seed
         self._connect()

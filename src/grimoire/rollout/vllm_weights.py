@@ -35,8 +35,6 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from grimoire.errors import ConfigError
-
 #: Name parts wrappers add around a model's own parameter names.
 _WRAPPER_PARTS = ("_orig_mod.", "_checkpoint_wrapped_module.", "modules_to_save.default.")
 
@@ -103,23 +101,33 @@ def lora_rank(model: torch.nn.Module) -> int:
 def write_adapter(model: torch.nn.Module, folder: Path) -> int:
     """The active adapter as ``save_pretrained`` writes it (``adapter_model.safetensors`` with
     peft's names, and ``adapter_config.json``), which is what vLLM loads a ``LoRARequest`` from;
-    returns the tensors' bytes. Only adapter layers are written: trainable weights outside them
-    (``modules_to_save``) would be lost, so they are refused."""
+    returns the tensors' bytes. Check :func:`adapter_problems` first."""
     from peft import get_peft_model_state_dict  # peft imports transformers: seconds
 
     config = _adapter_config(model)
-    if getattr(config, "modules_to_save", None):
-        raise ConfigError(
-            [
-                "engine.args.lora_sync: adapter sends LoRA layers only, and this policy also "
-                f"trains modules_to_save={sorted(config.modules_to_save)}: use lora_sync: merged"
-            ]
-        )
     state = {k: _full(v.detach()).contiguous() for k, v in get_peft_model_state_dict(model).items()}
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, str(folder / "adapter_model.safetensors"))
     config.save_pretrained(str(folder))
     return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def adapter_problems(model: torch.nn.Module) -> list[str]:
+    """Why the active adapter cannot reach vLLM alone: DoRA (vLLM serves plain LoRA only), or
+    trainable weights outside the adapter (``modules_to_save``), which it would not carry."""
+    config = _adapter_config(model)
+    problems = []
+    if getattr(config, "use_dora", False):
+        problems.append(
+            "engine.args.lora_sync: adapter: vLLM serves no DoRA adapters (and the merged sync "
+            "merges plain LoRA only): train a plain LoRA (use_dora: false) with a vLLM engine"
+        )
+    if getattr(config, "modules_to_save", None):
+        problems.append(
+            "engine.args.lora_sync: adapter sends LoRA layers only, and this policy also trains "
+            f"modules_to_save={sorted(config.modules_to_save)}: use lora_sync: merged"
+        )
+    return problems
 
 
 def _adapter_config(model: torch.nn.Module) -> Any:
@@ -173,6 +181,7 @@ def _lora_delta(layer: Any) -> Tensor:
 
 
 __all__ = [
+    "adapter_problems",
     "checkpoint_name",
     "is_lora_policy",
     "lora_rank",
