@@ -131,6 +131,10 @@ def test_engine_signatures_list_every_argument_they_pass_up():
     hf = inspect.signature(HFGenerateEngine.__init__).parameters
     assert {"prefill_once", "static_cache", "top_p"} <= set(hf) and "seed" not in hf
     assert engine_problems({"type": "vllm-server", "args": {"seed": 1, "api_key": "k"}}) == []
+    assert engine_problems({"type": "vllm-server", "args": {"lora_sync": "merged"}}) == []
+    assert engine_problems({"type": "vllm-server", "args": {"lora_sync": "merge"}}) == [
+        "engine.args.lora_sync: 'merge'; expected 'adapter' or 'merged'"
+    ]
     assert engine_problems({"type": "hf", "args": {"seed": 1}})[0].startswith(
         "engine.args.seed: unknown hf engine argument"
     )

@@ -25,6 +25,7 @@ from grimoire.errors import ConfigError, did_you_mean
 from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.sampler import SamplerConfig
+from grimoire.rollout.vllm_common import LORA_SYNCS
 from grimoire.rollout.vllm_engine import VLLMEngine, require_vllm
 from grimoire.rollout.vllm_server import VLLMServerEngine
 
@@ -74,6 +75,9 @@ def engine_problems(spec: Any, where: str = "engine") -> list[str]:
         for k in args
         if k not in params
     ]
+    if "lora_sync" in args and "lora_sync" in params and args["lora_sync"] not in LORA_SYNCS:
+        choices = " or ".join(repr(m) for m in LORA_SYNCS)
+        problems.append(f"{where}.args.lora_sync: {args['lora_sync']!r}; expected {choices}")
     if name == "vllm":
         try:
             require_vllm(where)
