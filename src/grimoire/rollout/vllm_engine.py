@@ -228,6 +228,9 @@ class VLLMEngine(VLLMSamplerEngine):
             self._lora_request = None
             if self._folder is not None:
                 self._folder.cleanup()
+            if self._adapters is not None:  # the adapters saved for vLLM
+                self._adapters.cleanup()
+                self._adapters = None
 
     # ------------------------------------------------------------------ weights
 
