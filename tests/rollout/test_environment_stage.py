@@ -1,0 +1,185 @@
+"""GRPO on multi-turn episodes through the trainer's rollout stage: the method's ``tools`` /
+``environment`` settings make the stage play episodes, and the training batch trains only the
+model's own tokens while the policy attends to every token of the episode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.helpers.train_utils import quiet_config
+
+from grimoire import GrimoireTrainer
+from grimoire.collate.prompts import GRPOCollator
+from grimoire.errors import ConfigError
+from grimoire.losses.grpo import GRPOMethod
+from grimoire.model.tiny import lookup, reverse_rows
+from grimoire.rollout.engine import position_ids_from_mask
+from grimoire.rollout.environment import Step
+from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rows.prompts import tokenize_grpo
+
+
+class Narrator:
+    """Answers every assistant turn with a tool message (context the model did not write) and
+    ends the episode after the second turn: every episode has environment tokens between two
+    sampled turns, whatever the (untrained) model writes."""
+
+    tools = None
+
+    def __init__(self):
+        self.turns = 0
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, message):
+        self.turns += 1
+        if self.turns >= 2:
+            return Step([], 0.0, True)
+        return Step([{"role": "tool", "content": "olleh dlrow"}], 0.0, False)
+
+
+class ShortTurns(HFGenerateEngine):
+    """Samples from the policy, but every turn ends with the template's end token after at most
+    4 sampled tokens: an untrained model rarely writes it, and a turn without it ends the
+    episode. The old log-probs are still the policy's (scored after sampling)."""
+
+    end_id = 0
+
+    def _sample(self, prompts, n, greedy):
+        rows = super()._sample(prompts, n, greedy)
+        return [
+            [t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id]
+            for i, r in enumerate(rows)
+        ]
+
+
+def length_reward(prompts, completions, **kwargs):
+    """Varies across a group, so advantages are non-zero."""
+    return [float(len(c)) for c in completions]
+
+
+def _trainer(tiny_dir, tmp_path, padding_free=False, **method_args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
+    engine = ShortTurns(max_new_tokens=8)
+    engine.end_id = tok.convert_tokens_to_ids("<|end|>")
+    config = quiet_config(
+        tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0,
+        padding_free=padding_free,
+    )  # fmt: skip
+    method = GRPOMethod(
+        [length_reward], num_generations=4, engine=engine, stop_tokens=["<|end|>"],
+        tool_call_parser="tiny", max_turns=3, max_episode_tokens=96, fused=False, **method_args,
+    )  # fmt: skip
+    trainer = GrimoireTrainer(
+        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
+    )
+    return trainer, rows
+
+
+def _one_batch(trainer, rows):
+    prompts = GRPOCollator(pad_token_id=trainer.tokenizer.pad_token_id)(rows[:2])
+    batches, metrics, _ = trainer.rollouts.step(trainer.context, [(prompts, 1.0)])
+    return batches[0][0], metrics
+
+
+def _naive_logps(model, batch):
+    """Plain full-logits log-probs of every completion column ``[N, C]`` (no masking)."""
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    c = batch["completion_mask"].shape[1]
+    logits = model(
+        input_ids=ids, attention_mask=attention, position_ids=position_ids_from_mask(attention)
+    ).logits.float()
+    logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return logps[:, -c:]
+
+
+def test_environment_episodes_train_only_model_tokens_with_grpo(tiny_dir, tmp_path):
+    trainer, rows = _trainer(tiny_dir, tmp_path, environment=Narrator)
+    try:
+        batch, metrics = _one_batch(trainer, rows)
+        model, method = trainer.context.unwrapped_model, trainer.loss_fn
+        mask = batch["completion_mask"]
+        c = mask.shape[1]
+        attended = batch["attention_mask"][:, -c:]
+        context = (attended == 1) & (mask == 0)  # environment + template tokens after the prompt
+        assert context.any(dim=1).all(), "every episode has environment tokens in its completion"
+        assert ((mask == 1) & (attended == 0)).sum() == 0
+        assert metrics["episode/turns_mean"] == 2.0
+        assert batch["advantages"].abs().sum() > 0
+
+        # Observe the gradient where the loss meets the model: the logits predicting each token.
+        seen = {}
+        head = model.get_output_embeddings()
+
+        def keep(module, inputs, out):
+            out.retain_grad()
+            seen["logits"] = out
+
+        hook = head.register_forward_hook(keep)
+        model.zero_grad()
+        loss, _ = method(model, batch)
+        loss.backward()
+        hook.remove()
+        grad = seen["logits"].grad[:, -(c + 1) : -1]  # position before each completion column
+        per_token = grad.abs().sum(-1)
+        assert torch.all(per_token[context] == 0), "tool/environment tokens got a gradient"
+        assert (per_token[mask.bool()] > 0).sum() > 0
+        method_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+        # The naive reference: DAPO token mean of -A * ratio over the model's own tokens.
+        model.zero_grad()
+        logps = _naive_logps(model, batch)
+        m = mask.float()
+        ratio = torch.exp(logps - logps.detach())
+        reference = (-batch["advantages"][:, None] * ratio * m).sum() / m.sum()
+        reference.backward()
+        ref_grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch.testing.assert_close(loss, reference, atol=1e-6, rtol=1e-5)
+        for a, b in zip(method_grads, ref_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+
+        # Per token: the method's log-probs are the naive ones on the model's tokens, 0 elsewhere;
+        # the sampler's per-turn log-probs (the IS correction's) match them too.
+        with torch.no_grad():
+            mine, _ = method.policy_logps(model, batch)
+            naive = _naive_logps(model, batch) * m
+        torch.testing.assert_close(mine, naive, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(batch["sampler_logps"], naive, atol=1e-4, rtol=1e-4)
+    finally:
+        trainer.close()
+
+
+def test_tools_episode_budget_is_group_times_episode_tokens(tiny_dir, tmp_path):
+    method = GRPOMethod([length_reward], num_generations=4, tools=[lookup], max_episode_tokens=96)
+    assert method.budget_tokens({"prompt_": 10}, packed=False) == 4 * 96
+    assert method.agent is not None and method.agent.parser.__name__ == "parse_hermes"
+    assert GRPOMethod([length_reward], num_generations=4).agent is None
+
+
+def undocumented(word: str) -> str:
+    return word
+
+
+def test_tools_bad_specs_are_config_errors_naming_the_key():
+    with pytest.raises(ConfigError) as info:
+        GRPOMethod(
+            [length_reward], num_generations=2,
+            tools=["grimoire.model.tiny:no_such_tool", undocumented],
+            tool_call_parser="no_such_parser", max_turns=0,
+        )  # fmt: skip
+    text = str(info.value)
+    assert "loss.args.tools[0]" in text and "no_such_tool" in text
+    assert "tool_call_parser" in text and "no_such_parser" in text
+    assert "max_turns" in text
+
+
+def test_tools_undocumented_function_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"loss\.args\.tools\[0\]"):
+        GRPOMethod([length_reward], num_generations=2, tools=[undocumented])
