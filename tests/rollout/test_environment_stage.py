@@ -14,6 +14,7 @@ from grimoire.collate.prompts import GRPOCollator
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import lookup, reverse_rows
+from grimoire.rollout.batches import pack_rollout_batch
 from grimoire.rollout.engine import position_ids_from_mask
 from grimoire.rollout.environment import Step
 from grimoire.rollout.hf import HFGenerateEngine
@@ -183,3 +184,25 @@ def test_tools_bad_specs_are_config_errors_naming_the_key():
 def test_tools_undocumented_function_is_a_config_error():
     with pytest.raises(ConfigError, match=r"loss\.args\.tools\[0\]"):
         GRPOMethod([length_reward], num_generations=2, tools=[undocumented])
+
+
+def test_environment_episode_batch_packed_gives_the_padded_loss(tiny_dir, tmp_path):
+    trainer, rows = _trainer(tiny_dir, tmp_path, environment=Narrator)
+    try:
+        padded, _ = _one_batch(trainer, rows)
+        packed = pack_rollout_batch(padded)
+        assert "attention_mask" not in packed and packed["input_ids"].shape[0] == 1
+        model, method = trainer.context.unwrapped_model, trainer.loss_fn
+        grads = []
+        losses = []
+        for batch in (padded, packed):
+            model.zero_grad()
+            loss, _ = method(model, batch)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=1e-5)
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    finally:
+        trainer.close()
