@@ -3,11 +3,14 @@
 A tiny Llama gets an SFT warm start on ``lookup_chat_rows`` (``SFT_STEPS``, default 750: it
 knows the call format only partly, see ``benchmarks/agentic_warm_start.py``), then GRPO trains
 it on episodes through the trainer's rollout stage: ``tools=[lookup]``, the ``tiny`` parser,
-``<|end|>`` as the end-of-turn stop token, an exact-match reward on the final answer. The success
-rate is read from ``metrics.jsonl`` (``rewards/exact_match_reward/mean`` per step, sampled
-episodes at temperature 1): the mean of the first and of the last ``WINDOW`` steps.
+``<|end|>`` as the end-of-turn stop token, reward functions ``REWARDS`` (comma-separated,
+default ``exact_match``; ``exact_match,char_match`` adds partial credit for copying the tool's
+answer). The success rate is the exact-match one, read from ``metrics.jsonl``
+(``rewards/exact_match_reward/mean`` per step, sampled episodes at temperature 1): the mean of
+the first and of the last ``WINDOW`` steps.
 
-    PYTHONPATH=src python benchmarks/agentic_lookup_rl.py [SFT_STEPS] [RL_STEPS] [ENGINE] [LR]
+    PYTHONPATH=src python benchmarks/agentic_lookup_rl.py [SFT_STEPS] [RL_STEPS] [ENGINE] [LR] \
+        [REWARDS]
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from agentic_warm_start import warm_start
 WINDOW = 10
 
 
-def main(sft_steps: int, rl_steps: int, engine: str, lr: float) -> None:
+def main(sft_steps: int, rl_steps: int, engine: str, lr: float, rewards: list[str]) -> None:
     torch.set_num_threads(1)
     tok = build_tokenizer()
     out = Path(tempfile.mkdtemp(prefix="agentic_lookup_"))
@@ -40,7 +43,7 @@ def main(sft_steps: int, rl_steps: int, engine: str, lr: float) -> None:
     print(f"SFT warm start: {sft_steps} steps in {time.perf_counter() - start:.0f}s")
     prompts = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(4096, seed=7)]
     method = GRPOMethod(
-        ["exact_match"], num_generations=8, max_new_tokens=32, temperature=1.0, engine=engine,
+        rewards, num_generations=8, max_new_tokens=32, temperature=1.0, engine=engine,
         tools=[lookup], tool_call_parser="tiny", stop_tokens=["<|end|>"], max_turns=3,
         max_episode_tokens=224,
     )  # fmt: skip
@@ -79,4 +82,5 @@ if __name__ == "__main__":
         int(args[1]) if len(args) > 1 else 60,
         args[2] if len(args) > 2 else "hf",
         float(args[3]) if len(args) > 3 else 1e-4,
+        args[4].split(",") if len(args) > 4 else ["exact_match"],
     )

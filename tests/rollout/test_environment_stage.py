@@ -10,6 +10,7 @@ import torch
 from tests.helpers.train_utils import quiet_config
 
 from grimoire import GrimoireTrainer
+from grimoire.cli.schema import validate_config
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
@@ -206,3 +207,19 @@ def test_environment_episode_batch_packed_gives_the_padded_loss(tiny_dir, tmp_pa
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     finally:
         trainer.close()
+
+
+def test_tools_yaml_loss_args_mirror_the_method_arguments():
+    loss = {
+        "type": "grpo",
+        "args": {
+            "reward_funcs": ["exact_match"], "num_generations": 4,
+            "tools": ["grimoire.model.tiny:lookup"], "tool_call_parser": "tiny",
+            "stop_tokens": ["<|end|>"], "max_turns": 3, "max_episode_tokens": 128,
+            "env_timeout": 5.0, "failure_reward": -1.0,
+        },
+    }  # fmt: skip
+    raw = {"model": {"pretrained": "tiny:llama"}, "dataset": {"jsonl": "x.jsonl"}, "loss": loss}
+    assert not [p for p in validate_config(raw) if "loss" in p]
+    typo = {**loss, "args": {**loss["args"], "max_turn": 3}}
+    assert any("max_turn" in p for p in validate_config({**raw, "loss": typo}))
