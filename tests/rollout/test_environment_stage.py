@@ -223,3 +223,16 @@ def test_tools_yaml_loss_args_mirror_the_method_arguments():
     assert not [p for p in validate_config(raw) if "loss" in p]
     typo = {**loss, "args": {**loss["args"], "max_turn": 3}}
     assert any("max_turn" in p for p in validate_config({**raw, "loss": typo}))
+
+
+def test_environment_evaluation_plays_one_greedy_episode_per_prompt(tiny_dir, tmp_path):
+    trainer, rows = _trainer(tiny_dir, tmp_path, environment=Narrator)
+    try:
+        prompts = GRPOCollator(pad_token_id=trainer.tokenizer.pad_token_id)(rows[:2])
+        loss, metrics = trainer.rollouts.evaluate(prompts)
+        again, _ = trainer.rollouts.evaluate(prompts)
+        assert metrics["episode/turns_mean"] == 2.0  # the environment's two turns, not one sample
+        assert metrics["episode/turns"] == 4.0  # 2 prompts x 1 episode x 2 turns
+        assert float(loss) == float(again)  # greedy: the same episodes
+    finally:
+        trainer.close()

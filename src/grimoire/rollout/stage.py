@@ -238,10 +238,11 @@ class RolloutStage:
             self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
         return groups, fillers
 
-    def play(self, prompts: dict[str, Any]) -> ScoredGroup:
-        """``G`` episodes per prompt (prompt-major), scored as whole episodes; old log-probs
-        scored by the policy over each whole episode (the sampler's stay ``sampler_logps``)."""
-        agent, g = self.agent, self.sampling.num_generations
+    def play(self, prompts: dict[str, Any], greedy: bool = False) -> ScoredGroup:
+        """``G`` episodes per prompt (prompt-major; one, greedy, for evaluation), scored as whole
+        episodes; old log-probs scored by the policy over each whole episode (the sampler's
+        stay ``sampler_logps``)."""
+        agent, g = self.agent, 1 if greedy else self.sampling.num_generations
         assert agent is not None
         n = len(prompts["prompt"])
         rows = [
@@ -253,12 +254,12 @@ class RolloutStage:
             for i in range(n)
         ]
         episodes = play_groups(
-            rows, agent.env_factory, engine_generate_batch(self.engine), self.tokenizer,
+            rows, agent.env_factory, engine_generate_batch(self.engine, greedy), self.tokenizer,
             agent.parser, g, agent.limits, self.engine.eos_token_ids,
         )  # fmt: skip
         device = prompts["prompt_input_ids"].device
         rollout = episode_rollout(episodes, self.pad_token_id, g, device)
-        if self.needs_old_logps:
+        if self.needs_old_logps and not greedy:
             rollout.old_logps = self.engine.score(
                 rollout.input_ids, rollout.attention_mask, rollout
             )
@@ -329,12 +330,15 @@ class RolloutStage:
 
     @torch.no_grad()
     def evaluate(self, prompts: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
-        """One GREEDY completion per prompt, scored: ``eval/loss`` is minus the mean total
+        """One GREEDY completion (or episode) per prompt, scored: ``eval/loss`` is minus the mean total
         reward (lower is better, like a loss); per-function means are logged too."""
-        rollout = self.engine.generate(
-            prompt_token_lists(prompts), 1, with_old_logps=False, greedy=True
-        )
-        group = self.score(prompts, rollout)
+        if self.agent is not None:  # one greedy episode per prompt
+            group = self.play(prompts, greedy=True)
+        else:
+            rollout = self.engine.generate(
+                prompt_token_lists(prompts), 1, with_old_logps=False, greedy=True
+            )
+            group = self.score(prompts, rollout)
         metrics, _ = self.metrics([group])
         metrics = {k: v for k, v in metrics.items() if not k.endswith("/std")}
         metrics.pop("frac_reward_zero_std", None)
