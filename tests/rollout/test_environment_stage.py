@@ -16,7 +16,7 @@ from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import lookup, reverse_rows
 from grimoire.rollout.batches import pack_rollout_batch
-from grimoire.rollout.engine import position_ids_from_mask
+from grimoire.rollout.engine import Samples, position_ids_from_mask
 from grimoire.rollout.environment import Step
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rows.prompts import tokenize_grpo
@@ -69,14 +69,15 @@ def _trainer(tiny_dir, tmp_path, padding_free=False, **method_args):
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
-    engine = ShortTurns(max_new_tokens=8)
-    engine.end_id = tok.convert_tokens_to_ids("<|end|>")
+    if "engine" not in method_args:
+        method_args["engine"] = ShortTurns(max_new_tokens=8)
+        method_args["engine"].end_id = tok.convert_tokens_to_ids("<|end|>")
     config = quiet_config(
         tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0,
         padding_free=padding_free,
     )  # fmt: skip
     method = GRPOMethod(
-        [length_reward], num_generations=4, engine=engine, stop_tokens=["<|end|>"],
+        [length_reward], num_generations=4, stop_tokens=["<|end|>"],
         tool_call_parser="tiny", max_turns=3, max_episode_tokens=96, fused=False, **method_args,
     )  # fmt: skip
     trainer = GrimoireTrainer(
@@ -234,5 +235,34 @@ def test_environment_evaluation_plays_one_greedy_episode_per_prompt(tiny_dir, tm
         assert metrics["episode/turns_mean"] == 2.0  # the environment's two turns, not one sample
         assert metrics["episode/turns"] == 4.0  # 2 prompts x 1 episode x 2 turns
         assert float(loss) == float(again)  # greedy: the same episodes
+    finally:
+        trainer.close()
+
+
+class ReportingSampler(ShortTurns):
+    """A sampler that reports its own log-prob of each token (as vLLM does): always -0.5."""
+
+    def _sample(self, prompts, n, greedy):
+        rows = super()._sample(prompts, n, greedy)
+        return Samples(rows, [[-0.5] * len(r) for r in rows])
+
+
+def test_environment_episodes_keep_sampler_and_old_logps_per_model_token(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    engine = ReportingSampler(max_new_tokens=8)
+    engine.end_id = AutoTokenizer.from_pretrained(tiny_dir).convert_tokens_to_ids("<|end|>")
+    trainer, rows = _trainer(
+        tiny_dir, tmp_path, environment=Narrator, engine=engine, num_iterations=2
+    )
+    try:
+        batch, _ = _one_batch(trainer, rows)
+        mask = batch["completion_mask"].float()
+        # The sampler's log-probs on the model's tokens only; the policy's old log-probs scored
+        # over the whole episode (tool results in context) equal the naive ones there.
+        torch.testing.assert_close(batch["sampler_logps"], -0.5 * mask)
+        with torch.no_grad():
+            naive = _naive_logps(trainer.context.unwrapped_model, batch) * mask
+        torch.testing.assert_close(batch["old_logps"], naive, atol=1e-5, rtol=1e-5)
     finally:
         trainer.close()
