@@ -14,6 +14,8 @@ from grimoire.cli.schema import validate_config
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
+from grimoire.losses.raft import RAFTMethod
+from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import lookup, reverse_rows
 from grimoire.rollout.batches import pack_rollout_batch
 from grimoire.rollout.engine import Samples, position_ids_from_mask
@@ -62,7 +64,7 @@ def length_reward(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def _trainer(tiny_dir, tmp_path, padding_free=False, **method_args):
+def _trainer(tiny_dir, tmp_path, padding_free=False, method_cls=GRPOMethod, **method_args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
@@ -76,7 +78,7 @@ def _trainer(tiny_dir, tmp_path, padding_free=False, **method_args):
         tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0,
         padding_free=padding_free,
     )  # fmt: skip
-    method = GRPOMethod(
+    method = method_cls(
         [length_reward], num_generations=4, stop_tokens=["<|end|>"],
         tool_call_parser="tiny", max_turns=3, max_episode_tokens=96, fused=False, **method_args,
     )  # fmt: skip
@@ -264,5 +266,35 @@ def test_environment_episodes_keep_sampler_and_old_logps_per_model_token(tiny_di
         with torch.no_grad():
             naive = _naive_logps(trainer.context.unwrapped_model, batch) * mask
         torch.testing.assert_close(batch["old_logps"], naive, atol=1e-5, rtol=1e-5)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("method_cls", [RLOOMethod, RAFTMethod])
+def test_environment_tokens_carry_no_gradient_in_rloo_and_raft(tiny_dir, tmp_path, method_cls):
+    extra = {"beta": 0.0} if method_cls is RLOOMethod else {}
+    trainer, rows = _trainer(
+        tiny_dir, tmp_path, environment=Narrator, method_cls=method_cls, **extra
+    )
+    try:
+        batch, _ = _one_batch(trainer, rows)
+        model, method = trainer.context.unwrapped_model, trainer.loss_fn
+        mask = batch["completion_mask"]
+        c = mask.shape[1]
+        context = (batch["attention_mask"][:, -c:] == 1) & (mask == 0)
+        assert context.any()
+        seen = {}
+
+        def keep(module, inputs, out):
+            out.retain_grad()
+            seen["logits"] = out
+
+        hook = model.get_output_embeddings().register_forward_hook(keep)
+        loss, _ = method(model, batch)
+        loss.backward()
+        hook.remove()
+        per_token = seen["logits"].grad[:, -(c + 1) : -1].abs().sum(-1)
+        assert torch.all(per_token[context] == 0)
+        assert (per_token[mask.bool()] > 0).any()
     finally:
         trainer.close()
