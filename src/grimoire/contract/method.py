@@ -244,6 +244,12 @@ class GeneratingMethod(Method, Protocol[EngineT, RewardT, SamplingT, GroupT]):
         each step samples with its own weights)."""
         ...
 
+    @property
+    def agent(self) -> Any:
+        """How to play multi-turn episodes (``grimoire.rollout.agentic.Agent``), or None:
+        one completion per sample."""
+        ...
+
     def build_batches(
         self, ctx: TrainingContext, groups: list[GroupT]
     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -264,6 +270,7 @@ GENERATING_MEMBERS: tuple[str, ...] = (
     "sampling",
     "needs_old_logps",
     "max_staleness",
+    "agent",
     "build_batches",
     "reference_logps",
 )

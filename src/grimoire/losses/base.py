@@ -273,6 +273,7 @@ class GeneratingAdapter(MethodAdapter):
     reward_funcs: Sequence[Any]
     needs_old_logps: bool
     max_staleness: int
+    agent: Any
 
     def __init__(self, wrapped: Any):
         super().__init__(wrapped)
@@ -305,6 +306,7 @@ _GENERATING_DEFAULTS: dict[str, Any] = {
     "reward_funcs": (),
     "needs_old_logps": False,
     "max_staleness": 0,
+    "agent": None,
 }
 
 

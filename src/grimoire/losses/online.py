@@ -44,6 +44,8 @@ from grimoire.losses.online_compat import (
     tokenizer_problem,
 )
 from grimoire.losses.online_functional import truncated_importance_weights
+from grimoire.rollout.agentic import Agent, build_agent
+from grimoire.rollout.async_rollouts import checked_staleness
 from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
 from grimoire.rollout.engine import RolloutEngine
@@ -70,14 +72,11 @@ class OnlineMethod(GrimoireLoss):
             only a LoRA policy has one: its base with adapters disabled).
         generation_batch_size: max sequences per sampling / scoring call (memory only).
         engine: what samples (:func:`grimoire.rollout.backends.build_engine`): ``"hf"`` (the
-            default, ``model.generate`` on the policy), ``"vllm"`` (a colocated vLLM engine,
+            default, ``model.generate`` on the policy), ``"vllm"`` (colocated,
             :class:`~grimoire.rollout.vllm_engine.VLLMEngine`), ``"vllm-server"`` (a ``grimoire
-            vllm-serve`` process, :class:`~grimoire.rollout.vllm_server.VLLMServerEngine`),
-            a mapping ``{"type": "vllm",
-            "args": {...}}`` with the engine's own settings (the sampling arguments above are
-            passed to it), or an engine object, whose own sampler settings
-            (``engine.sampler``: temperature, top_p, top_k, max_new_tokens, ...) then override
-            the arguments above (:attr:`sampling` holds the engine's).
+            vllm-serve`` process), a mapping ``{"type": "vllm", "args": {...}}`` (the sampling
+            arguments above are passed to it), or an engine object, whose own sampler settings
+            (``engine.sampler``) then override the arguments above.
         log_entropy: compute the policy's token entropy as a metric (one extra softmax).
         fused, fused_chunk_size: the training log-probs (policy and reference) use the fused,
             chunked LM-head path (as every loss does by default), or the full logits with
@@ -86,14 +85,15 @@ class OnlineMethod(GrimoireLoss):
             ``k >= 1`` samples them in a background producer with weights at most ``k``
             optimizer steps old, while the learner trains
             (:mod:`grimoire.rollout.async_rollouts`; HF engine, one process).
+        tools, environment, tool_call_parser, max_turns, max_episode_tokens, env_timeout,
+            failure_reward, stop_tokens: multi-turn episodes (:func:`~grimoire.rollout.agentic.build_agent`).
 
     Subclasses list only their own arguments and end with ``**kwargs`` passed on to this
     constructor; their signature (for the YAML CLI's checks and ``help()``) is completed with
     this one's automatically.
 
-    grimoire-rl's spelling ``Method(reward_fn, tokenizer, ...)`` / ``reward_fn=`` /
-    ``tokenizer=`` is accepted by every online method (:mod:`grimoire.losses.online_compat`);
-    such a tokenizer must equal the trainer's (checked in :meth:`setup`).
+    grimoire-rl's spelling ``Method(reward_fn, tokenizer, ...)`` is accepted too
+    (:mod:`grimoire.losses.online_compat`; the tokenizer must equal the trainer's).
     """
 
     needs_generation = True
@@ -123,20 +123,19 @@ class OnlineMethod(GrimoireLoss):
         fused: bool = True,
         fused_chunk_size: int = 1024,
         max_staleness: int = 0,
+        tools: Sequence[Any] | None = None,
+        environment: Any = None,
+        tool_call_parser: Any = "hermes",
+        max_turns: int = 4,
+        max_episode_tokens: int = 2048,
+        env_timeout: float | None = 30.0,
+        failure_reward: float = 0.0,
+        stop_tokens: Sequence[str] = (),
     ):
         name = type(self).__name__
-        if (
-            isinstance(max_staleness, bool)
-            or not isinstance(max_staleness, int)
-            or max_staleness < 0
-        ):
-            raise ValueError(
-                f"{name}: max_staleness must be an int >= 0 (0: synchronous rollouts), got "
-                f"{max_staleness!r}"
-            )
         #: Optimizer steps a rollout may lag the learner (>= 1: asynchronous rollouts,
         #: :mod:`grimoire.rollout.async_rollouts`); 0 samples each step with its own weights.
-        self.max_staleness = max_staleness
+        self.max_staleness = checked_staleness(name, max_staleness)
         if not isinstance(num_generations, int) or num_generations < self.min_generations:
             raise ValueError(
                 f"{name}: num_generations must be an int >= {self.min_generations} (the method "
@@ -148,15 +147,17 @@ class OnlineMethod(GrimoireLoss):
             raise ValueError(f"{name}: fused_chunk_size must be > 0, got {fused_chunk_size}")
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
         requested = SamplerConfig(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
             generation_batch_size=generation_batch_size,
-        )
+        )  # fmt: skip
         self.engine: RolloutEngine = build_engine(engine, requested)
         # An engine object samples with its own settings, so those are the ones held.
         self.sampling = SamplingConfig.of(self.engine.sampler, num_generations)
+        self.agent: Agent | None = build_agent(
+            tools, environment, tool_call_parser, max_turns=max_turns,
+            max_episode_tokens=max_episode_tokens, max_new_tokens=self.engine.sampler.max_new_tokens,
+            env_timeout=env_timeout, failure_reward=failure_reward, stop_tokens=stop_tokens,
+        )  # fmt: skip
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
@@ -242,6 +243,8 @@ class OnlineMethod(GrimoireLoss):
         Bounds every pass the prompt takes part in: sampling (``G`` rows whose KV cache grows to
         prompt + max_new_tokens), old-policy / reference / policy passes over the packed rollout.
         """
+        if self.agent is not None:  # an episode: every token it may hold, prompt included
+            return self.num_generations * self.agent.limits.max_tokens
         return self.num_generations * (lengths["prompt_"] + self.max_new_tokens)
 
     @property

@@ -53,6 +53,17 @@ logger = logging.getLogger(__name__)
 Micro = list[tuple[dict[str, Any], float]]
 
 
+def checked_staleness(owner: str, max_staleness: Any) -> int:
+    """``max_staleness`` if it is an int >= 0 (optimizer steps a rollout may lag the learner;
+    0: synchronous rollouts), else a ValueError naming ``owner``."""
+    if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(
+            f"{owner}: max_staleness must be an int >= 0 (0: synchronous rollouts), got "
+            f"{max_staleness!r}"
+        )
+    return max_staleness
+
+
 def async_problems(
     key: str, max_staleness: int, engine: Any, steps_per_batch: int, processes: int
 ) -> list[str]:
@@ -260,4 +271,4 @@ class AsyncRolloutStage(RolloutStage):
         super().close()
 
 
-__all__ = ["AsyncRolloutStage", "async_problems"]
+__all__ = ["AsyncRolloutStage", "async_problems", "checked_staleness"]

@@ -48,14 +48,17 @@ def training_batch(rollout: Rollout, rows: Sequence[int], pack: bool) -> dict[st
     keep = list(rows) or [0]
     idx = torch.tensor(keep, device=rollout.completion_ids.device)
     cmask = rollout.completion_mask[idx]
-    width = max(1, int(cmask.sum(-1).max()))
+    # The attention (every real token: an episode's tool results too) sets the width; the loss
+    # mask stays ``completion_mask``.
+    attended = rollout.completion_attended[idx]
+    width = max(1, int(attended.sum(-1).max()))
     batch = {"completion_mask": (cmask if rows else torch.zeros_like(cmask))[:, :width]}
     if rollout.old_logps is not None:
         batch["old_logps"] = rollout.old_logps[idx, :width]
     if rollout.sampler_logps is not None:
         batch["sampler_logps"] = rollout.sampler_logps[idx, :width]
     ids = torch.cat([rollout.prompt_ids[idx], rollout.completion_ids[idx, :width]], 1)
-    attention_mask = torch.cat([rollout.prompt_mask[idx], cmask[:, :width]], 1)
+    attention_mask = torch.cat([rollout.prompt_mask[idx], attended[:, :width]], 1)
     return with_token_columns(batch, ids, attention_mask, pack)
 
 

@@ -65,6 +65,9 @@ class Rollout:
             samples (e.g. vLLM's), 0 on padding; ``None`` for a backend that samples from the
             training model itself (HF). With them the policy-gradient losses correct for the
             sampler/learner mismatch (truncated importance sampling).
+        completion_attention: ``[N, C]`` long, 1 on every real token after the prompt, when it
+            differs from the loss mask ``completion_mask`` (a multi-turn episode: tool results
+            and environment messages are read, never trained); ``None``: the same.
     """
 
     prompt_ids: Tensor
@@ -75,6 +78,7 @@ class Rollout:
     group_size: int
     truncated: Tensor
     sampler_logps: Tensor | None = None
+    completion_attention: Tensor | None = None
 
     @property
     def input_ids(self) -> Tensor:
@@ -84,7 +88,13 @@ class Rollout:
     @property
     def attention_mask(self) -> Tensor:
         """``[N, P + C]``: left pads and completion padding are 0."""
-        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
+        return torch.cat([self.prompt_mask, self.completion_attended], dim=1)
+
+    @property
+    def completion_attended(self) -> Tensor:
+        """``[N, C]``: the real completion tokens (the attention's part after the prompt)."""
+        a = self.completion_attention
+        return self.completion_mask if a is None else a
 
     @property
     def num_groups(self) -> int:

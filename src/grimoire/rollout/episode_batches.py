@@ -39,15 +39,16 @@ from grimoire.rollout.rewards import RewardFunction, score_completions
 from grimoire.rollout.tool_calls import ToolCallParser
 
 
-def engine_generate_batch(engine: RolloutEngine) -> GenerateBatch:
+def engine_generate_batch(engine: RolloutEngine, greedy: bool = False) -> GenerateBatch:
     """``generate_batch(prompts, max_new_tokens)`` sampling one turn per prompt with ``engine``
-    (already bound), at most the turn's ``max_new_tokens`` (:meth:`RolloutEngine.turn_limit`)."""
+    (already bound), at most the turn's ``max_new_tokens`` (:meth:`RolloutEngine.turn_limit`);
+    ``greedy``: the most likely tokens (evaluation)."""
 
     def generate_batch(
         prompts: list[list[int]], max_new_tokens: int
     ) -> list[tuple[Sequence[int], Sequence[float] | None]]:
         with engine.turn_limit(max_new_tokens):
-            rollout = engine.generate(prompts, 1, with_old_logps=True)
+            rollout = engine.generate(prompts, 1, with_old_logps=not greedy, greedy=greedy)
         logps = rollout.sampler_logps if rollout.sampler_logps is not None else rollout.old_logps
         out: list[tuple[Sequence[int], Sequence[float] | None]] = []
         for i in range(len(prompts)):

@@ -37,8 +37,16 @@ from grimoire.collate.prompts import prompt_token_lists
 from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.contract.method import GeneratingMethod
+from grimoire.rollout.agentic import Agent, episode_rollout
 from grimoire.rollout.batches import placeholder_batch, training_batch
 from grimoire.rollout.engine import Rollout, RolloutEngine
+from grimoire.rollout.episode_batches import (
+    engine_generate_batch,
+    final_answer,
+    play_groups,
+    score_episodes,
+)
+from grimoire.rollout.episodes import sum_metrics
 from grimoire.rollout.rewards import RewardFunction, score_completions
 from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.statistics import equal_reward_groups, reward_std
@@ -72,6 +80,8 @@ class ScoredGroup:
     texts: list[str] = field(default_factory=list)
     #: ``[N, C]`` reference log-probs of every completion (masked), when the method needs them.
     ref_logps: Tensor | None = None
+    #: Episode metrics summed over the group's episodes (tool outcomes, failures, turns).
+    episode_metrics: dict[str, float] = field(default_factory=dict)
 
 
 #: ``build_batches(ctx, groups) -> (training micro-batches, metrics)``: one batch per group.
@@ -96,6 +106,8 @@ class RolloutStage:
         needs_old_logps: sample with the sampling policy's log-probs (an extra no-grad pass).
         reference_logps: when given, every group's reference log-probs are computed before
             ``build_batches`` (:attr:`ScoredGroup.ref_logps`).
+        agent: when given, each prompt's ``G`` samples are multi-turn episodes
+            (:mod:`grimoire.rollout.agentic`) played with the engine, scored as whole episodes.
     """
 
     def __init__(
@@ -108,6 +120,7 @@ class RolloutStage:
         steps_per_batch: int = 1,
         needs_old_logps: bool = False,
         reference_logps: ReferenceLogps | None = None,
+        agent: Agent | None = None,
     ):
         self.engine = engine
         self.reward_funcs = list(reward_funcs)
@@ -116,6 +129,7 @@ class RolloutStage:
         self.steps_per_batch = max(1, int(steps_per_batch))
         self.needs_old_logps = needs_old_logps
         self.reference_logps = reference_logps
+        self.agent = agent
         self.tokenizer: Any = None
         self.sharded = False
         self.pad_token_id = 0
@@ -130,6 +144,10 @@ class RolloutStage:
         if eos is None:
             eos = getattr(getattr(policy, "config", None), "eos_token_id", None)
         self.pad_token_id = pad_token_id_of(tok, policy)
+        if self.agent is not None and self.agent.stop_tokens:  # the template's end of turn
+            given = eos if isinstance(eos, list | tuple) else [eos]
+            listed: list[int] = [int(e) for e in given if e is not None]
+            eos = listed + [int(tok.convert_tokens_to_ids(t)) for t in self.agent.stop_tokens]
         self.engine.bind(
             policy,
             self.pad_token_id,
@@ -211,13 +229,48 @@ class RolloutStage:
         groups = []
         g, old = self.sampling.num_generations, self.needs_old_logps
         for prompts, keep in micro:
-            if keep:
+            if keep and self.agent is not None:
+                groups.append(self.play(prompts))
+            elif keep:
                 rollout = self.engine.generate(prompt_token_lists(prompts), g, with_old_logps=old)
                 groups.append(self.score(prompts, rollout))
         fillers = ctx.all_reduce_max(len(groups)) - len(groups) if self.sharded else 0
         for _ in range(fillers):
             self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
         return groups, fillers
+
+    def play(self, prompts: dict[str, Any], greedy: bool = False) -> ScoredGroup:
+        """``G`` episodes per prompt (prompt-major; one, greedy, for evaluation), scored as whole
+        episodes; old log-probs scored by the policy over each whole episode (the sampler's
+        stay ``sampler_logps``)."""
+        agent, g = self.agent, 1 if greedy else self.sampling.num_generations
+        assert agent is not None
+        n = len(prompts["prompt"])
+        rows = [
+            {
+                k: v[i]
+                for k, v in prompts.items()
+                if k != "prompt_input_ids" and k != "prompt_attention_mask" and isinstance(v, list)
+            }
+            for i in range(n)
+        ]
+        episodes = play_groups(
+            rows, agent.env_factory, engine_generate_batch(self.engine, greedy), self.tokenizer,
+            agent.parser, g, agent.limits, self.engine.eos_token_ids,
+        )  # fmt: skip
+        device = prompts["prompt_input_ids"].device
+        rollout = episode_rollout(episodes, self.pad_token_id, g, device)
+        if self.needs_old_logps and not greedy:
+            rollout.old_logps = self.engine.score(
+                rollout.input_ids, rollout.attention_mask, rollout
+            )
+        repeated = [row for row in rows for _ in range(g)]
+        total, per_func = score_episodes(self.reward_funcs, episodes, repeated, self.tokenizer)
+        texts = [final_answer(e) for e in episodes]
+        return ScoredGroup(
+            prompts, rollout, total.to(device), {k: v.to(device) for k, v in per_func.items()},
+            texts, episode_metrics=sum_metrics(episodes),
+        )  # fmt: skip
 
     def score(self, prompts: dict[str, Any], rollout: Rollout) -> ScoredGroup:
         """Decode the completions and run the reward functions on them."""
@@ -261,6 +314,14 @@ class RolloutStage:
         # TRL's GRPO/RLOO names for the same two numbers (users' dashboards look for them).
         out["reward"], out["reward_std"] = out["rewards/mean"], out["rewards/std"]
         out.update(self.engine.sync_metrics())
+        episodes: dict[str, float] = {}
+        for group in groups:  # summed counts; the means weighted by the group's episodes
+            for k, v in group.episode_metrics.items():
+                episodes[k] = episodes.get(k, 0.0) + v
+        for k in [k for k in episodes if k.endswith("_mean")]:
+            episodes[k] = sum(g.episode_metrics.get(k, 0.0) * g.rewards.numel() for g in groups)
+            episodes[k] /= float(rewards.numel())
+        out.update(episodes)
         for name in groups[0].per_func:
             r = torch.cat([g.per_func[name] for g in groups]).float()
             out[f"rewards/{name}/mean"] = float(r.mean())
@@ -271,12 +332,15 @@ class RolloutStage:
 
     @torch.no_grad()
     def evaluate(self, prompts: dict[str, Any]) -> tuple[Tensor, dict[str, float]]:
-        """One GREEDY completion per prompt, scored: ``eval/loss`` is minus the mean total
+        """One GREEDY completion (or episode) per prompt, scored: ``eval/loss`` is minus the mean total
         reward (lower is better, like a loss); per-function means are logged too."""
-        rollout = self.engine.generate(
-            prompt_token_lists(prompts), 1, with_old_logps=False, greedy=True
-        )
-        group = self.score(prompts, rollout)
+        if self.agent is not None:  # one greedy episode per prompt
+            group = self.play(prompts, greedy=True)
+        else:
+            rollout = self.engine.generate(
+                prompt_token_lists(prompts), 1, with_old_logps=False, greedy=True
+            )
+            group = self.score(prompts, rollout)
         metrics, _ = self.metrics([group])
         metrics = {k: v for k, v in metrics.items() if not k.endswith("/std")}
         metrics.pop("frac_reward_zero_std", None)

@@ -312,6 +312,8 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
         "loss.args.max_staleness", staleness, online.engine, online.steps_per_batch,
         context.accelerator.num_processes,
     )  # fmt: skip
+    if staleness > 0 and online.agent is not None:
+        problems.append("loss.args.max_staleness: asynchronous rollouts do not play episodes yet")
     if problems:
         raise ConfigError(problems)
     async_args = {"max_staleness": staleness} if staleness > 0 else {}
@@ -323,6 +325,7 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
         steps_per_batch=online.steps_per_batch,
         needs_old_logps=online.needs_old_logps,
         reference_logps=online.reference_logps if online.needs_reference_model else None,
+        agent=online.agent,
         **async_args,
     )
     stage.bind(context)

@@ -1,0 +1,146 @@
+"""An online method's agentic settings, and the rollout of one prompt micro-batch as episodes.
+
+:func:`build_agent` turns the method arguments (``tools``, ``environment``,
+``tool_call_parser``, ``max_turns``, ``max_episode_tokens``, ``env_timeout``,
+``failure_reward``, ``stop_tokens``) into an :class:`Agent`, checked once, before any model is
+loaded: every unimportable spec, tool without a docstring or hint, unknown parser or bad limit
+is listed in one :class:`~grimoire.errors.ConfigError` naming its ``loss.args`` key.
+
+:func:`episode_rollout` lays a group's episodes out as a
+:class:`~grimoire.rollout.engine.Rollout` whose ``completion_mask`` is the LOSS mask (1 on the
+model's sampled tokens only) and whose ``completion_attention`` covers every real token after
+the first prompt (tool results, environment messages, template tokens): the policy reads them,
+the loss never trains them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, cast
+
+import torch
+
+from grimoire.config.registry import resolve
+from grimoire.errors import ConfigError
+from grimoire.rollout.engine import Rollout
+from grimoire.rollout.environment import Environment, ToolEnvironment
+from grimoire.rollout.episode_batches import pad_episodes
+from grimoire.rollout.episodes import Episode, EpisodeLimits
+from grimoire.rollout.tool_calls import ToolCallParser, resolve_tool_call_parser
+from grimoire.rollout.tools import build_tools
+
+#: Where an episode ended before its model was done with it (counted as a clipped completion).
+_CUT = ("max_turns", "token_budget", "truncated")
+
+
+@dataclass(frozen=True)
+class Agent:
+    """How a method plays episodes: a fresh environment per episode from ``env_factory()``,
+    the parser of its turns, the episode limits, and extra stop tokens (the chat template's
+    end-of-turn token, when it is not the tokenizer's EOS)."""
+
+    env_factory: Callable[[], Environment]
+    parser: ToolCallParser
+    limits: EpisodeLimits
+    stop_tokens: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _resolved(spec: Any, kind: str, problems: list[str]) -> Any:
+    if not isinstance(spec, str):
+        return spec
+    try:
+        return resolve(spec, {}, kind)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return None
+
+
+def build_agent(
+    tools: Sequence[Any] | None,
+    environment: Any,
+    tool_call_parser: Any,
+    *,
+    max_turns: int,
+    max_episode_tokens: int,
+    max_new_tokens: int,
+    env_timeout: float | None,
+    failure_reward: float,
+    stop_tokens: Sequence[str] = (),
+) -> Agent | None:
+    """The :class:`Agent` of these settings, or None when neither ``tools`` nor an
+    ``environment`` is given (single-completion rollouts).
+
+    ``tools``: functions or ``package.module:function`` specs (schemas from their signatures
+    and docstrings); ``environment``: a factory (callable or spec) called once per episode,
+    default a :class:`~grimoire.rollout.environment.ToolEnvironment` over ``tools``.
+    """
+    if not tools and environment is None:
+        return None
+    where = "loss.args"
+    problems: list[str] = []
+    if tools is not None and (isinstance(tools, str) or not isinstance(tools, Sequence)):
+        tools = [tools]
+    functions = [_resolved(t, f"{where}.tools[{i}]", problems) for i, t in enumerate(tools or ())]
+    if not problems and functions:
+        try:
+            build_tools(functions)  # every schema now, not at the first episode
+        except ConfigError as exc:
+            problems.extend(f"{where}.{p}" for p in exc.problems)
+    factory = _resolved(environment, f"{where}.environment", problems)
+    if environment is not None and factory is not None and not callable(factory):
+        problems.append(f"{where}.environment: {environment!r} is not callable (a factory)")
+    parser: ToolCallParser | None = None
+    try:
+        parser = resolve_tool_call_parser(tool_call_parser)
+    except (ConfigError, TypeError) as exc:
+        problems.extend(getattr(exc, "problems", None) or [f"{where}.tool_call_parser: {exc}"])
+    limits = None
+    try:
+        limits = EpisodeLimits(
+            max_turns=max_turns,
+            max_tokens=max_episode_tokens,
+            max_new_tokens=max_new_tokens,
+            env_timeout=env_timeout,
+            failure_reward=float(failure_reward),
+        )
+    except (ValueError, TypeError) as exc:
+        problems.append(f"{where}: {exc}")
+    if isinstance(stop_tokens, str) or not all(isinstance(s, str) for s in stop_tokens):
+        problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
+    if problems or limits is None or parser is None:
+        raise ConfigError(problems, title="invalid agentic rollout settings")
+    if environment is None:
+        factory = partial(ToolEnvironment, functions)
+    # Resolved and checked callable above (a problem otherwise): the environment factory.
+    return Agent(cast("Callable[[], Environment]", factory), parser, limits, tuple(stop_tokens))
+
+
+def episode_rollout(
+    episodes: Sequence[Episode], pad_token_id: int, group_size: int, device: torch.device
+) -> Rollout:
+    """A group's episodes (prompt-major) as a :class:`Rollout` (module docstring): loss mask
+    ``completion_mask [N, C]``, attention ``completion_attention [N, C]``, the sampler's
+    per-token log-probs as ``sampler_logps`` (0 off the model's tokens), ``truncated`` where the
+    episode was cut by a limit. Old log-probs are the engine's to score (over the whole
+    episode)."""
+    t = pad_episodes(episodes, pad_token_id)
+    attention = t["attention_mask"]
+    assert attention is not None and t["prompt_ids"] is not None
+    width = t["prompt_ids"].shape[1]
+    sampler = t["sampler_logps"]
+    return Rollout(
+        prompt_ids=t["prompt_ids"].to(device),
+        prompt_mask=attention[:, :width].to(device),
+        completion_ids=t["completion_ids"].to(device),  # type: ignore[union-attr]
+        completion_mask=t["completion_mask"].to(device),  # type: ignore[union-attr]
+        old_logps=None,
+        group_size=group_size,
+        truncated=torch.tensor([e.stop_reason in _CUT for e in episodes], device=device),
+        sampler_logps=None if sampler is None else sampler.to(device),
+        completion_attention=attention[:, width:].to(device),
+    )
+
+
+__all__ = ["Agent", "build_agent", "episode_rollout"]
