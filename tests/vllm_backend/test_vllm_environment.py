@@ -5,7 +5,7 @@ step on episodes through the trainer's rollout stage with ``engine: vllm``."""
 from __future__ import annotations
 
 import torch
-from tests.helpers.episodes import Chatty
+from tests.helpers.episodes import Chatty, Narrator, answer_length
 from tests.helpers.train_utils import quiet_config
 from tests.vllm_backend.common import TINY
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -15,7 +15,6 @@ from grimoire.collate.prompts import GRPOCollator
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import build_model, build_tokenizer, reverse_rows
 from grimoire.rollout.engine import completion_logps
-from grimoire.rollout.environment import Step
 from grimoire.rollout.episode_batches import engine_generate_batch, pad_episodes
 from grimoire.rollout.episodes import EpisodeLimits, run_episodes
 from grimoire.rollout.tool_calls import parse_tiny
@@ -55,42 +54,20 @@ def test_environment_episodes_with_vllm_record_the_samplers_logps_per_model_toke
     assert (batch["sampler_logps"][~mask] == 0).all()
 
 
-class Narrator:
-    """Answers every assistant turn with a tool message and ends the episode after the second
-    turn: every episode has tool tokens between two sampled turns, whatever the model writes."""
-
-    tools = None
-
-    def __init__(self):
-        self.turns = 0
-
-    def reset(self, row):
-        return [{"role": "user", "content": row["prompt"]}]
-
-    def step(self, message):
-        self.turns += 1
-        if self.turns >= 2:
-            return Step([], 0.0, True)
-        return Step([{"role": "tool", "content": "olleh dlrow"}], 0.0, False)
-
-
-def answer_length(prompts, completions, **kwargs):
-    """Varies across a group, so advantages are non-zero."""
-    return [float(len(c)) for c in completions]
-
-
 def test_environment_grpo_step_with_vllm_through_the_stage(vllm_tiny, tmp_path):
     tok = AutoTokenizer.from_pretrained(vllm_tiny)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
     config = quiet_config(
         tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0, learning_rate=1e-2,
+        padding_free=False,
         lr_scheduler="constant",
     )  # fmt: skip
     method = GRPOMethod(
         [answer_length], num_generations=4, engine="vllm", environment=Narrator,
-        # Any letter ends a turn too: a random model then ends its turns within a few tokens.
-        stop_tokens=["<|end|>", *"abcdefghijkl"], tool_call_parser="tiny", max_turns=3,
-        max_episode_tokens=96, max_new_tokens=8, fused=False,
+        # Any letter ends a turn too: a random model then ends its turns within a few tokens
+        # (27 of 64 tokens end a turn: 16 tokens without one are a chance of 2e-4).
+        stop_tokens=["<|end|>", *"abcdefghijklmnopqrstuvwxyz"], tool_call_parser="tiny",
+        max_turns=3, max_episode_tokens=128, max_new_tokens=16, fused=False,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(vllm_tiny, dtype=torch.float32)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
