@@ -1,13 +1,18 @@
 """Multi-turn episodes sampled by the colocated vLLM engine: several episodes in lockstep, each
 sampled token's vLLM log-prob recorded where the policy scores it in the whole episode; and a GRPO
-step on episodes through the trainer's rollout stage with ``engine: vllm``."""
+step on episodes through the trainer's rollout stage with ``engine: vllm`` and with
+``engine: vllm-server`` (a real ``grimoire vllm-serve``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 from tests.helpers.episodes import Chatty, Narrator, answer_length
 from tests.helpers.train_utils import quiet_config
-from tests.vllm_backend.common import TINY
+from tests.vllm_backend.common import TINY, start_server
+from tests.vllm_backend.test_vllm_ddp import _env
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grimoire import GrimoireTrainer
@@ -54,7 +59,19 @@ def test_environment_episodes_with_vllm_record_the_samplers_logps_per_model_toke
     assert (batch["sampler_logps"][~mask] == 0).all()
 
 
-def test_environment_grpo_step_with_vllm_through_the_stage(vllm_tiny, tmp_path):
+@pytest.fixture(scope="module")
+def server(vllm_tiny):
+    proc, url = start_server(vllm_tiny, _env())
+    yield url
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "vllm-server"])
+def test_environment_grpo_step_with_vllm_through_the_stage(vllm_tiny, tmp_path, request, kind):
+    engine_spec: Any = kind
+    if kind == "vllm-server":  # a real `grimoire vllm-serve` (vLLM behind the HTTP server)
+        engine_spec = {"type": kind, "args": {"url": request.getfixturevalue("server")}}
     tok = AutoTokenizer.from_pretrained(vllm_tiny)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
     config = quiet_config(
@@ -63,7 +80,7 @@ def test_environment_grpo_step_with_vllm_through_the_stage(vllm_tiny, tmp_path):
         lr_scheduler="constant",
     )  # fmt: skip
     method = GRPOMethod(
-        [answer_length], num_generations=4, engine="vllm", environment=Narrator,
+        [answer_length], num_generations=4, engine=engine_spec, environment=Narrator,
         # Any letter ends a turn too: a random model then ends its turns within a few tokens
         # (27 of 64 tokens end a turn: 16 tokens without one are a chance of 2e-4).
         stop_tokens=["<|end|>", *"abcdefghijklmnopqrstuvwxyz"], tool_call_parser="tiny",
