@@ -2,8 +2,8 @@
 against 1 process over the same global batch. A scripted turn sampler
 (``tests/scripts/episodes_online.py``) makes every episode depend only on its prompt and its place
 in the group, so both runs play the same episodes: each rank plays its own prompts, and the
-step's gradient (the plain-SGD update) equals the one-process step's, padded and packed under a token budget that
-counts every episode token."""
+step's gradient (the plain-SGD update) equals the one-process step's: padded, packed under a
+token budget that counts every episode token, and with FSDP2."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(*args: str, processes: int) -> None:
+def _launch(*args: str, processes: int, distributed: str = "ddp") -> None:
     cmd = [sys.executable, str(WORKER), *args]
     if processes > 1:
         cmd = [
@@ -37,7 +37,8 @@ def _launch(*args: str, processes: int) -> None:
             str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
             "no", "--main_process_port", str(free_port()), str(WORKER), *args,
         ]  # fmt: skip
-    subprocess.run(cmd, check=True, env=_env(), timeout=300)
+    env = {**_env(), "EPISODES_DISTRIBUTED": distributed}
+    subprocess.run(cmd, check=True, env=env, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,9 @@ def one_process(tiny_dir, tmp_path_factory) -> dict:
     return json.loads((out / "rank0.json").read_text())
 
 
-def _two(tiny_dir, out: Path, packed: bool, budget: int) -> list[dict]:
-    _launch(str(tiny_dir), str(out), "2", str(int(packed)), str(budget), processes=2)
+def _two(tiny_dir, out: Path, packed: bool, budget: int, distributed: str = "ddp") -> list[dict]:
+    _launch(str(tiny_dir), str(out), "2", str(int(packed)), str(budget), processes=2,
+            distributed=distributed)  # fmt: skip
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -60,7 +62,7 @@ def _assert_same_step(single: dict, ranks: list[dict]) -> None:
     assert single["moved"] > 1e-3  # the step trained
     for name, value in single["update"].items():  # SGD at lr 1: the update is the gradient
         assert math.isclose(value, ranks[0]["update"][name], rel_tol=1e-4, abs_tol=1e-6), name
-        assert ranks[0]["update"][name] == ranks[1]["update"][name]  # DDP kept them in sync
+        assert ranks[0]["update"][name] == ranks[1]["update"][name]  # the ranks agree
 
 
 def test_environment_tools_two_processes_step_equals_one_process(one_process, tiny_dir, tmp_path):
@@ -77,3 +79,11 @@ def test_environment_tools_two_processes_packed_under_episode_token_budget(
         # prompts (2 x 4 x 256 = the budget) fit one micro-batch, and it holds every episode token.
         assert [m["prompts"] for m in rank["micro"]] == [2]
         assert all(0 < m["tokens"] <= BUDGET for m in rank["micro"])
+
+
+def test_environment_tools_two_processes_fsdp2_step_equals_one_process(
+    one_process, tiny_dir, tmp_path
+):
+    # FSDP2 shards the model over the two ranks; the worker gathers each whole tensor.
+    _assert_same_step(one_process, _two(tiny_dir, tmp_path, packed=False, budget=0,
+                                        distributed="fsdp2"))  # fmt: skip

@@ -1,13 +1,15 @@
 """Worker: one GRPO step on tool episodes (``tools=[lookup]``, the tiny template's calls),
 ``python episodes_online.py MODEL OUT BATCH PACKED BUDGET`` (1 process) or under ``accelerate
-launch`` (2 processes, gloo). The turns come from a scripted sampler that decides each turn from
-the episode so far and the sample's index in its group (never from a random stream or the rank),
-so one process and two see the same episodes. Writes, per rank, the prompts it played, per
-micro-batch its groups and its episode tokens, and each weight tensor's update (a sum; plain SGD, so the step's gradient)."""
+launch`` (2 processes, gloo; ``EPISODES_DISTRIBUTED=fsdp2`` shards the model). The turns come
+from a scripted sampler that decides each turn from the episode so far and the sample's index in
+its group (never from a random stream or the rank), so one process and two see the same
+episodes. Writes, per rank, the prompts it played, per micro-batch its groups and its episode
+tokens, and each weight tensor's update (a sum; plain SGD, so the step's gradient)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections import Counter
@@ -71,6 +73,7 @@ def main(model_dir: str, out_dir: str, batch: int, packed: bool, budget: int) ->
         mixed_precision="no", gradient_checkpointing=False, progress_bar=False,
         save_on_epoch_end=False, logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0,
         disable_dropout=True, seed=0, padding_free=packed, max_tokens_per_device=budget or None,
+        distributed=os.environ.get("EPISODES_DISTRIBUTED", "ddp"),
     )  # fmt: skip
     engine = ScriptedTurns(max_new_tokens=24)
     engine.tokenizer, engine.end_id = tok, tok.convert_tokens_to_ids("<|end|>")
@@ -99,7 +102,11 @@ def main(model_dir: str, out_dir: str, batch: int, packed: bool, budget: int) ->
         model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
     )
     trainer.train()
-    named = dict(trainer.unwrapped_model.named_parameters())
+    # Under FSDP2 each rank holds a shard (a DTensor): gather the whole tensor.
+    named = {
+        n: p.full_tensor() if hasattr(p, "full_tensor") else p
+        for n, p in trainer.unwrapped_model.named_parameters()
+    }
     rank = trainer.accelerator.process_index
     record = {
         "world": trainer.accelerator.num_processes,
