@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers.episodes import Narrator
 from tests.helpers.train_utils import quiet_config
 
 from grimoire import GrimoireTrainer
@@ -19,29 +20,8 @@ from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import lookup, reverse_rows
 from grimoire.rollout.batches import pack_rollout_batch
 from grimoire.rollout.engine import Samples, position_ids_from_mask
-from grimoire.rollout.environment import Step
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rows.prompts import tokenize_grpo
-
-
-class Narrator:
-    """Answers every assistant turn with a tool message (context the model did not write) and
-    ends the episode after the second turn: every episode has environment tokens between two
-    sampled turns, whatever the (untrained) model writes."""
-
-    tools = None
-
-    def __init__(self):
-        self.turns = 0
-
-    def reset(self, row):
-        return [{"role": "user", "content": row["prompt"]}]
-
-    def step(self, message):
-        self.turns += 1
-        if self.turns >= 2:
-            return Step([], 0.0, True)
-        return Step([{"role": "tool", "content": "olleh dlrow"}], 0.0, False)
 
 
 class ShortTurns(HFGenerateEngine):

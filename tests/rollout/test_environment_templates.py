@@ -11,11 +11,12 @@ pytest.importorskip("trl")
 
 from tests.helpers.chat_templates import bpe_tokenizer, template_dir
 from tests.helpers.chat_templates import char_tokenizer as _char_tokenizer
+from tests.helpers.episodes import Chatty
 from tokenizers import decoders
 
 from grimoire.model.tiny import build_model
 from grimoire.rollout.engine import completion_logps
-from grimoire.rollout.environment import Step, ToolEnvironment
+from grimoire.rollout.environment import ToolEnvironment
 from grimoire.rollout.episode_batches import engine_generate, pad_episodes
 from grimoire.rollout.episodes import EpisodeLimits, run_episode
 from grimoire.rollout.hf import HFGenerateEngine
@@ -176,20 +177,6 @@ def test_environment_failure_when_the_template_refuses_the_first_messages():
     assert ep.stop_reason == "environment_error" and ep.reward == -1.0
     assert ep.failure.startswith("reset bad_return: the chat template refuses its messages: ")
     assert "only supports single tool-calls" in ep.failure
-
-
-class Chatty:
-    """Answers every turn with a user message; done after three turns, a reward per turn."""
-
-    def __init__(self):
-        self.turns = 0
-
-    def reset(self, row):
-        return [{"role": "user", "content": row["prompt"]}]
-
-    def step(self, message):
-        self.turns += 1
-        return Step([{"role": "user", "content": "again"}], 0.5, self.turns == 3)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -1,32 +1,30 @@
 """Multi-turn episodes sampled by the colocated vLLM engine: several episodes in lockstep, each
-sampled token's vLLM log-prob recorded where the policy scores it in the whole episode."""
+sampled token's vLLM log-prob recorded where the policy scores it in the whole episode; and a GRPO
+step on episodes through the trainer's rollout stage with ``engine: vllm`` and with
+``engine: vllm-server`` (a real ``grimoire vllm-serve``)."""
 
 from __future__ import annotations
 
-import torch
-from tests.vllm_backend.common import TINY
+from typing import Any
 
-from grimoire.model.tiny import build_model, build_tokenizer
+import pytest
+import torch
+from tests.helpers.episodes import Chatty, Narrator, answer_length
+from tests.helpers.train_utils import quiet_config
+from tests.vllm_backend.common import TINY, start_server
+from tests.vllm_backend.test_vllm_ddp import _env
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grimoire import GrimoireTrainer
+from grimoire.collate.prompts import GRPOCollator
+from grimoire.losses.grpo import GRPOMethod
+from grimoire.model.tiny import build_model, build_tokenizer, reverse_rows
 from grimoire.rollout.engine import completion_logps
-from grimoire.rollout.environment import Step
 from grimoire.rollout.episode_batches import engine_generate_batch, pad_episodes
 from grimoire.rollout.episodes import EpisodeLimits, run_episodes
 from grimoire.rollout.tool_calls import parse_tiny
 from grimoire.rollout.vllm_engine import VLLMEngine
-
-
-class Chatty:
-    """Answers every turn with a user message; done after three turns, a reward per turn."""
-
-    def __init__(self):
-        self.turns = 0
-
-    def reset(self, row):
-        return [{"role": "user", "content": row["prompt"]}]
-
-    def step(self, message):
-        self.turns += 1
-        return Step([{"role": "user", "content": "again"}], 0.5, self.turns == 3)
+from grimoire.rows.prompts import tokenize_grpo
 
 
 def test_environment_episodes_with_vllm_record_the_samplers_logps_per_model_token():
@@ -59,3 +57,82 @@ def test_environment_episodes_with_vllm_record_the_samplers_logps_per_model_toke
     # policy's log-prob of that token in the whole episode.
     assert (batch["sampler_logps"][mask] - logps[mask]).abs().max() < 1e-4
     assert (batch["sampler_logps"][~mask] == 0).all()
+
+
+@pytest.fixture(scope="module")
+def server(vllm_tiny):
+    proc, url = start_server(vllm_tiny, _env())
+    yield url
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("kind", ["vllm", "vllm-server"])
+def test_environment_grpo_step_with_vllm_through_the_stage(vllm_tiny, tmp_path, request, kind):
+    engine_spec: Any = kind
+    if kind == "vllm-server":  # a real `grimoire vllm-serve` (vLLM behind the HTTP server)
+        engine_spec = {"type": kind, "args": {"url": request.getfixturevalue("server")}}
+    tok = AutoTokenizer.from_pretrained(vllm_tiny)
+    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
+    config = quiet_config(
+        tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0, learning_rate=1e-2,
+        padding_free=False,
+        lr_scheduler="constant",
+    )  # fmt: skip
+    method = GRPOMethod(
+        [answer_length], num_generations=4, engine=engine_spec, environment=Narrator,
+        # Any letter ends a turn too: a random model then ends its turns within a few tokens
+        # (27 of 64 tokens end a turn: 16 tokens without one are a chance of 2e-4).
+        stop_tokens=["<|end|>", *"abcdefghijklmnopqrstuvwxyz"], tool_call_parser="tiny",
+        max_turns=3, max_episode_tokens=128, max_new_tokens=16, fused=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(vllm_tiny, dtype=torch.float32)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = GrimoireTrainer(
+        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
+    )
+    try:
+        prompts = GRPOCollator(pad_token_id=tok.pad_token_id)(rows[:2])
+        batches, metrics, _ = trainer.rollouts.step(trainer.context, [(prompts, 1.0)])
+        batch = batches[0][0]
+        policy = trainer.context.unwrapped_model
+        mask = batch["completion_mask"]
+        c = mask.shape[1]
+        context = (batch["attention_mask"][:, -c:] == 1) & (mask == 0)
+        assert context.any(dim=1).all(), "every episode has tool tokens in its completion"
+        assert metrics["episode/turns_mean"] == 2.0
+        with torch.no_grad():
+            logps, _ = completion_logps(policy, batch["input_ids"], batch["attention_mask"], c)
+        # vLLM's log-prob of each sampled token (fp32 CPU) is the policy's in the whole episode;
+        # nothing is recorded on the tool and template tokens.
+        assert (batch["sampler_logps"] - logps)[mask.bool()].abs().max() < 1e-4
+        assert (batch["sampler_logps"][~mask.bool()] == 0).all()
+
+        seen = {}
+
+        def keep(module, inputs, out):
+            out.retain_grad()
+            seen["logits"] = out
+
+        hook = policy.get_output_embeddings().register_forward_hook(keep)
+        loss, _ = trainer.loss_fn(policy, batch)
+        loss.backward()
+        hook.remove()
+        policy.zero_grad()
+        per_token = seen["logits"].grad[:, -(c + 1) : -1].abs().sum(-1)
+        assert torch.all(per_token[context] == 0), "tool/template tokens got a gradient"
+        assert (per_token[mask.bool()] > 0).any()
+
+        trainer.train()  # one step through the stage: episodes, loss, update
+        engine = method.engine
+        moved = max(
+            float((p.detach() - start[n]).abs().max()) for n, p in policy.named_parameters()
+        )
+        assert moved > 1e-3
+        synced = engine.syncs
+        rollout = engine.generate([r["prompt_input_ids"] for r in rows[:2]], 4)
+        assert engine.syncs == synced + 1  # the trained weights went to vLLM before sampling
+        gap = (rollout.old_logps - rollout.sampler_logps).abs()[rollout.completion_mask.bool()]
+        assert float(gap.max()) < 1e-3  # vLLM samples from the trained policy
+    finally:
+        trainer.close()

@@ -1,0 +1,143 @@
+"""GRPO on multi-turn episodes through the trainer's rollout stage with the ``vllm-server``
+engine, against the real HTTP handler of ``grimoire vllm-serve`` serving a stand-in sampler (no
+vLLM): every turn is one request, the sampler's reported log-probs land on the model's tokens
+only, tool tokens get no gradient, and the trained weights are pushed before the next sampling.
+
+The same with a real vLLM server is in tests/vllm_backend."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from http.server import HTTPServer
+
+import pytest
+import torch
+from tests.helpers.episodes import Narrator, answer_length
+from tests.helpers.train_utils import quiet_config
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grimoire import GrimoireTrainer
+from grimoire.collate.prompts import GRPOCollator
+from grimoire.losses.grpo import GRPOMethod
+from grimoire.model.tiny import reverse_rows
+from grimoire.rollout.vllm_server import read_frames
+from grimoire.rows.prompts import tokenize_grpo
+from grimoire.tools.vllm_serve import handler
+
+LOGP = -0.5
+
+
+class TurnSampler:
+    """vLLM's side of the server: a turn is ``1 + (len(prompt) + k) % 3`` letters then the
+    first stop token, ``k`` counting the copies of the same prompt in the request (the copies
+    of a prompt in its group differ), each token reported at log-prob ``LOGP``; records the
+    requests, the tokens it sent and the pushed weights."""
+
+    def __init__(self, config, letters):
+        self.config, self.letters, self.pushed, self.requests = config, letters, [], []
+        self.sent = 0
+
+    def info(self):
+        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        return {"ok": True, "config": {k: getattr(self.config, k) for k in keys}}
+
+    def generate(self, request):
+        self.requests.append(request)
+        ids, logps, seen = [], [], Counter()
+        for prompt, p in zip(request["prompts"], request["params"], strict=True):
+            for _ in range(p["n"]):
+                k = seen[tuple(prompt)]
+                seen[tuple(prompt)] += 1
+                turn = self.letters[: 1 + (len(prompt) + k) % 3] + [p["stop_token_ids"][0]]
+                ids.append(turn)
+                logps.append([LOGP] * len(turn))
+                self.sent += len(turn)
+        return {"ids": ids, "logps": logps}
+
+    def load_weights(self, stream):
+        self.pushed.append(dict(read_frames(stream)))
+        return {"ok": True}
+
+
+@pytest.fixture
+def served(tiny_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    sampler = TurnSampler(model.config, tok.convert_tokens_to_ids(list("xyz")))
+    server = HTTPServer(("127.0.0.1", 0), handler(sampler))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield sampler, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_environment_grpo_step_with_the_vllm_server_engine(served, tiny_dir, tmp_path):
+    sampler, url = served
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    end = tok.convert_tokens_to_ids("<|end|>")
+    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
+    config = quiet_config(
+        tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0, learning_rate=1e-2,
+        padding_free=False,
+        lr_scheduler="constant",
+    )  # fmt: skip
+    method = GRPOMethod(
+        [answer_length], num_generations=4, engine={"type": "vllm-server", "args": {"url": url}},
+        environment=Narrator, stop_tokens=["<|end|>"], tool_call_parser="tiny", max_turns=3,
+        max_episode_tokens=96, max_new_tokens=8, fused=False,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    trainer = GrimoireTrainer(
+        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
+    )
+    try:
+        prompts = GRPOCollator(pad_token_id=tok.pad_token_id)(rows[:2])
+        batches, metrics, _ = trainer.rollouts.step(trainer.context, [(prompts, 1.0)])
+        batch = batches[0][0]
+        policy = trainer.context.unwrapped_model
+        assert metrics["episode/turns_mean"] == 2.0
+        assert metrics["episode/stop/done"] == 8.0  # every episode ended by the environment
+        # Turn by turn: the first request the 2 prompts x 4, the second each episode's history.
+        assert [len(r["prompts"]) for r in sampler.requests] == [8, 8]
+        assert all(end in p["stop_token_ids"] for p in sampler.requests[0]["params"])
+        first, second = sampler.requests
+        for a, b in zip(first["prompts"], second["prompts"], strict=True):
+            assert b[: len(a)] == a and len(b) > len(a) + 2  # the turn and the tool's message
+
+        mask = batch["completion_mask"]
+        c = mask.shape[1]
+        context = (batch["attention_mask"][:, -c:] == 1) & (mask == 0)
+        assert context.any(dim=1).all(), "every episode has tool tokens in its completion"
+        # The server's log-probs on the model's tokens only (the IS correction's).
+        torch.testing.assert_close(batch["sampler_logps"], LOGP * mask.float())
+        assert int(mask.sum()) == sampler.sent  # every token the server sent, trained once
+        assert batch["advantages"].abs().sum() > 0
+
+        seen = {}
+
+        def keep(module, inputs, out):
+            out.retain_grad()
+            seen["logits"] = out
+
+        hook = policy.get_output_embeddings().register_forward_hook(keep)
+        loss, _ = trainer.loss_fn(policy, batch)
+        loss.backward()
+        hook.remove()
+        policy.zero_grad()
+        per_token = seen["logits"].grad[:, -(c + 1) : -1].abs().sum(-1)
+        assert torch.all(per_token[context] == 0), "tool/template tokens got a gradient"
+        assert (per_token[mask.bool()] > 0).any()
+
+        assert len(sampler.pushed) == 1  # the policy, before the first turn
+        trainer.train()  # one step through the stage: episodes, loss, update
+        assert len(sampler.pushed) == 1  # the step sampled before any weight changed
+        method.engine.generate([rows[0]["prompt_input_ids"]], 2)
+        assert len(sampler.pushed) == 2  # the trained weights, pushed before sampling
+        trained = policy.state_dict()
+        assert any(not torch.equal(sampler.pushed[0][k], trained[k]) for k in trained)
+        assert all(torch.equal(sampler.pushed[1][k], v) for k, v in trained.items())
+    finally:
+        trainer.close()
