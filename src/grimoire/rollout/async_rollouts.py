@@ -87,7 +87,10 @@ def async_problems(
             f"got {steps_per_batch}"
         )
     if processes > 1:
-        problems.append(f"{key}={max_staleness} runs on one process so far, got {processes}")
+        problems.append(
+            f"{key}={max_staleness} runs on one training process so far (one sampler process "
+            f"beside it), got {processes} processes; set it to 0 to train on several"
+        )
     return problems
 
 
