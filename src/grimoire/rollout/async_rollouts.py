@@ -31,7 +31,8 @@ Checkpoints hold no rollouts: a resumed run regenerates from the checkpoint's we
 line says the in-flight rollouts were discarded). The producer is stopped and joined when the
 epoch's iterator ends or is closed (a stop, a signal, an error) and in :meth:`close`.
 
-Limits: one training process, the HF engine, one optimizer step per rollout
+Several training processes (DDP): each rank has its own producer and sampler; the collectives of
+a step (``build_batches``' statistics) run on the learner's thread. Limits: the HF engine, one optimizer step per rollout
 (``num_iterations = 1``); the producer does not read ahead across an epoch boundary.
 """
 
@@ -70,7 +71,7 @@ def checked_staleness(owner: str, max_staleness: Any) -> int:
 
 
 def async_problems(
-    key: str, max_staleness: int, engine: Any, steps_per_batch: int, processes: int
+    key: str, max_staleness: int, engine: Any, steps_per_batch: int, sharded: bool = False
 ) -> list[str]:
     """What this run's settings lack for asynchronous rollouts (``key``: the setting's name)."""
     if max_staleness < 1:
@@ -86,10 +87,12 @@ def async_problems(
             f"{key}={max_staleness} needs one optimizer step per rollout (num_iterations=1), "
             f"got {steps_per_batch}"
         )
-    if processes > 1:
+    if sharded:
+        # The sampler's copy would be sharded too: its every forward a collective, run off the
+        # learner's thread while the learner's own collectives run.
         problems.append(
-            f"{key}={max_staleness} runs on one training process so far (one sampler process "
-            f"beside it), got {processes} processes; set it to 0 to train on several"
+            f"{key}={max_staleness} needs whole weights on each rank (DDP); the policy is "
+            "sharded (distributed: fsdp2): set it to 0"
         )
     return problems
 
