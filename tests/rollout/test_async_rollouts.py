@@ -41,7 +41,14 @@ class Steps(TrainerCallback):
 
 
 def _trainer(
-    tiny_dir, tmp_path, staleness, steps=4, reward=char_match_reward, sleep=0.0, **overrides
+    tiny_dir,
+    tmp_path,
+    staleness,
+    steps=4,
+    reward=char_match_reward,
+    sleep=0.0,
+    engine=None,
+    **overrides,
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,7 +60,13 @@ def _trainer(
         tmp_path, max_steps=steps, batch_size=4, learning_rate=1e-2, disable_dropout=True, seed=0,
         **overrides,
     )  # fmt: skip
-    method = GRPOMethod([reward], num_generations=4, max_new_tokens=6, max_staleness=staleness)
+    method = GRPOMethod(
+        [reward],
+        num_generations=4,
+        max_new_tokens=6,
+        max_staleness=staleness,
+        engine=engine,
+    )
     steps_cb = Steps(sleep)
     trainer = GrimoireTrainer(
         model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows,

@@ -1,8 +1,12 @@
 """Asynchronous rollouts with a staleness bound (``loss.args.max_staleness = k >= 1``).
 
 A producer THREAD samples and scores the rollouts of the next steps while the learner trains on
-the current ones (torch releases the GIL inside its ops, so the two use two cores). It samples
-with its OWN copy of the policy (a deep copy made at bind), never the learner's:
+the current ones. It samples with its OWN copy of the policy (a deep copy made at bind), never
+the learner's. Where the sampling itself runs is the HF engine's ``async_sampler``:
+``"process"`` (default) a child process holding that copy in shared memory
+(:mod:`grimoire.rollout.sampler_process`; the producer thread then only waits on a pipe and
+scores rewards), ``"thread"`` the producer thread itself (it shares the learner's GIL, which
+``generate``'s Python loop holds for much of its time).
 
 - versions: the weights after ``v`` optimizer steps are version ``v``. When the learner asks
   for step ``j``'s rollouts its weights are version ``j``; it publishes them then (a detached
@@ -27,7 +31,8 @@ Checkpoints hold no rollouts: a resumed run regenerates from the checkpoint's we
 line says the in-flight rollouts were discarded). The producer is stopped and joined when the
 epoch's iterator ends or is closed (a stop, a signal, an error) and in :meth:`close`.
 
-Limits of this engine-level slice: one process, the HF engine, one optimizer step per rollout
+Several training processes (DDP): each rank has its own producer and sampler; the collectives of
+a step (``build_batches``' statistics) run on the learner's thread. Limits: the HF engine, one optimizer step per rollout
 (``num_iterations = 1``); the producer does not read ahead across an epoch boundary.
 """
 
@@ -46,6 +51,7 @@ from grimoire.collate.prompts import prompt_token_lists
 from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import to_device
 from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.sampler_process import SamplerProcess, autocast_factory
 from grimoire.rollout.stage import RolloutStage, ScoredGroup
 
 logger = logging.getLogger(__name__)
@@ -65,7 +71,7 @@ def checked_staleness(owner: str, max_staleness: Any) -> int:
 
 
 def async_problems(
-    key: str, max_staleness: int, engine: Any, steps_per_batch: int, processes: int
+    key: str, max_staleness: int, engine: Any, steps_per_batch: int, sharded: bool = False
 ) -> list[str]:
     """What this run's settings lack for asynchronous rollouts (``key``: the setting's name)."""
     if max_staleness < 1:
@@ -81,8 +87,13 @@ def async_problems(
             f"{key}={max_staleness} needs one optimizer step per rollout (num_iterations=1), "
             f"got {steps_per_batch}"
         )
-    if processes > 1:
-        problems.append(f"{key}={max_staleness} runs on one process so far, got {processes}")
+    if sharded:
+        # The sampler's copy would be sharded too: its every forward a collective, run off the
+        # learner's thread while the learner's own collectives run.
+        problems.append(
+            f"{key}={max_staleness} needs whole weights on each rank (DDP); the policy is "
+            "sharded (distributed: fsdp2): set it to 0"
+        )
     return problems
 
 
@@ -91,7 +102,9 @@ class AsyncRolloutStage(RolloutStage):
 
     Attributes for tests and benchmarks: ``timeline`` holds ``(who, step, start, end)``
     (``"sampler"``: one step's generation and scoring; ``"wait"``: the learner waiting for that
-    step's rollouts), ``sampler_threads`` the torch thread count the producer sets for itself.
+    step's rollouts), ``sampler_threads`` the torch thread count the sampler sets for itself
+    (the process sampler: 1 when unset), ``sampler_cpu`` the core the process sampler is pinned
+    to (None: not pinned), ``sampler_process`` the running child (process sampler).
     """
 
     def __init__(self, *args: Any, max_staleness: int, **kwargs: Any):
@@ -100,6 +113,9 @@ class AsyncRolloutStage(RolloutStage):
         self.sampler_threads: int | None = None
         self.sampler_model: torch.nn.Module | None = None
         self.sampler_engine: Any = None
+        self.sampler_cpu: int | None = None
+        self.sampler_process: SamplerProcess | None = None
+        self._autocast: Any = None
         self.timeline: list[tuple[str, int, float, float]] = []
         self.discarded = 0
         self._policy: torch.nn.Module | None = None
@@ -121,6 +137,7 @@ class AsyncRolloutStage(RolloutStage):
         self.sampler_model.requires_grad_(False)
         self.sampler_engine = copy.copy(self.engine)
         engine = self.engine
+        self._autocast = autocast_factory(ctx.config.mixed_precision, engine.device)
         self.sampler_engine.bind(
             self.sampler_model, self.pad_token_id, engine.eos_token_ids, engine.autocast,
             max_tokens=engine.max_tokens, max_length=engine.max_length,
@@ -199,13 +216,18 @@ class AsyncRolloutStage(RolloutStage):
         self._finished, self._error = False, None
         assert self.sampler_model is not None and self._policy is not None
         self.sampler_model.train(self._policy.training)  # old log-probs as the training forward
+        if getattr(self.engine, "async_sampler", "thread") == "process":
+            self.sampler_process = SamplerProcess(
+                self.sampler_model, self.sampler_engine, self._autocast,
+                threads=self.sampler_threads or 1, cpu=self.sampler_cpu,
+            )  # fmt: skip
         self._thread = threading.Thread(
             target=self._produce, args=(batches, first_step), name="grimoire-rollouts", daemon=True
         )
         self._thread.start()
 
     def _produce(self, batches: Iterator[Micro], first_step: int) -> None:
-        if self.sampler_threads is not None:
+        if self.sampler_threads is not None and self.sampler_process is None:
             torch.set_num_threads(self.sampler_threads)
         loaded = None
         try:
@@ -222,6 +244,8 @@ class AsyncRolloutStage(RolloutStage):
                 t0 = time.perf_counter()
                 groups = self._sample(micro)
                 t1 = time.perf_counter()
+                if groups is None:  # stopped while the process sampled
+                    return
                 with self._cond:
                     self._ready[step] = (version, groups, t1 - t0)
                     self._micro[step] = micro
@@ -242,18 +266,26 @@ class AsyncRolloutStage(RolloutStage):
             return None
         return published
 
-    def _sample(self, micro: Micro) -> list[ScoredGroup]:
+    def _sample(self, micro: Micro) -> list[ScoredGroup] | None:
         engine, g = self.sampler_engine, self.sampling.num_generations
+        child = self.sampler_process
         groups = []
         for host, keep in micro:
             if keep:
                 prompts = to_device(host, engine.device)
-                rollout = engine.generate(prompt_token_lists(prompts), g, with_old_logps=True)
+                tokens = prompt_token_lists(prompts)
+                if child is None:
+                    rollout = engine.generate(tokens, g, with_old_logps=True)
+                else:
+                    rollout = child.generate(tokens, g, stop=self._stop)
+                    if rollout is None:
+                        return None
                 groups.append(self.score(prompts, rollout))
         return groups
 
     def shutdown(self) -> None:
-        """Stop the producer and join it; rollouts not yet trained on are dropped."""
+        """Stop the producer and join it (and end the sampler process); rollouts not yet
+        trained on are dropped."""
         thread = self._thread
         if thread is None:
             return
@@ -261,6 +293,9 @@ class AsyncRolloutStage(RolloutStage):
         with self._cond:
             self._cond.notify_all()
         thread.join()
+        if self.sampler_process is not None:
+            self.sampler_process.close()
+            self.sampler_process = None
         with self._cond:
             self._ready.clear()
             self._micro.clear()

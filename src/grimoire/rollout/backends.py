@@ -25,6 +25,7 @@ from grimoire.errors import ConfigError, did_you_mean
 from grimoire.rollout.engine import RolloutEngine
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.sampler import SamplerConfig
+from grimoire.rollout.sampler_process import ASYNC_SAMPLERS
 from grimoire.rollout.vllm_common import LORA_SYNCS
 from grimoire.rollout.vllm_engine import VLLMEngine, require_vllm
 from grimoire.rollout.vllm_server import VLLMServerEngine
@@ -78,6 +79,10 @@ def engine_problems(spec: Any, where: str = "engine") -> list[str]:
     if "lora_sync" in args and "lora_sync" in params and args["lora_sync"] not in LORA_SYNCS:
         choices = " or ".join(repr(m) for m in LORA_SYNCS)
         problems.append(f"{where}.args.lora_sync: {args['lora_sync']!r}; expected {choices}")
+    sampler = args.get("async_sampler", ASYNC_SAMPLERS[0])
+    if "async_sampler" in params and sampler not in ASYNC_SAMPLERS:
+        choices = " or ".join(repr(m) for m in ASYNC_SAMPLERS)
+        problems.append(f"{where}.args.async_sampler: {sampler!r}; expected {choices}")
     if name == "vllm":
         try:
             require_vllm(where)

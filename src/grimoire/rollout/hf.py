@@ -33,6 +33,7 @@ from torch import Tensor
 from grimoire.collate.common import pad_sequences
 from grimoire.rollout.engine import RolloutEngine, position_ids_from_mask
 from grimoire.rollout.generation import generation_mode
+from grimoire.rollout.sampler_process import ASYNC_SAMPLERS
 
 
 class HFGenerateEngine(RolloutEngine):
@@ -47,15 +48,30 @@ class HFGenerateEngine(RolloutEngine):
 
     ``prefill_once`` (default on): each prompt's KV cache is computed once for its ``n``
     completions (module docstring); off, the prompt is repeated ``n`` times and prefilled ``n``
-    times, as ``generate`` does by itself. ``static_cache`` (default on): a preallocated KV cache
+    times, as ``generate`` does by itself. ``async_sampler``: where the sampler runs with
+    asynchronous rollouts (``loss.args.max_staleness >= 1``): ``"process"`` (default) a child
+    process with its own copy of the weights (:mod:`grimoire.rollout.sampler_process`),
+    ``"thread"`` a thread of the learner's process (shares its GIL); unused when synchronous.
+    ``static_cache`` (default on): a preallocated KV cache
     written in place instead of one concatenated at every step (module docstring); off, the
     ``DynamicCache`` ``generate`` uses by itself. ``settings``: the sampler settings every engine
     takes (:class:`~grimoire.rollout.engine.RolloutEngine`: ``max_new_tokens``, ``temperature``,
     ``top_p``, ``top_k``, ``generation_batch_size``).
     """
 
-    def __init__(self, *, prefill_once: bool = True, static_cache: bool = True, **settings: Any):
+    def __init__(
+        self,
+        *,
+        prefill_once: bool = True,
+        static_cache: bool = True,
+        async_sampler: str = "process",
+        **settings: Any,
+    ):
         super().__init__(**settings)
+        if async_sampler not in ASYNC_SAMPLERS:
+            choices = " or ".join(repr(m) for m in ASYNC_SAMPLERS)
+            raise ValueError(f"async_sampler: {async_sampler!r}; expected {choices}")
+        self.async_sampler = async_sampler
         self.prefill_once = prefill_once
         self.static_cache = static_cache
 

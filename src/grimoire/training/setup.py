@@ -310,7 +310,7 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
     staleness = online.max_staleness
     problems = async_problems(
         "loss.args.max_staleness", staleness, online.engine, online.steps_per_batch,
-        context.accelerator.num_processes,
+        context.sharded,
     )  # fmt: skip
     if staleness > 0 and online.agent is not None:
         problems.append("loss.args.max_staleness: asynchronous rollouts do not play episodes yet")
