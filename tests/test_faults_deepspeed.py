@@ -80,4 +80,5 @@ def test_deepspeed_consecutive_skips_stop_the_cli_nonzero_without_a_final_model(
     assert not (out / "final").exists()
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["skipped_steps"] >= 3  # 3 in a row stopped it
-    assert errors[0] == f"grimoire train: {summary['diverged']}"
+    # Both ranks write to one pipe: the other rank's warning can land on the same line after it.
+    assert errors[0].startswith(f"grimoire train: {summary['diverged']}")
