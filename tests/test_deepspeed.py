@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from tests.helpers.deepspeed_launch import deepspeed_launcher
 from tests.helpers.train_utils import free_port
 from tests.scripts import deepspeed_parity
 from tests.test_distributed import LAUNCH, _env
@@ -39,40 +38,12 @@ FAMILIES = ["sft", "dpo"]
 STAGES = [2, 3]
 
 
-def _accelerate_config(stage: int, folder: Path) -> Path:
-    """examples/accelerate/deepspeed_zero<stage>.yaml's settings, on 2 processes."""
-    config = {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "DEEPSPEED",
-        "num_machines": 1,
-        "machine_rank": 0,
-        "num_processes": 2,
-        "mixed_precision": "no",
-        "rdzv_backend": "static",
-        "same_network": True,
-        # not `use_cpu: true`: accelerate turns DeepSpeed off for a CPU run; Grimoire starts
-        # DeepSpeed's gloo group itself when the machine has no accelerator.
-        "use_cpu": False,
-        "deepspeed_config": {
-            "zero_stage": stage,
-            "gradient_accumulation_steps": 1,
-            "offload_optimizer_device": "none",
-            "offload_param_device": "none",
-            "zero3_init_flag": False,
-        },
-    }
-    path = folder / f"zero{stage}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def _launch(tiny_dir, out: Path, mode: str, *extra: str) -> None:
     if mode == "ddp":
-        launcher = LAUNCH
+        launcher = [*LAUNCH, "--main_process_port", str(free_port())]
     else:
-        config = _accelerate_config(int(mode[-1]), out.parent)
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
-    cmd = [*map(str, launcher), "--main_process_port", str(free_port()), str(SCRIPT)]
+        launcher = deepspeed_launcher(int(mode[-1]), 2, out.parent)
+    cmd = [*map(str, launcher), str(SCRIPT)]
     cmd += [str(tiny_dir), str(out), ",".join(FAMILIES), *extra]
     subprocess.run(cmd, check=True, env=_env(), timeout=600)
 

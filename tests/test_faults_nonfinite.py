@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from tests.helpers.commands import grimoire_command, run
+from tests.helpers.diverging import diverging_run_config
 from tests.helpers.train_utils import free_port
 from tests.test_distributed import LAUNCH, _env
 
-from grimoire.model.tiny import reverse_rows, write_jsonl
 from grimoire.training.guard import NonFiniteGuard
 from grimoire.training.step import mark_nonfinite, marked, nonfinite
 
@@ -87,19 +87,7 @@ def test_consecutive_skips_stop_the_run_with_one_message(tiny_dir, tmp_path):
 
 def test_a_diverging_cli_run_exits_1_without_a_final_model(tmp_path):
     """The reported run: learning rate 1e6 used to log NaN losses, exit 0 and save a NaN model."""
-    data = write_jsonl(reverse_rows(64, seed=0), tmp_path / "train.jsonl")
-    out = tmp_path / "out"
-    config = tmp_path / "run.yaml"
-    config.write_text(
-        f"""
-model: {{pretrained: "tiny:llama"}}
-dataset: {{jsonl: {data}, tokenize: {{type: sft}}}}
-loss: {{type: sft}}
-training: {{output_dir: {out}, max_steps: 30, batch_size: 4, learning_rate: 1.0e6,
-  max_length: 64, mixed_precision: "no", progress_bar: false, save_on_epoch_end: false}}
-save_to: {out / "final"}
-"""
-    )
+    config, out = diverging_run_config(tmp_path)
     done = run([*grimoire_command(), "train", "--config", str(config)], tmp_path, expect=1)
     errors = [line for line in done.stderr.splitlines() if line.startswith("grimoire train:")]
     assert len(errors) == 1, done.stderr

@@ -7,13 +7,12 @@ import copy
 
 import pytest
 import torch
-from tests.helpers.train_utils import quiet_config, train
+from tests.helpers.train_utils import method_context, quiet_config, train
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
 from grimoire.collate.kto import KTOCollator, PackedKTOCollator
 from grimoire.collate.prompts import GRPOCollator
-from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import Packed, layout_of
 from grimoire.data import cache_reference_log_probs, tokenize_kto
 from grimoire.losses import KTOLoss
@@ -129,7 +128,6 @@ def _length_reward(prompts, completions, **kwargs):
 def test_packed_grpo_pass_matches_padded(tiny_model, tokenizer, temperature):
     """One rollout, built once padded and then packed: same reference log-probs, loss, metrics
     and gradients (prompts are left-padded, completions right-padded, of different lengths)."""
-    from accelerate import Accelerator
 
     torch.manual_seed(0)
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(4, seed=5)]
@@ -137,10 +135,7 @@ def test_packed_grpo_pass_matches_padded(tiny_model, tokenizer, temperature):
         [_length_reward], num_generations=4, max_new_tokens=6, temperature=temperature,
         beta=0.1, num_iterations=2, loss_type="dapo", ref_model="copy",
     )  # fmt: skip
-    ctx = TrainingContext(
-        quiet_config("/tmp/unused"), Accelerator(cpu=True), tokenizer, tiny_model, rows
-    )
-    method.setup(ctx)
+    ctx = method_context(method, tiny_model, tokenizer, rows)
     assert not method.pack_training
     prompts = GRPOCollator(tokenizer.pad_token_id)(rows[:2])
     padded = build_rollouts(method, ctx).step(ctx, [(prompts, 1.0)])[0][0][0]

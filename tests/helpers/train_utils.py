@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 
 from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
+from grimoire.config.context import TrainingContext
+from grimoire.parallel.accelerate import reset_accelerate_state
 
 
 def quiet_config(output_dir, **overrides: Any) -> TrainingConfig:
@@ -26,6 +29,22 @@ def quiet_config(output_dir, **overrides: Any) -> TrainingConfig:
     )
     values.update(overrides)
     return TrainingConfig(**values)
+
+
+def method_context(method, model, tokenizer, rows, output_dir="/tmp/unused", **config: Any):
+    """Call ``method.setup`` with the context a trainer would give it (no training loop) and
+    return that :class:`TrainingContext`; ``config`` overrides :func:`quiet_config`.
+
+    The accelerator is built on a fresh accelerate state with the config's precision, as the
+    trainer builds its own: accelerate's state is a process-wide singleton, so a bare
+    ``Accelerator()`` would inherit whatever an earlier trainer in the process set (after a bf16
+    run, the rollout's scoring would silently autocast to bf16)."""
+    training = quiet_config(output_dir, **config)
+    reset_accelerate_state()
+    accelerator = Accelerator(cpu=True, mixed_precision=training.mixed_precision)
+    ctx = TrainingContext(training, accelerator, tokenizer, model, rows)
+    method.setup(ctx)
+    return ctx
 
 
 class RecordLosses(TrainerCallback):

@@ -9,14 +9,13 @@ import math
 
 import pytest
 import torch
-from tests.helpers.train_utils import RecordLosses, quiet_config
+from tests.helpers.train_utils import RecordLosses, method_context, quiet_config
 
 from grimoire import GrimoireTrainer
 from grimoire.cli.run import build_run
 from grimoire.cli.schema import check_config, load_config
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.config import registry
-from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError
 from grimoire.losses import DistillMethod
 from grimoire.losses.distill_functional import (
@@ -158,16 +157,6 @@ def _teacher(tiny_dir, seed=1, sharpen=4.0):
     return teacher
 
 
-def _setup(method, model, tokenizer, rows):
-    from accelerate import Accelerator
-
-    ctx = TrainingContext(
-        quiet_config("/tmp/unused"), Accelerator(cpu=True), tokenizer, model, rows
-    )
-    method.setup(ctx)
-    return ctx
-
-
 def _step(method, ctx, rows, tokenizer, n=3):
     mb = GRPOCollator(tokenizer.pad_token_id)(rows[:n])
     batches, metrics, _ = build_rollouts(method, ctx).step(ctx, [(mb, 1.0)])
@@ -198,7 +187,7 @@ def test_distill_method_loss_is_per_token_reverse_kl_to_the_teacher(
     method = DistillMethod(
         teacher, loss_type=loss_type, beta=1.0, num_generations=2, max_new_tokens=6
     )
-    ctx = _setup(method, tiny_model, tokenizer, prompt_rows)
+    ctx = method_context(method, tiny_model, tokenizer, prompt_rows)
     assert method.reward_funcs == []  # none needed
     assert all(not p.requires_grad for p in teacher.parameters()) and not teacher.training
     batch, _ = _step(method, ctx, prompt_rows, tokenizer)
@@ -244,7 +233,7 @@ def test_distill_teacher_with_another_vocabulary_is_a_config_error(
     other = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "big", vocab_size=96))
     method = DistillMethod(other)
     with pytest.raises(ConfigError, match=r"loss\.args\.teacher.*output layer has 96"):
-        _setup(method, tiny_model, tokenizer, prompt_rows)
+        method_context(method, tiny_model, tokenizer, prompt_rows)
 
 
 def test_distill_teacher_path_that_does_not_load_is_an_error_naming_the_key(tmp_path):

@@ -11,15 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
-from tests.helpers.train_utils import quiet_config
+from tests.helpers.train_utils import method_context
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from grimoire.collate.kto import KTOCollator
 from grimoire.collate.preference import PreferenceCollator
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.collate.sft import SFTCollator
-from grimoire.config.context import TrainingContext
 from grimoire.losses import (
     CPOLoss,
     DistillMethod,
@@ -106,8 +104,7 @@ def _online(name, tiny_dir, tokenizer):
     }[name]()
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(4, seed=11)]
-    ctx = TrainingContext(quiet_config("unused"), Accelerator(cpu=True), tokenizer, model, rows)
-    method.setup(ctx)
+    ctx = method_context(method, model, tokenizer, rows)
     prompts = GRPOCollator(tokenizer.pad_token_id)(rows[:2])
     batches, rollout_metrics, _ = build_rollouts(method, ctx).step(ctx, [(prompts, 1.0)])
     _, loss_metrics = method(model, batches[0][0])

@@ -10,11 +10,10 @@ import weakref
 
 import pytest
 import torch
-from tests.helpers.train_utils import RecordLosses, quiet_config
+from tests.helpers.train_utils import RecordLosses, method_context, quiet_config
 
 from grimoire import GrimoireTrainer
 from grimoire.collate.prompts import GRPOCollator
-from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError, DataError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.online_dpo import OnlineDPOMethod
@@ -40,17 +39,6 @@ def length_reward(prompts, completions, **kwargs):
 @pytest.fixture(scope="module")
 def prompt_rows(tokenizer):
     return [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(16, seed=11)]
-
-
-def _setup(method, model, tokenizer, rows, **config):
-    """Call ``method.setup`` with the context a trainer would give it (no training loop)."""
-    from accelerate import Accelerator
-
-    ctx = TrainingContext(
-        quiet_config("/tmp/unused", **config), Accelerator(cpu=True), tokenizer, model, rows
-    )
-    method.setup(ctx)
-    return ctx
 
 
 def _perturb(model, scale=0.02):
@@ -100,7 +88,7 @@ def test_grpo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
         [length_reward], num_generations=4, max_new_tokens=5, temperature=0.8, beta=0.1,
         epsilon=0.2, epsilon_high=0.3, num_iterations=2, loss_type="dapo", ref_model="copy",
     )  # fmt: skip
-    trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
+    trainer = method_context(method, tiny_model, tokenizer, prompt_rows)
     batch, rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
     # Move the policy so ratio != 1 and the KL is non-zero (the reference is a frozen copy).
     _perturb(tiny_model)
@@ -138,7 +126,7 @@ def test_rloo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
     method = RLOOMethod(
         [length_reward], num_generations=3, max_new_tokens=5, beta=0.2, ref_model="copy"
     )
-    trainer = _setup(method, tiny_model, tokenizer, prompt_rows)  # reference = this copy
+    trainer = method_context(method, tiny_model, tokenizer, prompt_rows)  # reference = this copy
     _perturb(tiny_model)
     sampler = copy.deepcopy(tiny_model)  # the policy that samples (KL is sampler vs reference)
     batch, rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
@@ -170,7 +158,7 @@ def test_online_dpo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_r
     method = OnlineDPOMethod(
         [length_reward], num_generations=4, max_new_tokens=6, beta=0.5, ref_model="copy"
     )
-    trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
+    trainer = method_context(method, tiny_model, tokenizer, prompt_rows)
     batch, _rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=3)
     k = batch["num_pairs"]
     assert k >= 1  # random completions differ in length
@@ -198,7 +186,7 @@ def test_online_dpo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_r
 def test_raft_trains_on_winners_only(tiny_model, tokenizer, prompt_rows):
     torch.manual_seed(3)
     method = RAFTMethod([length_reward], num_generations=4, max_new_tokens=6)
-    trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
+    trainer = method_context(method, tiny_model, tokenizer, prompt_rows)
     batch, _rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=3)
     rows = _rows_of(batch)
     assert len(rows) == 3  # one winner per group, no threshold
@@ -208,7 +196,7 @@ def test_raft_trains_on_winners_only(tiny_model, tokenizer, prompt_rows):
     assert method.loss_weight(batch) == len(lps)
     # A threshold nobody reaches: a placeholder row with zero loss and zero weight.
     strict = RAFTMethod([length_reward], num_generations=2, max_new_tokens=4, reward_threshold=9)
-    trainer = _setup(strict, tiny_model, tokenizer, prompt_rows)
+    trainer = method_context(strict, tiny_model, tokenizer, prompt_rows)
     empty, empty_metrics = _step(strict, trainer, prompt_rows, tokenizer, n=2)
     assert empty["completion_mask"].sum() == 0 and empty_metrics["raft/kept_frac"] == 0
     assert float(strict(tiny_model, empty)[0].detach()) == 0.0
@@ -228,7 +216,7 @@ def test_dynamic_sampling_drops_flat_groups(tiny_model, tokenizer, prompt_rows):
     method = GRPOMethod(
         [first_prompt_flat], num_generations=4, max_new_tokens=6, dynamic_sampling=True
     )
-    trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
+    trainer = method_context(method, tiny_model, tokenizer, prompt_rows)
     batch, rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=3)
     m = rollout_metrics
     dropped = m["dynamic_sampling/dropped_frac"]
@@ -240,7 +228,7 @@ def test_dynamic_sampling_drops_flat_groups(tiny_model, tokenizer, prompt_rows):
 def test_num_iterations_reuses_the_rollout(tiny_model, tokenizer, prompt_rows):
     method = GRPOMethod([length_reward], num_generations=2, max_new_tokens=4, num_iterations=2)
     assert method.steps_per_batch == 2 and method.needs_old_logps
-    trainer = _setup(method, tiny_model, tokenizer, prompt_rows)
+    trainer = method_context(method, tiny_model, tokenizer, prompt_rows)
     first, _ = _step(method, trainer, prompt_rows, tokenizer, n=2)
     trainer.step.step_in_epoch = 1  # the planner repeats the same prompts
     second, metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
@@ -258,7 +246,7 @@ def test_lora_reference_is_the_base_model(tiny_model, tokenizer, prompt_rows):
     torch.manual_seed(5)
     policy = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     method = GRPOMethod([length_reward], num_generations=2, max_new_tokens=4, beta=0.1)
-    trainer = _setup(method, policy, tokenizer, prompt_rows)
+    trainer = method_context(method, policy, tokenizer, prompt_rows)
     assert method.reference.source == "adapters"
     batch, _rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
     with torch.no_grad():  # make the adapter non-trivial
@@ -387,7 +375,7 @@ def test_bias_corrected_kl_multiplies_k3_by_the_ratio(
         [length_reward], num_generations=2, max_new_tokens=4, beta=0.3, num_iterations=2,
         ref_model="copy", use_bias_correction_kl=corrected,
     )  # fmt: skip
-    ctx = _setup(method, tiny_model, tokenizer, prompt_rows)
+    ctx = method_context(method, tiny_model, tokenizer, prompt_rows)
     batch, _ = _step(method, ctx, prompt_rows, tokenizer, n=2)
     _perturb(tiny_model)
     tiny_model.eval()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -39,6 +39,8 @@ from grimoire.forward.logprobs import TokenLogps
 
 #: ``compute(input_ids, labels, attention_mask, position_ids, layout) -> TokenLogps``.
 TokenLogpsFn = Callable[[Tensor, Tensor, "Tensor | None", "Tensor | None", BatchLayout], TokenLogps]
+#: What a layout-dispatched model call returns: token log-probs, or a caller's own (e.g. logits).
+R = TypeVar("R")
 
 
 def unpack_rows(out: TokenLogps, layout: Packed) -> TokenLogps:
@@ -66,13 +68,13 @@ def unpack_rows(out: TokenLogps, layout: Packed) -> TokenLogps:
 
 
 def layout_token_logps(
-    compute: TokenLogpsFn,
+    compute: Callable[[Tensor, Tensor, Tensor | None, Tensor | None, BatchLayout], R],
     input_ids: Tensor,
     labels: Tensor,
     layout: BatchLayout,
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
-) -> TokenLogps:
+) -> R:
     """THE dispatch on a batch's layout: ``compute`` called with the inputs the layout takes,
     and its result as it comes, ``[B, T]`` for padded rows, ``[1, L]`` for a packed row.
 

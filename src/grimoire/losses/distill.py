@@ -38,13 +38,13 @@ import torch
 from torch import Tensor
 
 from grimoire.config.context import TrainingContext
-from grimoire.contract.layout import Packed, layout_of
 from grimoire.errors import ConfigError
+from grimoire.forward.batch import layout_token_logps
 from grimoire.forward.logprobs import logps_from_logits
 from grimoire.forward.reference import Reference, unwrap
 from grimoire.losses.distill_functional import chunked_generalized_jsd, sampled_reverse_kl_loss
 from grimoire.losses.online import OnlineMethod
-from grimoire.rollout.engine import position_ids_from_mask
+from grimoire.rollout.batches import completion_rows
 from grimoire.rollout.rewards import RewardFn
 from grimoire.rollout.stage import ScoredGroup
 from grimoire.rows.sources import resolve_path
@@ -85,33 +85,43 @@ def _head_rows(model: torch.nn.Module) -> int | None:
 def completion_logits(model: torch.nn.Module, batch: dict[str, Any], temperature: float) -> Tensor:
     """``[M, V]`` logits (divided by ``temperature``) that predicted the batch's ``M`` real
     completion tokens, in the row-major order of ``completion_mask``; padded or packed batches.
-    The head runs on the completion span only (padded) or the packed row (packed)."""
-    mask = batch["completion_mask"].bool()
-    if isinstance(layout_of(batch), Packed):
-        index = batch["completion_index"]
-        src = (index - 1).clamp(min=0)[mask & (index >= 0)]
-        ids, pos = batch["input_ids"], batch["position_ids"]
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits[0][src]
-    else:
-        c = mask.shape[1]
-        ids, attn = batch["input_ids"], batch["attention_mask"]
-        logits = model(
+
+    One forward through :func:`grimoire.forward.batch.layout_token_logps` (the one dispatch on
+    the layout) on :func:`grimoire.rollout.batches.completion_rows`; the head runs on the last
+    ``C + 1`` positions of padded rows (completions are right-aligned after the left-padded
+    prompts) and on all of a packed row. Completion token ``t`` of row ``i`` is predicted from
+    the position before it, ``completion_index[i, t] - 1`` of the forward's flattened output."""
+    c = batch["completion_mask"].shape[1]
+
+    def compute(ids, labels, attention_mask, position_ids, layout) -> Tensor:
+        # Padded rows come with their mask (a packed row without: its samples lie along it).
+        window = c + 1 if attention_mask is not None else 0
+        return model(
             input_ids=ids,
-            attention_mask=attn,
-            position_ids=position_ids_from_mask(attn),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             use_cache=False,
-            logits_to_keep=c + 1,
-        ).logits[:, -(c + 1) : -1][mask]
-    return logits / temperature
+            logits_to_keep=window,
+        ).logits  # [R, K, V]: each row's last K positions
+
+    rows, index = completion_rows(batch)
+    inputs = (rows.input_ids, rows.labels, rows.layout, rows.attention_mask, rows.position_ids)
+    logits = layout_token_logps(compute, *inputs)
+    width, kept = rows.input_ids.shape[1], logits.shape[1]
+    src = _completion_positions(batch, index) - 1
+    src = (src // width) * kept + src % width - (width - kept)  # into the kept window
+    return logits.reshape(-1, logits.shape[-1])[src] / temperature
+
+
+def _completion_positions(batch: dict[str, Any], index: Tensor) -> Tensor:
+    """``[M]`` the real completion tokens' flattened positions in the forward's input."""
+    return index[batch["completion_mask"].bool() & (index >= 0)]
 
 
 def completion_targets(batch: dict[str, Any]) -> Tensor:
     """``[M]`` the real completion tokens, in :func:`completion_logits`' order."""
-    mask = batch["completion_mask"].bool()
-    if isinstance(layout_of(batch), Packed):
-        index = batch["completion_index"]
-        return batch["input_ids"][0][index.clamp(min=0)[mask & (index >= 0)]]
-    return batch["input_ids"][:, -mask.shape[1] :][mask]
+    rows, index = completion_rows(batch)
+    return rows.input_ids.reshape(-1)[_completion_positions(batch, index)]
 
 
 class DistillMethod(OnlineMethod):
