@@ -31,8 +31,9 @@ from grimoire.rollout.tool_calls import parse_tiny
 from grimoire.rows.sft import tokenize_sft
 
 
-def warm_start(steps: int, tok, output_dir: str):
-    rows = [tokenize_sft(r, tok, 128) for r in lookup_chat_rows(steps * 16, seed=0)]
+def warm_start(steps: int, tok, output_dir: str, direct_share: float = 0.0):
+    rows = lookup_chat_rows(steps * 16, seed=0, direct_share=direct_share)
+    rows = [tokenize_sft(r, tok, 128) for r in rows]
     model = build_model(vocab_size=64, seed=0)
     config = TrainingConfig(
         output_dir=output_dir,

@@ -46,6 +46,13 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         ["--set", "training.max_steps=4", "--set", "eval_dataset.max_samples=8"],
         "output/grpo_toy/final/model.safetensors",
     ),
+    "agentic_lookup.yaml": (
+        # Runs on its own: GRPO with the lookup tool from the bundled lookup_warm.
+        [GRIMOIRE, "train", "--config", "examples/agentic_lookup.yaml"],
+        ["--set", "training.max_steps=2", "--set", "training.eval_steps=2"]
+        + ["--set", "eval_dataset.max_samples=4"],
+        "output/agentic_lookup/final/model.safetensors",
+    ),
     "distill_toy.yaml": (
         # Runs on its own: a tiny:llama student, the bundled reverse_warm teacher.
         [GRIMOIRE, "train", "--config", "examples/distill_toy.yaml"],
@@ -136,6 +143,10 @@ def test_example_runs_as_written(example, tmp_path):
         assert records[-1]["step"] == 2 and records[-1]["epoch"] == 0.5
     if example == "grpo_toy.yaml":
         assert "rewards/char_match_reward/mean" in done.stdout
+    if example == "agentic_lookup.yaml":  # episodes played with the tool, also for evaluation
+        records = [json.loads(x) for x in (root / "output/agentic_lookup/metrics.jsonl").open()]
+        assert any(r.get("tools/calls", 0) > 0 for r in records), records
+        assert any("eval/rewards/exact_match_reward/mean" in r for r in records), records
     if example == "distill_toy.yaml":
         records = [json.loads(x) for x in (root / "output/distill_toy/metrics.jsonl").open()]
         assert any("distill/reverse_kl" in r for r in records)

@@ -246,20 +246,30 @@ LOOKUP_SCHEMA: dict[str, Any] = {
 }
 
 
-def lookup_chat_rows(n: int, seed: int) -> list[dict[str, Any]]:
+def lookup_chat_rows(
+    n: int, seed: int, direct_share: float = 0.0, **words: Any
+) -> list[dict[str, Any]]:
     """The reverse task answered with the :func:`lookup` tool, as SFT chat rows: the user asks
     ``reverse abc=``, the assistant calls ``lookup(word=abc)``, the tool answers ``cba``, the
-    assistant answers ``cba`` (``{"messages", "tools"}`` rows; a warm start for tool-using RL)."""
+    assistant answers ``cba`` (``{"messages", "tools"}`` rows; a warm start for tool-using RL).
+
+    ``direct_share`` of the rows (drawn per row from ``seed``) answer at once, without the tool,
+    under the same prompt and tool list: a model trained on the mix calls the tool on about
+    ``1 - direct_share`` of its episodes, and since the tiny model reverses poorly on its own,
+    calling pays, which gives RL a dense signal to learn from (``lookup_warm``). ``words``
+    (``min_len``, ``max_len``, ``letters``) go to :func:`letter_rows`."""
+    pick = random.Random(seed + 50_000)
     rows = []
-    for r in reverse_rows(n, seed):
+    for r in reverse_rows(n, seed, **words):
         word = r["prompt"][len("reverse ") : -1]
         call = {"type": "function", "function": {"name": "lookup", "arguments": {"word": word}}}
-        messages = [
-            {"role": "user", "content": r["prompt"]},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "lookup", "content": lookup(word)},
-            {"role": "assistant", "content": r["answer"]},
-        ]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": r["prompt"]}]
+        if pick.random() >= direct_share:
+            messages += [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "lookup", "content": lookup(word)},
+            ]
+        messages.append({"role": "assistant", "content": r["answer"]})
         rows.append({"messages": messages, "tools": [LOOKUP_SCHEMA]})
     return rows
 
@@ -278,6 +288,14 @@ def write_assets(folder: Path = ASSETS) -> None:
     write_jsonl(reverse_rows(2000, seed=0), folder / "reverse_train.jsonl")
     write_jsonl(reverse_rows(200, seed=1), folder / "reverse_eval.jsonl")
     write_jsonl(reverse_chat_rows(500, seed=2), folder / "reverse_chat.jsonl")
+    # The tool task's words are longer than the reverse task's: the tiny model copies a tool's
+    # answer of 6-10 letters far more reliably than it reverses one, so calling the tool pays.
+    write_jsonl(
+        lookup_chat_rows(2000, seed=3, direct_share=0.5, min_len=6, max_len=10),
+        folder / "lookup_train.jsonl",
+    )
+    write_jsonl(reverse_rows(2000, seed=4, min_len=6, max_len=10), folder / "lookup_prompts.jsonl")
+    write_jsonl(reverse_rows(200, seed=5, min_len=6, max_len=10), folder / "lookup_eval.jsonl")
 
 
 if __name__ == "__main__":
