@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from grimoire.rollout.environment import Step
 
 
@@ -42,3 +44,29 @@ class Narrator:
 def answer_length(prompts, completions, **kwargs):
     """A reward that varies across a group (each answer's length), so advantages are non-zero."""
     return [float(len(c)) for c in completions]
+
+
+def assert_only_model_tokens_get_gradient(trainer, policy, batch) -> None:
+    """One loss and backward on ``batch``, the gradient observed at the logits that predict
+    each completion position (a forward hook on the output layer): exactly zero at every
+    context token (tool results, environment and template tokens: attended, not in the loss
+    mask), non-zero at some of the model's own tokens. The policy's gradients are cleared."""
+    mask = batch["completion_mask"]
+    c = mask.shape[1]
+    context = (batch["attention_mask"][:, -c:] == 1) & (mask == 0)
+    seen = {}
+
+    def keep(module, inputs, out):
+        out.retain_grad()
+        seen["logits"] = out
+
+    hook = policy.get_output_embeddings().register_forward_hook(keep)
+    try:
+        loss, _ = trainer.loss_fn(policy, batch)
+        loss.backward()
+    finally:
+        hook.remove()
+    policy.zero_grad()
+    per_token = seen["logits"].grad[:, -(c + 1) : -1].abs().sum(-1)
+    assert torch.all(per_token[context] == 0), "tool/template tokens got a gradient"
+    assert (per_token[mask.bool()] > 0).any()

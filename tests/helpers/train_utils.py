@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -84,3 +85,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gloo_launch(processes: int = 2) -> list[str]:
+    """``accelerate launch`` of ``processes`` CPU processes, each call on its own rendezvous
+    port: ``--multi_gpu`` picks accelerate's torchrun launcher, and without GPUs the trainer forms
+    a gloo group (``--cpu`` would run ONE process). Append the script and its arguments."""
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+        str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+        "no", "--main_process_port", str(free_port()),
+    ]  # fmt: skip

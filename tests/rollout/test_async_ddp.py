@@ -11,20 +11,15 @@ import json
 import sys
 from pathlib import Path
 
-from tests.helpers.train_utils import free_port
+from tests.helpers.train_utils import gloo_launch
 from tests.rollout.test_online_ddp import _env
 
 
 def _launch(tiny_dir, out: Path, staleness: int) -> None:
     import subprocess
 
-    launch = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()),
-    ]  # fmt: skip
     subprocess.run(
-        [*launch, __file__, str(tiny_dir), str(out), str(staleness)],
+        [*gloo_launch(2), __file__, str(tiny_dir), str(out), str(staleness)],
         check=True, env=_env(), timeout=400,
     )  # fmt: skip
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers.train_utils import free_port
+from tests.helpers.train_utils import gloo_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "scripts" / "episodes_online.py"
@@ -32,11 +32,7 @@ def _env() -> dict[str, str]:
 def _launch(*args: str, processes: int, distributed: str = "ddp") -> None:
     cmd = [sys.executable, str(WORKER), *args]
     if processes > 1:
-        cmd = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-            str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-            "no", "--main_process_port", str(free_port()), str(WORKER), *args,
-        ]  # fmt: skip
+        cmd = [*gloo_launch(processes), str(WORKER), *args]
     env = {**_env(), "EPISODES_DISTRIBUTED": distributed}
     subprocess.run(cmd, check=True, env=env, timeout=300)
 

@@ -13,7 +13,7 @@ from http.server import HTTPServer
 
 import pytest
 import torch
-from tests.helpers.episodes import Narrator, answer_length
+from tests.helpers.episodes import Narrator, answer_length, assert_only_model_tokens_get_gradient
 from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -116,20 +116,7 @@ def test_environment_grpo_step_with_the_vllm_server_engine(served, tiny_dir, tmp
         assert int(mask.sum()) == sampler.sent  # every token the server sent, trained once
         assert batch["advantages"].abs().sum() > 0
 
-        seen = {}
-
-        def keep(module, inputs, out):
-            out.retain_grad()
-            seen["logits"] = out
-
-        hook = policy.get_output_embeddings().register_forward_hook(keep)
-        loss, _ = trainer.loss_fn(policy, batch)
-        loss.backward()
-        hook.remove()
-        policy.zero_grad()
-        per_token = seen["logits"].grad[:, -(c + 1) : -1].abs().sum(-1)
-        assert torch.all(per_token[context] == 0), "tool/template tokens got a gradient"
-        assert (per_token[mask.bool()] > 0).any()
+        assert_only_model_tokens_get_gradient(trainer, policy, batch)
 
         assert len(sampler.pushed) == 1  # the policy, before the first turn
         trainer.train()  # one step through the stage: episodes, loss, update

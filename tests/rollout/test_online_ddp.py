@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.train_utils import free_port
+from tests.helpers.train_utils import gloo_launch
 
 ROOT = Path(__file__).resolve().parents[2]
 G = 4
@@ -32,15 +32,11 @@ def test_two_processes_own_whole_groups_and_log_the_same_keys(tiny_dir, tmp_path
         [sys.executable, __file__, str(tiny_dir), str(one), "4"],
         check=True, env=_env(), timeout=300,
     )  # fmt: skip
-    # `--multi_gpu` picks accelerate's torchrun launcher; without GPUs the trainer forms a gloo
-    # group (`--cpu` would run ONE process).
-    launch = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()),
-    ]  # fmt: skip
     subprocess.run(
-        [*launch, __file__, str(tiny_dir), str(two), "2"], check=True, env=_env(), timeout=300
+        [*gloo_launch(2), __file__, str(tiny_dir), str(two), "2"],
+        check=True,
+        env=_env(),
+        timeout=300,
     )
 
     def train_keys(folder: Path) -> list[set[str]]:

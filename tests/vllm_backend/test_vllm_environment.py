@@ -9,7 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from tests.helpers.episodes import Chatty, Narrator, answer_length
+from tests.helpers.episodes import (
+    Chatty,
+    Narrator,
+    answer_length,
+    assert_only_model_tokens_get_gradient,
+)
 from tests.helpers.train_utils import quiet_config
 from tests.vllm_backend.common import TINY, start_server
 from tests.vllm_backend.test_vllm_ddp import _env
@@ -108,20 +113,7 @@ def test_environment_grpo_step_with_vllm_through_the_stage(vllm_tiny, tmp_path, 
         assert (batch["sampler_logps"] - logps)[mask.bool()].abs().max() < 1e-4
         assert (batch["sampler_logps"][~mask.bool()] == 0).all()
 
-        seen = {}
-
-        def keep(module, inputs, out):
-            out.retain_grad()
-            seen["logits"] = out
-
-        hook = policy.get_output_embeddings().register_forward_hook(keep)
-        loss, _ = trainer.loss_fn(policy, batch)
-        loss.backward()
-        hook.remove()
-        policy.zero_grad()
-        per_token = seen["logits"].grad[:, -(c + 1) : -1].abs().sum(-1)
-        assert torch.all(per_token[context] == 0), "tool/template tokens got a gradient"
-        assert (per_token[mask.bool()] > 0).any()
+        assert_only_model_tokens_get_gradient(trainer, policy, batch)
 
         trainer.train()  # one step through the stage: episodes, loss, update
         engine = method.engine
