@@ -5,10 +5,12 @@ as examples/grpo_toy.yaml). Threads are pinned per role: the main thread (the le
 the sync rows also the sampler) runs ``torch.set_num_threads(T)``; the async sampler runs
 ``torch.set_num_threads(1)`` itself (``AsyncRolloutStage.sampler_threads``): ``(thread)`` in a
 producer thread of the learner's process (sharing its GIL), ``(process)`` in a child process
-pinned to the last allowed core (``AsyncRolloutStage.sampler_cpu``, ``os.sched_setaffinity``).
-So async gets one core for sampling and one for learning, and ``sync x1`` one core for both; ``--sync2`` adds ``sync x2`` (two threads
-for the one loop), the two-core baseline (on a shared, loaded machine two threads per process
-oversubscribe the cores and that row is much slower, so it is not run by default).
+pinned to the last allowed core (``AsyncRolloutStage.sampler_cpu``, ``os.sched_setaffinity``),
+the learner's process (its main and producer threads) to the other cores. So async gets one
+core for sampling and one for learning, and ``sync x1`` one core for both; ``--sync2`` adds
+``sync x2`` (two threads for the one loop), the two-core baseline (on a shared, loaded machine
+two threads per process oversubscribe the cores and that row is much slower, so it is not run
+by default).
 
 Per row: steps/s over steps 2..N (from the end of the first step, which cannot overlap and for
 the process sampler includes starting the child, to the end of the last), sampler idle % (time
@@ -86,12 +88,20 @@ def run(
             config=config, loss_fn=method, train_dataset=rows, callbacks=[rewards],
         )  # fmt: skip
         stage = trainer.rollouts
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if isinstance(stage, AsyncRolloutStage):
             stage.sampler_threads = 1
-            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
             stage.sampler_cpu = cores[-1] if len(cores) > 1 else None  # the child's own core
+        pinned = isinstance(stage, AsyncRolloutStage) and sampler == "process"
+        pinned = pinned and stage.sampler_cpu is not None
+        if pinned:  # the learner (and its producer thread) on the other cores
+            os.sched_setaffinity(0, cores[:-1])
         start = time.perf_counter()
-        trainer.train()
+        try:
+            trainer.train()
+        finally:
+            if pinned:
+                os.sched_setaffinity(0, cores)
         wall = time.perf_counter() - start
         trainer.close()
     # Steady state: from the end of step 1 to the end of the last (the first step cannot

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from grimoire.rollout.environment import Step
+from grimoire.rollout.vllm_server import read_frames
 
 
 class Chatty:
@@ -70,3 +73,38 @@ def assert_only_model_tokens_get_gradient(trainer, policy, batch) -> None:
     per_token = seen["logits"].grad[:, -(c + 1) : -1].abs().sum(-1)
     assert torch.all(per_token[context] == 0), "tool/template tokens got a gradient"
     assert (per_token[mask.bool()] > 0).any()
+
+
+LOGP = -0.5
+
+
+class TurnSampler:
+    """vLLM's side of the server: a turn is ``1 + (len(prompt) + k) % 3`` letters then the
+    first stop token, ``k`` counting the copies of the same prompt in the request (the copies
+    of a prompt in its group differ), each token reported at log-prob ``LOGP``; records the
+    requests, the tokens it sent and the pushed weights."""
+
+    def __init__(self, config, letters):
+        self.config, self.letters, self.pushed, self.requests = config, letters, [], []
+        self.sent = 0
+
+    def info(self):
+        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+        return {"ok": True, "config": {k: getattr(self.config, k) for k in keys}}
+
+    def generate(self, request):
+        self.requests.append(request)
+        ids, logps, seen = [], [], Counter()
+        for prompt, p in zip(request["prompts"], request["params"], strict=True):
+            for _ in range(p["n"]):
+                k = seen[tuple(prompt)]
+                seen[tuple(prompt)] += 1
+                turn = self.letters[: 1 + (len(prompt) + k) % 3] + [p["stop_token_ids"][0]]
+                ids.append(turn)
+                logps.append([LOGP] * len(turn))
+                self.sent += len(turn)
+        return {"ids": ids, "logps": logps}
+
+    def load_weights(self, stream):
+        self.pushed.append(dict(read_frames(stream)))
+        return {"ok": True}

@@ -8,12 +8,17 @@ The same with a real vLLM server is in tests/vllm_backend."""
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from http.server import HTTPServer
 
 import pytest
 import torch
-from tests.helpers.episodes import Narrator, answer_length, assert_only_model_tokens_get_gradient
+from tests.helpers.episodes import (
+    LOGP,
+    Narrator,
+    TurnSampler,
+    answer_length,
+    assert_only_model_tokens_get_gradient,
+)
 from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -21,43 +26,8 @@ from grimoire import GrimoireTrainer
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
-from grimoire.rollout.vllm_server import read_frames
 from grimoire.rows.prompts import tokenize_grpo
 from grimoire.tools.vllm_serve import handler
-
-LOGP = -0.5
-
-
-class TurnSampler:
-    """vLLM's side of the server: a turn is ``1 + (len(prompt) + k) % 3`` letters then the
-    first stop token, ``k`` counting the copies of the same prompt in the request (the copies
-    of a prompt in its group differ), each token reported at log-prob ``LOGP``; records the
-    requests, the tokens it sent and the pushed weights."""
-
-    def __init__(self, config, letters):
-        self.config, self.letters, self.pushed, self.requests = config, letters, [], []
-        self.sent = 0
-
-    def info(self):
-        keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-        return {"ok": True, "config": {k: getattr(self.config, k) for k in keys}}
-
-    def generate(self, request):
-        self.requests.append(request)
-        ids, logps, seen = [], [], Counter()
-        for prompt, p in zip(request["prompts"], request["params"], strict=True):
-            for _ in range(p["n"]):
-                k = seen[tuple(prompt)]
-                seen[tuple(prompt)] += 1
-                turn = self.letters[: 1 + (len(prompt) + k) % 3] + [p["stop_token_ids"][0]]
-                ids.append(turn)
-                logps.append([LOGP] * len(turn))
-                self.sent += len(turn)
-        return {"ids": ids, "logps": logps}
-
-    def load_weights(self, stream):
-        self.pushed.append(dict(read_frames(stream)))
-        return {"ok": True}
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ from grimoire.contract.layout import to_device
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.sampler_process import SamplerProcess, autocast_factory
 from grimoire.rollout.stage import RolloutStage, ScoredGroup
+from grimoire.rollout.vllm_server import VLLMServerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -71,16 +72,38 @@ def checked_staleness(owner: str, max_staleness: Any) -> int:
 
 
 def async_problems(
-    key: str, max_staleness: int, engine: Any, steps_per_batch: int, sharded: bool = False
+    key: str,
+    max_staleness: int,
+    engine: Any,
+    steps_per_batch: int,
+    sharded: bool = False,
+    processes: int = 1,
+    episodes: bool = False,
 ) -> list[str]:
     """What this run's settings lack for asynchronous rollouts (``key``: the setting's name)."""
     if max_staleness < 1:
         return []
     problems = []
-    if not isinstance(engine, HFGenerateEngine):
+    if not isinstance(engine, (HFGenerateEngine, VLLMServerEngine)):
+        # The colocated engine shares the learner's process and devices (and sleeps while it
+        # trains): its overlap is not built.
         problems.append(
-            f"{key}={max_staleness} needs the HF engine (got {type(engine).__name__}); "
-            "set it to 0 for other engines"
+            f"{key}={max_staleness} needs the hf or vllm-server engine (got "
+            f"{type(engine).__name__}); set it to 0 for other engines"
+        )
+    if isinstance(engine, VLLMServerEngine) and processes > 1:
+        # Its weight push ends in a barrier of all ranks: a collective the producer thread
+        # would make beside the learner's own.
+        problems.append(
+            f"{key}={max_staleness} with engine vllm-server runs in one training process, got "
+            f"{processes}; use the hf engine (one sampler per rank) or set it to 0"
+        )
+    if episodes and getattr(engine, "async_sampler", "thread") == "process":
+        # An episode is many sampling calls and a scoring forward over the whole episode; the
+        # sampler process serves single-turn requests only.
+        problems.append(
+            f"{key}={max_staleness} with episodes (tools/environment) needs "
+            "engine.args.async_sampler: thread (the sampler process plays no episodes)"
         )
     if steps_per_batch > 1:
         problems.append(
@@ -110,6 +133,9 @@ class AsyncRolloutStage(RolloutStage):
     def __init__(self, *args: Any, max_staleness: int, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.max_staleness = int(max_staleness)
+        # Every async rollout carries the sampling weights' log-probs: the ratio's pi_old is
+        # no longer the learner's own (which the sync stage may skip at one step per rollout).
+        self.needs_old_logps = True
         self.sampler_threads: int | None = None
         self.sampler_model: torch.nn.Module | None = None
         self.sampler_engine: Any = None
@@ -136,6 +162,8 @@ class AsyncRolloutStage(RolloutStage):
         self.sampler_model = copy.deepcopy(self._policy)
         self.sampler_model.requires_grad_(False)
         self.sampler_engine = copy.copy(self.engine)
+        if isinstance(self.sampler_engine, HFGenerateEngine):
+            self.sampler_engine.decode_logps = True  # old log-probs: the sampler's own
         engine = self.engine
         self._autocast = autocast_factory(ctx.config.mixed_precision, engine.device)
         self.sampler_engine.bind(
@@ -204,6 +232,8 @@ class AsyncRolloutStage(RolloutStage):
                 "staleness/max": float(max(staleness, default=0)),
                 "time/sampler_generation": seconds,
                 "time/learner_wait": waits[-1] if waits else 0.0,
+                # The sampler's copy of the engine pushes the weights (vllm-server), not ours.
+                **self.sampler_engine.sync_metrics(),
             }
         )
         return batches, metrics, weight
@@ -274,6 +304,9 @@ class AsyncRolloutStage(RolloutStage):
             if keep:
                 prompts = to_device(host, engine.device)
                 tokens = prompt_token_lists(prompts)
+                if self.agent is not None:  # episodes: the thread sampler (checked at set-up)
+                    groups.append(self.play(prompts, engine=engine))
+                    continue
                 if child is None:
                     rollout = engine.generate(tokens, g, with_old_logps=True)
                 else:

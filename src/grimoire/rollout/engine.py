@@ -104,10 +104,14 @@ class Rollout:
 @dataclass
 class Samples:
     """What ``_sample`` may return instead of bare ids: the completions and, per token, the
-    log-prob the sampler gave the token it drew (same lengths as ``ids``)."""
+    log-prob the sampler gave the token it drew (same lengths as ``ids``). ``policy``: True when
+    those are the bound policy's own temperature-scaled log-probs (the HF engine recording them
+    while decoding): they are then the old log-probs, with no scoring forward and no mismatch
+    to correct (no ``sampler_logps``)."""
 
     ids: list[list[int]]
     logps: list[list[float]] | None = None
+    policy: bool = False
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -358,6 +362,9 @@ class RolloutEngine(ABC):
             logps = torch.zeros((len(rows), width), dtype=torch.float32)
             for i, (row, lp) in enumerate(zip(rows, samples.logps)):
                 logps[i, : len(row)] = torch.tensor(lp[: len(row)], dtype=torch.float32)
+            if samples.policy:
+                rollout.old_logps = logps.to(device) if with_old_logps else None
+                return rollout
             rollout.sampler_logps = logps.to(device)
         if with_old_logps:
             rollout.old_logps = self.score(rollout.input_ids, rollout.attention_mask, rollout)

@@ -73,3 +73,42 @@ def greedy_generate_texts(
             )
             out.extend(tokenizer.batch_decode(gen[:, width:], skip_special_tokens=True))
     return out
+
+
+class DrawnTokenLogps:
+    """A ``generate`` logits processor that records, per decoding step, the log-prob of the
+    token drawn at that step: ``log softmax(logits / T)[token]`` over the RAW logits (it runs
+    before the temperature/top-k/top-p warpers, which transformers appends after custom
+    processors), i.e. what :func:`~grimoire.rollout.engine.completion_logps` computes with a
+    full forward, without that forward.
+
+    Why it keeps one step's ``[N, V]`` log-probs: the token of step ``t`` is only known at the
+    next call (``input_ids[:, -1]``), or after ``generate`` returns (:meth:`finish`). So memory
+    stays at one step's logits, never ``[N, C, V]``. Returns the scores unchanged.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self._pending: torch.Tensor | None = None
+        self._drawn: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self._pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self._pending is not None:
+            self._drawn.append(self._pending.gather(1, tokens[:, None]).squeeze(1))
+            self._pending = None
+
+    def finish(self, generated: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """``[N, new_tokens]`` float32: the drawn tokens' log-probs (``generated``: what
+        ``generate`` returned, its last ``new_tokens`` columns the samples)."""
+        self._take(generated[:, -1])
+        drawn, self._drawn = self._drawn, []
+        if not drawn:
+            return generated.new_zeros((generated.shape[0], 0), dtype=torch.float32)
+        out = torch.stack(drawn, dim=1)
+        assert out.shape[1] == new_tokens, (out.shape, new_tokens)
+        return out

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.common import pad_sequences
-from grimoire.rollout.engine import RolloutEngine, position_ids_from_mask
-from grimoire.rollout.generation import generation_mode
+from grimoire.rollout.engine import RolloutEngine, Samples, position_ids_from_mask
+from grimoire.rollout.generation import DrawnTokenLogps, generation_mode
 from grimoire.rollout.sampler_process import ASYNC_SAMPLERS
 
 
@@ -74,6 +74,10 @@ class HFGenerateEngine(RolloutEngine):
         self.async_sampler = async_sampler
         self.prefill_once = prefill_once
         self.static_cache = static_cache
+        #: Old log-probs recorded while decoding (:class:`DrawnTokenLogps`) instead of a
+        #: scoring forward: set on the asynchronous sampler's engine, whose model IS the
+        #: sampling policy (the sync stage scores with the training forward, as before).
+        self.decode_logps = False
 
     def _generation_config(self, greedy: bool) -> Any:
         from transformers import GenerationConfig
@@ -99,10 +103,11 @@ class HFGenerateEngine(RolloutEngine):
         )
 
     @torch.no_grad()
-    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]] | Samples:
         model = self.policy
         config = self._generation_config(greedy)
         out: list[list[int]] = []
+        logps: list[list[float]] | None = [] if self.decode_logps else None
         chunks = self.prompt_chunks(prompts, n)
         # Sharded: every rank makes as many generate calls (fillers: a pad-token prompt, output
         # dropped), and synced_gpus keeps each call stepping until every rank's is done.
@@ -110,13 +115,22 @@ class HFGenerateEngine(RolloutEngine):
         synced = {"synced_gpus": True} if self.agree is not None else {}
         with generation_mode(model):
             for group in chunks + [[[self.pad_token_id]]] * fillers:
+                recorder = DrawnTokenLogps(self.sampler.temperature) if logps is not None else None
                 with self.autocast():
-                    gen, width = self._generate(group, n, config, synced)
+                    gen, width = self._generate(group, n, config, synced, recorder)
                 out.extend(gen[:, width:].tolist())
-        return out[: len(prompts) * n]
+                if recorder is not None and logps is not None:
+                    logps.extend(recorder.finish(gen, gen.shape[1] - width).tolist())
+        rows = len(prompts) * n
+        return out[:rows] if logps is None else Samples(out[:rows], logps[:rows], policy=True)
 
     def _generate(
-        self, group: list[list[int]], n: int, config: Any, synced: dict[str, bool]
+        self,
+        group: list[list[int]],
+        n: int,
+        config: Any,
+        synced: dict[str, bool],
+        recorder: DrawnTokenLogps | None = None,
     ) -> tuple[Tensor, int]:
         """``(generate's output [P * n, width + new], width)`` for the prompts of ``group``."""
         # A transformers (or peft) model: ``generate`` is not an nn.Module member.
@@ -136,6 +150,10 @@ class HFGenerateEngine(RolloutEngine):
                 if self.static_cache:
                     cache = _static_cache(model.config, ids.shape[1] + self.sampler.max_new_tokens)
                 kwargs["past_key_values"] = _shared_prefill(model, ids, mask, n, cache)
+            if recorder is not None:
+                from transformers import LogitsProcessorList
+
+                kwargs["logits_processor"] = LogitsProcessorList([recorder])
             gen = model.generate(
                 input_ids=ids.repeat_interleave(n, dim=0),
                 attention_mask=mask.repeat_interleave(n, dim=0),

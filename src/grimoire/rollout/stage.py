@@ -239,11 +239,15 @@ class RolloutStage:
             self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
         return groups, fillers
 
-    def play(self, prompts: dict[str, Any], greedy: bool = False) -> ScoredGroup:
+    def play(
+        self, prompts: dict[str, Any], greedy: bool = False, engine: RolloutEngine | None = None
+    ) -> ScoredGroup:
         """``G`` episodes per prompt (prompt-major; one, greedy, for evaluation), scored as whole
         episodes; old log-probs scored by the policy over each whole episode (the sampler's
-        stay ``sampler_logps``)."""
+        stay ``sampler_logps``). ``engine``: the one that plays and scores them (default: the
+        stage's; the asynchronous stage passes its sampler's copy)."""
         agent, g = self.agent, 1 if greedy else self.sampling.num_generations
+        engine = self.engine if engine is None else engine
         assert agent is not None
         n = len(prompts["prompt"])
         rows = [
@@ -255,13 +259,13 @@ class RolloutStage:
             for i in range(n)
         ]
         episodes = play_groups(
-            rows, agent.env_factory, engine_generate_batch(self.engine, greedy), self.tokenizer,
-            agent.parser, g, agent.limits, self.engine.eos_token_ids,
+            rows, agent.env_factory, engine_generate_batch(engine, greedy), self.tokenizer,
+            agent.parser, g, agent.limits, engine.eos_token_ids,
         )  # fmt: skip
         device = prompts["prompt_input_ids"].device
         rollout = episode_rollout(episodes, self.pad_token_id, g, device)
         if self.needs_old_logps and not greedy:
-            rollout.old_logps = self.engine.score(
+            rollout.old_logps = engine.score(
                 rollout.input_ids, rollout.attention_mask, rollout
             )
         repeated = [row for row in rows for _ in range(g)]

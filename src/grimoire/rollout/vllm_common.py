@@ -25,6 +25,7 @@ import hashlib
 import importlib.util
 import itertools
 import tempfile
+import threading
 from abc import abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -260,11 +261,15 @@ class VLLMSamplerEngine(RolloutEngine):
         self.sampler = replace(self.sampler, seed=seed, importance_sampling_cap=cap)
         #: Weight syncs done (the weight version vLLM holds is the policy's after the last).
         self.syncs = 0
-        self._synced_version: tuple[int, int] | None = None
+        #: Which model's weights (and of which version) vLLM holds, and a lock around a sync
+        #: and the sampling it serves. One object for this engine and its copies: the
+        #: asynchronous sampler's copy (bound to the sampler's own model) and the learner's
+        #: engine (evaluation) share one vLLM, so each re-pushes when the other pushed last.
+        self._vllm = _Held()
         self._seeds = RequestSeeds()
 
     def _attach(self) -> None:
-        self._synced_version = None  # whatever vLLM holds, the next rollout loads this model's
+        self._vllm.holds = None  # whatever vLLM holds, the next rollout loads this model's
         self._base_loaded = False
         self._adapter_sync = self.lora_sync == "adapter" and is_lora_policy(self.policy)
         problems = adapter_problems(self.policy) if self._adapter_sync else []
@@ -308,8 +313,8 @@ class VLLMSamplerEngine(RolloutEngine):
 
     def sync_weights(self) -> None:
         """Push the policy's weights to vLLM if they changed since the last push."""
-        version = weights_version(self.policy)
-        if version == self._synced_version:
+        version = (id(self.policy), weights_version(self.policy))
+        if version == self._vllm.holds:
             return
         sent = 0
         if not self._adapter_sync or not self._base_loaded:
@@ -328,7 +333,7 @@ class VLLMSamplerEngine(RolloutEngine):
             self._push_adapter(self.adapter_id, folder)
         self.last_sync_bytes = sent
         self.last_merged_bytes = merged_bytes(self.policy)
-        self._synced_version = version
+        self._vllm.holds = version
         self._seeds.new_version()  # a prompt sampled again after a step gets a fresh seed
         self.syncs += 1
 
@@ -348,10 +353,19 @@ class VLLMSamplerEngine(RolloutEngine):
         return sampling_args(self.sampler, self.eos_token_ids, n, greedy, seed)
 
     def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> Samples:
-        self.sync_weights()  # also before evaluation, which calls generate() directly
         want = not greedy and self.sampler.importance_sampling_cap is not None
-        ids, logps = self._draw(prompts, n, greedy, want)
+        with self._vllm.lock:  # no other engine's push between this sync and this draw
+            self.sync_weights()  # also before evaluation, which calls generate() directly
+            ids, logps = self._draw(prompts, n, greedy, want)
         return Samples(ids, logps if want else None)
+
+
+class _Held:
+    """What one vLLM holds: ``(id of the model, its weights_version)`` last pushed, or None."""
+
+    def __init__(self) -> None:
+        self.holds: tuple[int, tuple[int, int]] | None = None
+        self.lock = threading.RLock()
 
 
 class _Counted:

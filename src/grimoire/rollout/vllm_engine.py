@@ -224,7 +224,7 @@ class VLLMEngine(VLLMSamplerEngine):
         finally:
             state.destroy_distributed_environment = destroy_world
             self.llm = None
-            self._synced_version = None
+            self._vllm.holds = None
             self._lora_request = None
             if self._folder is not None:
                 self._folder.cleanup()
@@ -294,7 +294,7 @@ class VLLMEngine(VLLMSamplerEngine):
     def _sleep(self, llm: Any) -> None:
         if self.sleep_mode:
             llm.sleep(level=2)  # frees the weights too: push them again on waking
-            self._synced_version = None
+            self._vllm.holds = None
             self._base_loaded = False
 
 

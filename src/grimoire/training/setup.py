@@ -310,10 +310,8 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
     staleness = online.max_staleness
     problems = async_problems(
         "loss.args.max_staleness", staleness, online.engine, online.steps_per_batch,
-        context.sharded,
+        context.sharded, context.num_processes, online.agent is not None,
     )  # fmt: skip
-    if staleness > 0 and online.agent is not None:
-        problems.append("loss.args.max_staleness: asynchronous rollouts do not play episodes yet")
     if problems:
         raise ConfigError(problems)
     async_args = {"max_staleness": staleness} if staleness > 0 else {}
