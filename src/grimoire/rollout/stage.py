@@ -265,9 +265,7 @@ class RolloutStage:
         device = prompts["prompt_input_ids"].device
         rollout = episode_rollout(episodes, self.pad_token_id, g, device)
         if self.needs_old_logps and not greedy:
-            rollout.old_logps = engine.score(
-                rollout.input_ids, rollout.attention_mask, rollout
-            )
+            rollout.old_logps = engine.score(rollout.input_ids, rollout.attention_mask, rollout)
         repeated = [row for row in rows for _ in range(g)]
         total, per_func = score_episodes(self.reward_funcs, episodes, repeated, self.tokenizer)
         texts = [final_answer(e) for e in episodes]
