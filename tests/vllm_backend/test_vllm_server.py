@@ -85,3 +85,77 @@ def test_two_processes_sharing_one_server_match_one_process(vllm_tiny, tmp_path,
     for x, y in zip(r1, r2):
         assert abs(x["rewards/mean"] - y["rewards/mean"]) <= 1e-6
         assert abs(x["loss"] - y["loss"]) <= 1e-5
+
+
+def test_async_server_samples_with_the_version_whose_log_probs_are_the_old_ones(
+    vllm_tiny, tmp_path, server, monkeypatch
+):
+    """``max_staleness: 1`` against the real server: each trained batch was drawn by vLLM
+    holding the SAMPLER's version (vLLM's log-probs = that version's old log-probs, <= 1e-3),
+    one step behind the learner (its log-probs are further off), counted pushes included."""
+    import time
+
+    import torch
+    from tests.helpers.train_utils import quiet_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grimoire import GrimoireTrainer
+    from grimoire.losses.grpo import GRPOMethod
+    from grimoire.model.tiny import reverse_rows
+    from grimoire.rollout.batches import batch_completion_logps
+    from grimoire.rows.prompts import tokenize_grpo
+    from grimoire.training.callbacks import TrainerCallback
+
+    class Slow(TrainerCallback):  # keeps the producer one step ahead
+        def __init__(self):
+            self.metrics, self.versions = [], {}
+
+        def on_step_end(self, trainer, step, loss, metrics) -> None:
+            time.sleep(0.5)
+            self.metrics.append(dict(metrics))
+            state = trainer.unwrapped_model.state_dict()
+            self.versions[step] = {k: v.clone() for k, v in state.items()}
+
+    batches = []
+    compute = GRPOMethod.compute_loss
+
+    def recording(self, model, batch):
+        batches.append((self._ctx.step.global_step, dict(batch)))
+        return compute(self, model, batch)
+
+    monkeypatch.setattr(GRPOMethod, "compute_loss", recording)
+    tok = AutoTokenizer.from_pretrained(vllm_tiny)
+    model = AutoModelForCausalLM.from_pretrained(vllm_tiny)
+    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(16, seed=1)]
+    slow = Slow()
+    slow.versions[0] = {k: v.clone() for k, v in model.state_dict().items()}
+    method = GRPOMethod(
+        ["char_match"], num_generations=4, max_staleness=1, max_new_tokens=8,
+        engine={"type": "vllm-server", "args": {"url": server}},
+    )  # fmt: skip
+    config = quiet_config(tmp_path, max_steps=4, learning_rate=1e-2, disable_dropout=True)
+    before = _pushes(server)
+    trainer = GrimoireTrainer(
+        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows,
+        callbacks=[slow],
+    )  # fmt: skip
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert [m["staleness/max"] for m in slow.metrics] == [0.0, 1.0, 1.0, 1.0]
+    # Counted by the server: versions 0 (steps 0 and 1), 1, 2; 3 if the producer sampled a
+    # step past the last before it was stopped. The learner's engine never pushed.
+    assert _pushes(server) - before in (3, 4)
+    probe = AutoModelForCausalLM.from_pretrained(vllm_tiny)
+    gaps = []
+    for step, batch in batches:
+        mask = batch["completion_mask"].bool()
+        gap = float((batch["old_logps"] - batch["sampler_logps"]).abs()[mask].max())
+        assert gap <= 1e-3, (step, gap)
+        probe.load_state_dict(slow.versions[step])  # the learner's weights at that step
+        with torch.no_grad():
+            learner, _ = batch_completion_logps(probe, batch, 1.0, fused=False)
+        gaps.append(float((learner - batch["sampler_logps"]).abs()[mask].max()))
+    print(json.dumps({"async_server_learner_gaps": gaps}))
+    assert all(g > 1e-3 for g in gaps[1:])  # one step of training moves them past that

@@ -84,7 +84,7 @@ class OnlineMethod(GrimoireLoss):
         max_staleness: 0 (default) samples each step's rollouts with the step's own weights;
             ``k >= 1`` samples them in a background producer with weights at most ``k``
             optimizer steps old, while the learner trains
-            (:mod:`grimoire.rollout.async_rollouts`; HF engine, one process).
+            (:mod:`grimoire.rollout.async_rollouts`; the hf engine, or vllm-server).
         tools, environment, tool_call_parser, max_turns, max_episode_tokens, env_timeout,
             failure_reward, stop_tokens: multi-turn episodes (:func:`~grimoire.rollout.agentic.build_agent`).
 

@@ -2,11 +2,15 @@
 
 A producer THREAD samples and scores the rollouts of the next steps while the learner trains on
 the current ones. It samples with its OWN copy of the policy (a deep copy made at bind), never
-the learner's. Where the sampling itself runs is the HF engine's ``async_sampler``:
-``"process"`` (default) a child process holding that copy in shared memory
-(:mod:`grimoire.rollout.sampler_process`; the producer thread then only waits on a pipe and
-scores rewards), ``"thread"`` the producer thread itself (it shares the learner's GIL, which
-``generate``'s Python loop holds for much of its time).
+the learner's, through its own copy of the engine bound to that copy. Where the sampling runs:
+
+- the HF engine's ``async_sampler``: ``"process"`` (default) a child process holding that copy
+  in shared memory (:mod:`grimoire.rollout.sampler_process`; the producer thread then only
+  waits on a pipe and scores rewards), ``"thread"`` the producer thread itself (it shares the
+  learner's GIL, which ``generate``'s Python loop holds for much of its time);
+- ``vllm-server``: the server; the producer's engine pushes its copy's weights (the version
+  that samples, never the learner's newer ones) before its requests. The learner's own engine
+  (evaluation) shares the server; each engine pushes again when the other pushed last.
 
 - versions: the weights after ``v`` optimizer steps are version ``v``. When the learner asks
   for step ``j``'s rollouts its weights are version ``j``; it publishes them then (a detached
@@ -18,9 +22,12 @@ scores rewards), ``"thread"`` the producer thread itself (it shares the learner'
   stays 0). So a group is trained at most ``k`` optimizer steps after the weights that sampled
   it, and the producer is never more than ``k + 1`` steps ahead. ``staleness/mean`` and
   ``staleness/max`` (learner version minus sampling version, over the step's groups) are logged.
-- old log-probs: every rollout is scored by the sampler's own model (``with_old_logps``), so
-  the policy-gradient ratio ``pi / pi_old`` (GRPO's clipped surrogate) is taken against the
-  weights that SAMPLED, which is the off-policy importance-sampling correction.
+- old log-probs: every rollout carries the SAMPLING weights' log-probs, so the policy-gradient
+  ratio ``pi / pi_old`` (GRPO's clipped surrogate) is taken against the weights that sampled:
+  the off-policy importance-sampling correction. The HF sampler records them while decoding
+  (``decode_logps``: no scoring forward); vllm-server's are a forward of the sampler's copy
+  (vLLM's own stay ``sampler_logps``, for the sampler/learner mismatch). Episodes are scored
+  over the whole episode by the sampler's copy.
 - order: the producer walks the planner's prompt micro-batches of the epoch in the planner's
   order (:meth:`AsyncRolloutStage.feed` wraps the trainer's iterator), one step at a time, so
   a run samples the same prompts in the same order as the synchronous loop.
@@ -31,9 +38,12 @@ Checkpoints hold no rollouts: a resumed run regenerates from the checkpoint's we
 line says the in-flight rollouts were discarded). The producer is stopped and joined when the
 epoch's iterator ends or is closed (a stop, a signal, an error) and in :meth:`close`.
 
-Several training processes (DDP): each rank has its own producer and sampler; the collectives of
-a step (``build_batches``' statistics) run on the learner's thread. Limits: the HF engine, one optimizer step per rollout
-(``num_iterations = 1``); the producer does not read ahead across an epoch boundary.
+Several training processes (DDP): each rank has its own producer and HF sampler; the collectives
+of a step (``build_batches``' statistics) run on the learner's thread. Limits (config errors
+naming the key, :func:`async_problems`): the HF or vllm-server engine (vllm-server in one
+training process), one optimizer step per rollout (``num_iterations = 1``), no FSDP2, episodes
+with the thread sampler or vllm-server; the producer does not read ahead across an epoch
+boundary.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ What runs where:
 
 - the child (``spawn`` context: never ``fork`` once the learner's threads exist) holds the
   sampler's copy of the policy, whose tensors live in SHARED memory (``Module.share_memory``,
-  handed over once at start), runs ``generate`` and the old-log-prob forward with
+  handed over once at start), runs ``generate`` (recording the old log-probs) with
   ``threads`` torch threads (1 by default) and, if ``cpu`` is given, pinned to that core.
 - weights: the parent's producer copies the published version into the shared tensors
   (``load_state_dict``: an in-place copy, no pickling) between two requests, when the child is
