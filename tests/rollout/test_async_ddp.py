@@ -40,10 +40,10 @@ def test_async_with_a_sharded_policy_is_refused_naming_the_key():
     from grimoire.rollout.hf import HFGenerateEngine
 
     key = "loss.args.max_staleness"
-    assert async_problems(key, 1, HFGenerateEngine(), 1, sharded=False) == []
-    (problem,) = async_problems(key, 1, HFGenerateEngine(), 1, sharded=True)
+    assert async_problems(key, 1, HFGenerateEngine(), sharded=False) == []
+    (problem,) = async_problems(key, 1, HFGenerateEngine(), sharded=True)
     assert problem.startswith(f"{key}=1 needs whole weights") and "fsdp2" in problem
-    assert async_problems(key, 0, HFGenerateEngine(), 1, sharded=True) == []  # sync: fine
+    assert async_problems(key, 0, HFGenerateEngine(), sharded=True) == []  # sync: fine
 
 
 def _worker(model_dir: str, out_dir: str, staleness: int) -> None:

@@ -16,7 +16,6 @@ import torch
 from tests.helpers.train_utils import quiet_config
 
 from grimoire import GrimoireTrainer
-from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.async_rollouts import AsyncRolloutStage
@@ -48,6 +47,7 @@ def _trainer(
     reward=char_match_reward,
     sleep=0.0,
     engine=None,
+    num_iterations=1,
     **overrides,
 ):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -66,6 +66,7 @@ def _trainer(
         max_new_tokens=6,
         max_staleness=staleness,
         engine=engine,
+        num_iterations=num_iterations,
     )
     steps_cb = Steps(sleep)
     trainer = GrimoireTrainer(
@@ -268,14 +269,45 @@ def test_max_staleness_must_be_a_non_negative_int(bad):
         GRPOMethod([char_match_reward], num_generations=2, max_staleness=bad)
 
 
-def test_async_with_num_iterations_is_a_config_error_naming_the_key(tiny_dir, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_async_with_num_iterations_samples_each_batch_once_and_trains_it_mu_times(
+    tiny_dir, tmp_path
+):
+    """num_iterations=2, k=1: the producer samples the first step of every rollout batch (steps
+    0, 2, 4), with a version at most k old there; the batch's second step trains the same
+    rollouts again, one step later still (staleness 0,1 | 1,2 | 1,2 with a slow learner). Its
+    first two steps equal the synchronous run's (the same samples, trained twice)."""
+    _, sync = _run(tiny_dir, tmp_path / "sync", 0, steps=2, num_iterations=2)
+    trainer, steps = _run(tiny_dir, tmp_path / "async", 1, steps=6, sleep=0.2, num_iterations=2)
+    assert [m["staleness/max"] for m in steps.metrics] == [0.0, 1.0, 1.0, 2.0, 1.0, 2.0]
+    sampled = sorted({s for who, s, _, _ in trainer.rollouts.timeline if who == "sampler"})
+    assert sampled[:3] == [0, 2, 4]
+    reused = [m["time/sampler_generation"] for m in steps.metrics]
+    assert all(reused[i] > 0 for i in (0, 2, 4)) and all(reused[i] == 0 for i in (1, 3, 5))
+    for a, b in zip(steps.metrics[:2], sync.metrics, strict=True):
+        assert a["rewards/mean"] == b["rewards/mean"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
 
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
-    method = GRPOMethod([char_match_reward], num_generations=2, num_iterations=2, max_staleness=1)
-    with pytest.raises(ConfigError, match=r"loss.args.max_staleness=1 needs one optimizer step"):
-        GrimoireTrainer(
-            model=AutoModelForCausalLM.from_pretrained(tiny_dir), tokenizer=tok,
-            config=quiet_config(tmp_path, max_steps=1), loss_fn=method, train_dataset=rows,
-        )  # fmt: skip
+
+def test_async_with_num_iterations_resumed_inside_a_batch_samples_at_once(tiny_dir, tmp_path):
+    """A checkpoint after step 3 (inside the batch of steps 2-3): the resumed run has no rollouts
+    (none are saved), so it samples step 3 with the checkpoint's weights, as the sync stage
+    does, then the batch of steps 4-5 one version behind."""
+
+    class Signal(TrainerCallback):
+        def on_step_end(self, trainer, step, loss, metrics) -> None:
+            if step == 3:
+                trainer._on_signal("SIGTERM")
+
+    trainer, _ = _trainer(tiny_dir, tmp_path, 1, steps=6, num_iterations=2)
+    trainer.callbacks.callbacks.append(Signal())
+    trainer.train()
+    trainer.close()
+    assert trainer.global_step == 3
+    resumed, steps = _run(
+        tiny_dir, tmp_path, 1, steps=6, sleep=0.2, num_iterations=2,
+        resume_from_checkpoint="latest",
+    )  # fmt: skip
+    assert resumed.global_step == 6
+    assert [m["staleness/max"] for m in steps.metrics] == [0.0, 1.0, 2.0]
+    sampled = sorted({s for who, s, _, _ in resumed.rollouts.timeline if who == "sampler"})
+    assert sampled[:2] == [3, 4]

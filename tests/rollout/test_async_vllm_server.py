@@ -174,9 +174,9 @@ def test_engines_sharing_one_server_push_again_after_the_other_pushed(served, ti
 def test_async_vllm_server_on_several_processes_is_refused_naming_the_key(served):
     _, url = served
     engine = VLLMServerEngine(url=url)
-    problems = async_problems("loss.args.max_staleness", 1, engine, 1, processes=2)
+    problems = async_problems("loss.args.max_staleness", 1, engine, processes=2)
     assert len(problems) == 1 and "loss.args.max_staleness=1 with engine vllm-server" in problems[0]
-    assert async_problems("loss.args.max_staleness", 1, engine, 1, processes=1) == []
+    assert async_problems("loss.args.max_staleness", 1, engine, processes=1) == []
 
 
 @pytest.fixture
@@ -252,7 +252,7 @@ def test_async_episodes_old_logps_are_the_sampling_weights_over_the_whole_episod
 def test_async_episodes_with_the_sampler_process_are_refused_naming_the_setting():
     from grimoire.rollout.hf import HFGenerateEngine
 
-    problems = async_problems("loss.args.max_staleness", 1, HFGenerateEngine(), 1, episodes=True)
+    problems = async_problems("loss.args.max_staleness", 1, HFGenerateEngine(), episodes=True)
     assert len(problems) == 1 and "engine.args.async_sampler: thread" in problems[0]
     thread = HFGenerateEngine(async_sampler="thread")
-    assert async_problems("loss.args.max_staleness", 1, thread, 1, episodes=True) == []
+    assert async_problems("loss.args.max_staleness", 1, thread, episodes=True) == []

@@ -41,9 +41,9 @@ epoch's iterator ends or is closed (a stop, a signal, an error) and in :meth:`cl
 Several training processes (DDP): each rank has its own producer and HF sampler; the collectives
 of a step (``build_batches``' statistics) run on the learner's thread. Limits (config errors
 naming the key, :func:`async_problems`): the HF or vllm-server engine (vllm-server in one
-training process), one optimizer step per rollout (``num_iterations = 1``), no FSDP2, episodes
-with the thread sampler or vllm-server; the producer does not read ahead across an epoch
-boundary.
+training process), no FSDP2, episodes with the thread sampler or vllm-server; the producer does
+not read ahead across an epoch boundary. With ``num_iterations = mu > 1`` it samples the first
+step of each rollout batch only (the bound holds there; the stage trains the batch ``mu`` times).
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ def async_problems(
     key: str,
     max_staleness: int,
     engine: Any,
-    steps_per_batch: int,
     sharded: bool = False,
     processes: int = 1,
     episodes: bool = False,
@@ -114,11 +113,6 @@ def async_problems(
         problems.append(
             f"{key}={max_staleness} with episodes (tools/environment) needs "
             "engine.args.async_sampler: thread (the sampler process plays no episodes)"
-        )
-    if steps_per_batch > 1:
-        problems.append(
-            f"{key}={max_staleness} needs one optimizer step per rollout (num_iterations=1), "
-            f"got {steps_per_batch}"
         )
     if sharded:
         # The sampler's copy would be sharded too: its every forward a collective, run off the
@@ -164,7 +158,8 @@ class AsyncRolloutStage(RolloutStage):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fed = False
-        self._step_info: tuple[int, list[int], float] | None = None
+        #: The rollout batch being trained: (its first step, sampling version, sampling seconds).
+        self._batch: tuple[int, int, float] | None = None
 
     def bind(self, ctx: TrainingContext) -> None:
         super().bind(ctx)
@@ -194,7 +189,7 @@ class AsyncRolloutStage(RolloutStage):
             self._published = (version, state)
             self._cond.notify_all()
 
-    def feed(self, batches: Iterable[Any], first_step: int) -> Iterator[Micro]:
+    def feed(self, batches: Iterable[Any], first_step: int, in_epoch: int = 0) -> Iterator[Micro]:
         if first_step > 0 and not self._fed:
             logger.info(
                 "async rollouts: resumed at step %d; rollouts in flight when the checkpoint was "
@@ -202,18 +197,18 @@ class AsyncRolloutStage(RolloutStage):
                 first_step,
             )
         self._fed = True
-        self._start(iter(batches), first_step)
+        self._start(iter(batches), first_step, in_epoch)
         try:
             step = first_step
             while True:
                 self.publish(step)  # the weights after `step` optimizer steps
                 t0 = time.perf_counter()
                 with self._cond:
-                    while step not in self._ready and not self._finished and self._error is None:
+                    while step not in self._micro and not self._finished and self._error is None:
                         self._cond.wait()
                     if self._error is not None:
                         raise RuntimeError("the rollout producer failed") from self._error
-                    if step not in self._ready:
+                    if step not in self._micro:
                         return
                     micro = self._micro.pop(step)
                     self.timeline.append(("wait", step, t0, time.perf_counter()))
@@ -228,19 +223,21 @@ class AsyncRolloutStage(RolloutStage):
             version, groups, seconds = self._ready.pop(step)
         if step - version > self.max_staleness:  # the producer's wait makes this unreachable
             raise RuntimeError(f"rollouts of version {version} reached step {step}")
-        self._step_info = (step, [step - version] * len(groups), seconds)
+        self._batch = (step, version, seconds)
         return groups, 0
 
     def step(self, ctx: TrainingContext, micro: Micro) -> tuple[Micro, dict[str, float], float]:
         batches, metrics, weight = super().step(ctx, micro)
-        assert self._step_info is not None
-        step, staleness, seconds = self._step_info
+        assert self._batch is not None
+        # One version per rollout batch; its reuse steps (num_iterations > 1) are later still.
+        first, version, seconds = self._batch
+        step = ctx.step.global_step
         waits = [end - start for who, s, start, end in self.timeline if who == "wait" and s == step]
         metrics.update(
             {
-                "staleness/mean": sum(staleness) / max(1, len(staleness)),
-                "staleness/max": float(max(staleness, default=0)),
-                "time/sampler_generation": seconds,
+                "staleness/mean": float(step - version),
+                "staleness/max": float(step - version),
+                "time/sampler_generation": seconds if step == first else 0.0,
                 "time/learner_wait": waits[-1] if waits else 0.0,
                 # The sampler's copy of the engine pushes the weights (vllm-server), not ours.
                 **self.sampler_engine.sync_metrics(),
@@ -250,7 +247,7 @@ class AsyncRolloutStage(RolloutStage):
 
     # ------------------------------------------------------------------ the producer
 
-    def _start(self, batches: Iterator[Micro], first_step: int) -> None:
+    def _start(self, batches: Iterator[Micro], first_step: int, in_epoch: int) -> None:
         self.shutdown()
         self._stop.clear()
         self._finished, self._error = False, None
@@ -262,16 +259,28 @@ class AsyncRolloutStage(RolloutStage):
                 threads=self.sampler_threads or 1, cpu=self.sampler_cpu,
             )  # fmt: skip
         self._thread = threading.Thread(
-            target=self._produce, args=(batches, first_step), name="grimoire-rollouts", daemon=True
+            target=self._produce,
+            args=(batches, first_step, in_epoch),
+            name="grimoire-rollouts",
+            daemon=True,
         )
         self._thread.start()
 
-    def _produce(self, batches: Iterator[Micro], first_step: int) -> None:
+    def _produce(self, batches: Iterator[Micro], first_step: int, in_epoch: int) -> None:
+        """Sample the first step of every rollout batch (``in_epoch``: the first step's index in
+        its epoch; a batch is ``steps_per_batch`` steps, the stage reuses it for the others,
+        and a run resumed inside one samples at once, as the sync stage does)."""
         if self.sampler_threads is not None and self.sampler_process is None:
             torch.set_num_threads(self.sampler_threads)
         loaded = None
         try:
             for step, micro in enumerate(batches, start=first_step):
+                reused = (in_epoch + step - first_step) % self.steps_per_batch and step > first_step
+                if reused:  # the stage trains the batch sampled at its first step again
+                    with self._cond:
+                        self._micro[step] = micro
+                        self._cond.notify_all()
+                    continue
                 with self._cond:
                     while not self._stop.is_set() and self._usable(step) is None:
                         self._cond.wait()

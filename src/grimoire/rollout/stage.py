@@ -210,10 +210,11 @@ class RolloutStage:
         metrics.update(timing)
         return batches, metrics, weight
 
-    def feed(self, batches: Iterable[Any], first_step: int) -> Iterable[Any]:
+    def feed(self, batches: Iterable[Any], first_step: int, in_epoch: int = 0) -> Iterable[Any]:
         """The epoch's prompt micro-batches, in the planner's order, as the trainer walks them
-        (``first_step``: the global step of the first). Synchronous: unchanged; an asynchronous
-        stage (:mod:`grimoire.rollout.async_rollouts`) reads ahead of the learner here."""
+        (``first_step``: the global step of the first, ``in_epoch`` its index in the epoch).
+        Synchronous: unchanged; an asynchronous stage
+        (:mod:`grimoire.rollout.async_rollouts`) reads ahead of the learner here."""
         return batches
 
     def scored_groups(

@@ -309,8 +309,8 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
         )
     staleness = online.max_staleness
     problems = async_problems(
-        "loss.args.max_staleness", staleness, online.engine, online.steps_per_batch,
-        context.sharded, context.num_processes, online.agent is not None,
+        "loss.args.max_staleness", staleness, online.engine, context.sharded,
+        context.num_processes, online.agent is not None,
     )  # fmt: skip
     if problems:
         raise ConfigError(problems)

@@ -205,8 +205,8 @@ class GrimoireTrainer:
             self.callbacks("on_epoch_begin", self, epoch)
             start = self.state.step_in_epoch
             batches = self.loader.epoch(epoch, start, cfg.dataloader_num_workers)
-            feed = self.rollouts.feed if self.rollouts else lambda b, _: b  # async reads ahead
-            for micro in feed(batches, self.global_step):
+            feed = self.rollouts.feed if self.rollouts else lambda b, *_: b  # async reads ahead
+            for micro in feed(batches, self.global_step, start):
                 self._optimizer_step(micro)
                 self.state.step_in_epoch += 1
                 self._end_of_step()
