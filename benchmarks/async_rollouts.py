@@ -16,7 +16,10 @@ Per row: steps/s over steps 2..N (from the end of the first step, which cannot o
 the process sampler includes starting the child, to the end of the last), sampler idle % (time
 of that span the sampler is not generating or scoring), learner idle % (time of that span the
 learner waits for rollouts; sync: the whole rollout), steps/s over the whole ``train()`` and the
-first step's seconds, the mean training reward over the
+first step's seconds, sampler and learner ms/step (the time each is busy per step: in the sync
+rows the rollout and the rest of the step; in async rows they run at once, so each beside the
+other: against the sync row they show what running side by side costs on this machine), the
+mean training reward over the
 last quarter of the steps (after ``N`` samples = steps x prompts x G), and steps/s as a ratio
 to ``sync x1``.
 
@@ -117,9 +120,12 @@ def run(
     else:
         busy = waited = sum(rewards.rollout[1:])  # the learner waits through every rollout
     last = rewards.rewards[-max(1, args.steps // 4) :]
+    per_step = span / (args.steps - 1)
     return {
         "first_s": lo - start,
         "steps_s": (args.steps - 1) / span,
+        "sampler_ms": 1000 * busy / (args.steps - 1),
+        "learner_ms": 1000 * (per_step - waited / (args.steps - 1)),
         "all_steps_s": args.steps / wall,
         "sampler_idle": 100 * max(0.0, 1 - busy / span),
         "learner_idle": 100 * waited / span,
@@ -156,30 +162,50 @@ def main() -> None:
     parser.add_argument("--g", type=int, default=16, help="num_generations")
     parser.add_argument("--tokens", type=int, default=14, help="max_new_tokens")
     parser.add_argument("--sync2", action="store_true", help="add the sync x2 row")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rows run in turn this many times; medians shown"
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = [("sync x1", 0, 1, "process")] + [("sync x2", 0, 2, "process")] * args.sync2
     rows += [("async k=1 (thread)", 1, 1, "thread"), ("async k=1 (process)", 1, 1, "process")]
     probe = concurrency_probe()
-    results = {name: run(args, k, t, where) for name, k, t, where in rows}
+    # Rows interleaved, round after round: a shared VM's speed drifts by tens of percent over a
+    # minute, so one row after the other would compare different machines.
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in rows}
+    for _ in range(args.rounds):
+        for name, k, t, where in rows:
+            runs[name].append(run(args, k, t, where))
     after = concurrency_probe()
+    results = {name: _median_run(r) for name, r in runs.items()}
     samples = args.steps * args.prompts * args.g
     base = results["sync x1"]["steps_s"]
     print(f"GRPO, {args.steps} steps x {args.prompts} prompts x G={args.g}, "
           f"max_new_tokens={args.tokens} (reward: mean of the last quarter, after {samples} samples)")  # fmt: skip
     print(f"concurrency probe (two threads' matmuls vs one alone; 1.00x = two free cores): "
           f"{probe:.2f}x before, {after:.2f}x after")  # fmt: skip
+    print(f"each row: the run of median steps/s of {args.rounds} (rows interleaved)")
     print("steps/s and idle %: steps 2..N (steady state); all steps/s and first step s: the")
     print("whole train(), the first step (which includes starting the sampler process) alone")
-    print("| run | steps/s | sampler idle % | learner idle % | reward | vs sync x1 "
-          "| all steps/s | first step s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | steps/s | sampler idle % | learner idle % | sampler ms/step | learner ms/step "
+          "| reward | vs sync x1 | all steps/s | first step s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(
             f"| {name} | {r['steps_s']:.3f} | {r['sampler_idle']:.0f} | {r['learner_idle']:.0f} "
-            f"| {r['reward']:.3f} | {r['steps_s'] / base:.2f}x | {r['all_steps_s']:.3f} "
+            f"| {r['sampler_ms']:.1f} | {r['learner_ms']:.1f} | {r['reward']:.3f} | {r['steps_s'] / base:.2f}x | {r['all_steps_s']:.3f} "
             f"| {r['first_s']:.2f} |"
         )
+    for name in results:
+        if name != "sync x1":
+            ratios = [a["steps_s"] / b["steps_s"] for a, b in zip(runs[name], runs["sync x1"])]
+            print(f"{name} / sync x1, round by round: " + ", ".join(f"{x:.2f}x" for x in ratios))
+
+
+def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The run whose steps/s is the median (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda r: r["steps_s"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 if __name__ == "__main__":
