@@ -11,13 +11,12 @@ other pushed last; several training processes are refused, naming the key.
 
 from __future__ import annotations
 
-import threading
 import time
-from http.server import HTTPServer
 
 import pytest
 import torch
-from tests.helpers.episodes import LOGP, Narrator, TurnSampler, answer_length
+from tests.helpers.episodes import LOGP, Narrator, answer_length
+from tests.helpers.stand_in_server import serving, serving_turns
 from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,7 +28,6 @@ from grimoire.rollout.batches import batch_completion_logps
 from grimoire.rollout.rewards import char_match_reward
 from grimoire.rollout.vllm_server import VLLMServerEngine, read_frames
 from grimoire.rows.prompts import tokenize_grpo
-from grimoire.tools.vllm_serve import handler
 from grimoire.training.callbacks import TrainerCallback
 
 
@@ -63,12 +61,8 @@ def served(tiny_dir):
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     sampler = Recording(model.config, tok.convert_tokens_to_ids(list("abc")), tok.eos_token_id)
-    server = HTTPServer(("127.0.0.1", 0), handler(sampler))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield sampler, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(sampler) as url:
+        yield sampler, url
 
 
 class Versions(TrainerCallback):
@@ -86,16 +80,10 @@ class Versions(TrainerCallback):
         self.versions[step] = {k: v.clone() for k, v in state.items()}
 
 
-def _version_of(state, versions) -> int:
-    found = [v for v, w in versions.items() if all(torch.equal(state[k], w[k]) for k in w)]
-    assert len(found) == 1, found
-    return found[0]
-
-
-def test_async_vllm_server_samples_each_step_with_the_weights_at_most_k_old(
-    served, tiny_dir, tmp_path, monkeypatch
-):
-    sampler, url = served
+def _train(tiny_dir, tmp_path, monkeypatch, method, steps, rows, check=None, **config):
+    """Train ``method`` ``steps`` steps on ``rows`` reverse rows with a slow learner
+    (:class:`Versions`); returns it and every trained batch as ``(learner step, batch)``.
+    ``check(trainer)`` runs before training."""
     batches: list[tuple[int, dict]] = []
     compute = GRPOMethod.compute_loss
 
@@ -106,27 +94,47 @@ def test_async_vllm_server_samples_each_step_with_the_weights_at_most_k_old(
     monkeypatch.setattr(GRPOMethod, "compute_loss", recording)
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(16, seed=3)]
+    data = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(rows, seed=3)]
     config = quiet_config(
-        tmp_path, max_steps=4, batch_size=2, learning_rate=1e-2, disable_dropout=True, seed=0
-    )
-    method = GRPOMethod(
-        [char_match_reward], num_generations=4, max_new_tokens=4, max_staleness=1,
-        engine={"type": "vllm-server", "args": {"url": url}},
+        tmp_path, max_steps=steps, batch_size=2, learning_rate=1e-2, disable_dropout=True,
+        seed=0, **config,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     versions = Versions(model)
     trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows,
+        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=data,
         callbacks=[versions],
     )  # fmt: skip
     try:
-        stage = trainer.rollouts
-        assert isinstance(stage, AsyncRolloutStage)
-        assert stage.sampler_engine.policy is stage.sampler_model  # its own copy, not ours
+        if check is not None:
+            check(trainer)
         trainer.train()
     finally:
         trainer.close()
+    return versions, batches
+
+
+def _version_of(state, versions) -> int:
+    found = [v for v, w in versions.items() if all(torch.equal(state[k], w[k]) for k in w)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_async_vllm_server_samples_each_step_with_the_weights_at_most_k_old(
+    served, tiny_dir, tmp_path, monkeypatch
+):
+    sampler, url = served
+    method = GRPOMethod(
+        [char_match_reward], num_generations=4, max_new_tokens=4, max_staleness=1,
+        engine={"type": "vllm-server", "args": {"url": url}},
+    )  # fmt: skip
+
+    def check(trainer) -> None:
+        stage = trainer.rollouts
+        assert isinstance(stage, AsyncRolloutStage)
+        assert stage.sampler_engine.policy is stage.sampler_model  # its own copy, not ours
+
+    versions, batches = _train(tiny_dir, tmp_path, monkeypatch, method, 4, 16, check=check)
     assert [m["staleness/max"] for m in versions.metrics] == [0.0, 1.0, 1.0, 1.0]
     # Request s (one per step: one micro-batch) was served with version s - 1 (step 0: 0),
     # pushed by the producer for it: never the learner's newer weights.
@@ -181,15 +189,8 @@ def test_async_vllm_server_on_several_processes_is_refused_naming_the_key(served
 
 @pytest.fixture
 def turns(tiny_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    sampler = TurnSampler(model.config, tok.convert_tokens_to_ids(list("xyz")))
-    server = HTTPServer(("127.0.0.1", 0), handler(sampler))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield sampler, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving_turns(tiny_dir) as served:
+        yield served
 
 
 def test_async_episodes_old_logps_are_the_sampling_weights_over_the_whole_episode(
@@ -199,37 +200,13 @@ def test_async_episodes_old_logps_are_the_sampling_weights_over_the_whole_episod
     log-probs of every trained episode are the forward of the version that played it (one step
     behind), over the whole episode; the server's log-probs land on the model's tokens only."""
     _, url = turns
-    batches: list[tuple[int, dict]] = []
-    compute = GRPOMethod.compute_loss
-
-    def recording(self, model, batch):
-        batches.append((self._ctx.step.global_step, dict(batch)))
-        return compute(self, model, batch)
-
-    monkeypatch.setattr(GRPOMethod, "compute_loss", recording)
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
-    config = quiet_config(
-        tmp_path, max_steps=3, batch_size=2, learning_rate=1e-2, disable_dropout=True, seed=0,
-        padding_free=False,
-    )  # fmt: skip
     method = GRPOMethod(
         [answer_length], num_generations=4, max_staleness=1,
         engine={"type": "vllm-server", "args": {"url": url}}, environment=Narrator,
         stop_tokens=["<|end|>"], tool_call_parser="tiny", max_turns=3, max_episode_tokens=96,
         max_new_tokens=8, fused=False,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    versions = Versions(model)
-    trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows,
-        callbacks=[versions],
-    )  # fmt: skip
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+    versions, batches = _train(tiny_dir, tmp_path, monkeypatch, method, 3, 8, padding_free=False)
     assert [m["staleness/max"] for m in versions.metrics] == [0.0, 1.0, 1.0]
     assert all(m["episode/turns_mean"] == 2.0 for m in versions.metrics)
     probe = AutoModelForCausalLM.from_pretrained(tiny_dir)

@@ -26,6 +26,21 @@ def _naive_logps(model, rollout, temperature):
     return logps[:, -c:] * rollout.completion_mask
 
 
+def _generate_watched(engine, model):
+    """``engine.generate(PROMPTS, 4)`` with old log-probs, and the ``input_ids`` shape of every
+    decoder forward it made (a pre-hook on the decoder)."""
+    rows: list[tuple[int, ...]] = []
+    hook = model.model.register_forward_pre_hook(
+        lambda m, a, k: rows.append(tuple(k["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        torch.manual_seed(7)
+        rollout = engine.generate(PROMPTS, 4, with_old_logps=True)
+    finally:
+        hook.remove()
+    return rollout, rows
+
+
 @pytest.mark.parametrize(
     "kw",
     [
@@ -40,15 +55,7 @@ def test_decoded_old_logps_equal_a_full_forward(tiny_model, tokenizer, kw):
     engine = HFGenerateEngine(max_new_tokens=7, **kw)
     engine.bind(tiny_model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     engine.decode_logps = True
-    rows: list[tuple[int, ...]] = []  # the shape of every decoder forward
-    hook = tiny_model.model.register_forward_pre_hook(
-        lambda m, a, k: rows.append(tuple(k["input_ids"].shape)), with_kwargs=True
-    )
-    try:
-        torch.manual_seed(7)
-        rollout = engine.generate(PROMPTS, 4, with_old_logps=True)
-    finally:
-        hook.remove()
+    rollout, rows = _generate_watched(engine, tiny_model)
     assert rollout.sampler_logps is None  # the policy's own: no mismatch to correct
     assert rollout.old_logps is not None and rollout.completion_mask.sum() > 8
     want = _naive_logps(tiny_model, rollout, kw.get("temperature", 1.0))
@@ -64,15 +71,7 @@ def test_scored_old_logps_run_the_extra_forward(tiny_model, tokenizer):
     whole sampled sequences (the hook above would see it)."""
     engine = HFGenerateEngine(max_new_tokens=7)
     engine.bind(tiny_model, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    rows: list[tuple[int, ...]] = []
-    hook = tiny_model.model.register_forward_pre_hook(
-        lambda m, a, k: rows.append(tuple(k["input_ids"].shape)), with_kwargs=True
-    )
-    try:
-        torch.manual_seed(7)
-        rollout = engine.generate(PROMPTS, 4, with_old_logps=True)
-    finally:
-        hook.remove()
+    rollout, rows = _generate_watched(engine, tiny_model)
     assert rows[-1] == tuple(rollout.input_ids.shape)
     torch.testing.assert_close(rollout.old_logps, _naive_logps(tiny_model, rollout, 1.0))
 

@@ -7,18 +7,15 @@ The same with a real vLLM server is in tests/vllm_backend."""
 
 from __future__ import annotations
 
-import threading
-from http.server import HTTPServer
-
 import pytest
 import torch
 from tests.helpers.episodes import (
     LOGP,
     Narrator,
-    TurnSampler,
     answer_length,
     assert_only_model_tokens_get_gradient,
 )
+from tests.helpers.stand_in_server import serving_turns
 from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,20 +24,12 @@ from grimoire.collate.prompts import GRPOCollator
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rows.prompts import tokenize_grpo
-from grimoire.tools.vllm_serve import handler
 
 
 @pytest.fixture
 def served(tiny_dir):
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    sampler = TurnSampler(model.config, tok.convert_tokens_to_ids(list("xyz")))
-    server = HTTPServer(("127.0.0.1", 0), handler(sampler))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield sampler, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving_turns(tiny_dir) as served:
+        yield served
 
 
 def test_environment_grpo_step_with_the_vllm_server_engine(served, tiny_dir, tmp_path):

@@ -6,11 +6,10 @@ The same client against a real ``grimoire vllm-serve`` is tested in tests/vllm_b
 from __future__ import annotations
 
 import io
-import threading
-from http.server import HTTPServer
 
 import pytest
 import torch
+from tests.helpers.stand_in_server import serving
 
 from grimoire.errors import ConfigError
 from grimoire.rollout.backends import build_engine, engine_problems
@@ -24,7 +23,7 @@ from grimoire.rollout.vllm_server import (
     read_frames,
     weight_frames,
 )
-from grimoire.tools.vllm_serve import checkpoint_weights, handler
+from grimoire.tools.vllm_serve import checkpoint_weights
 
 TENSORS = [
     ("a.weight", torch.randn(3, 5)),
@@ -89,12 +88,8 @@ class StandIn:
 @pytest.fixture
 def served(tiny_model):
     stand_in = StandIn(tiny_model.config)
-    server = HTTPServer(("127.0.0.1", 0), handler(stand_in))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield stand_in, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(stand_in) as url:
+        yield stand_in, url
 
 
 def test_client_pushes_the_policy_and_maps_the_samples(served, tiny_model, tokenizer):
@@ -170,12 +165,8 @@ def test_vllm_serve_errors_are_one_line(tmp_path):
 @pytest.fixture
 def keyed(tiny_model):
     stand_in = StandIn(tiny_model.config)
-    server = HTTPServer(("127.0.0.1", 0), handler(stand_in, api_key="s3cret"))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield stand_in, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(stand_in, api_key="s3cret") as url:
+        yield stand_in, url
 
 
 def test_a_keyed_server_answers_only_the_trainer_with_its_key(keyed, tiny_model, tokenizer,
