@@ -24,6 +24,11 @@ from pathlib import Path
 import torch
 
 from grimoire import GrimoireTrainer, TrainingConfig
+
+try:
+    from benchmarks import common as bench
+except ModuleNotFoundError:  # run as a script
+    import common as bench
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import build_tokenizer, lookup, reverse_rows
 from grimoire.rows.prompts import tokenize_grpo
@@ -64,15 +69,13 @@ def main(sft_steps: int, rl_steps: int, engine: str, lr: float, rewards: list[st
     print(f"GRPO ({engine}): {rl_steps} steps in {time.perf_counter() - start:.0f}s")
     log = out / "grpo" / "metrics.jsonl"
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    steps = [r for r in rows if "rewards/exact_match_reward/mean" in r]
-    rate = [r["rewards/exact_match_reward/mean"] for r in steps]
-    calls = [r.get("tools/ok", 0.0) for r in steps]
-    w = min(WINDOW, len(rate) // 2)
-    print(f"steps logged: {len(rate)}; metrics: {log}")
-    print(f"success (exact match), first {w} steps: {sum(rate[:w]) / w:.3f}")
-    print(f"success (exact match), last {w} steps:  {sum(rate[-w:]) / w:.3f}")
-    print(f"tool calls ok per step, first/last {w}: {sum(calls[:w]) / w:.1f} / "
-          f"{sum(calls[-w:]) / w:.1f}")  # fmt: skip
+    c = bench.tool_task_curve(rows, WINDOW)
+    w = int(c["w"])
+    print(f"steps logged: {int(c['steps'])}; metrics: {log}")
+    print(f"success (exact match), first {w} steps: {c['rate_first']:.3f}")
+    print(f"success (exact match), last {w} steps:  {c['rate_last']:.3f}")
+    print(f"tool calls ok per step, first/last {w}: {c['calls_first']:.1f} / "
+          f"{c['calls_last']:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

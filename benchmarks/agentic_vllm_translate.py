@@ -30,6 +30,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer, TrainingConfig
+
+try:
+    from benchmarks import common as bench
+except ModuleNotFoundError:  # run as a script
+    import common as bench
 from grimoire.losses import SFTLoss
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import build_tokenizer, letter_rows, save_tiny
@@ -141,16 +146,14 @@ def main(sft_steps: int, rl_steps: int, lr: float, engine: str) -> None:
         trainer.close()
     print(f"GRPO ({engine}): {rl_steps} steps in {time.perf_counter() - t0:.0f}s")
     records = [json.loads(x) for x in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if "rewards/exact_match_reward/mean" in r]
     evals = [r for r in records if "eval/rewards/exact_match_reward/mean" in r]
-    rate = [r["rewards/exact_match_reward/mean"] for r in train]
-    calls = [r.get("tools/ok", 0.0) for r in train]
-    w = min(WINDOW, len(rate) // 2)
+    c = bench.tool_task_curve(records, WINDOW)
+    w = int(c["w"])
     print(f"metrics: {out / 'grpo' / 'metrics.jsonl'}")
-    print(f"sampled success, first/last {w} steps: {sum(rate[:w]) / w:.3f} / "
-          f"{sum(rate[-w:]) / w:.3f}")  # fmt: skip
-    print(f"tool calls that ran per step (of 64), first/last {w}: {sum(calls[:w]) / w:.1f} / "
-          f"{sum(calls[-w:]) / w:.1f}")  # fmt: skip
+    print(f"sampled success, first/last {w} steps: {c['rate_first']:.3f} / "
+          f"{c['rate_last']:.3f}")  # fmt: skip
+    print(f"tool calls that ran per step (of 64), first/last {w}: {c['calls_first']:.1f} / "
+          f"{c['calls_last']:.1f}")  # fmt: skip
     for r in evals:
         print(f"held-out greedy success at step {r['step']}: "
               f"{r['eval/rewards/exact_match_reward/mean']:.3f}")  # fmt: skip

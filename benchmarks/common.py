@@ -201,3 +201,21 @@ def run_or_exit(
 def last_json(stdout: str) -> Any:
     """The JSON object on the last line a worker printed."""
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def tool_task_curve(records: list[dict[str, Any]], window: int) -> dict[str, float]:
+    """The tool-task benchmarks' learning curve from a run's metrics records: the mean sampled
+    success (``rewards/exact_match_reward/mean``) and tool calls that ran (``tools/ok``) over
+    the first and the last ``w`` logged steps (``w``: ``window``, at most half the steps)."""
+    steps = [r for r in records if "rewards/exact_match_reward/mean" in r]
+    rate = [r["rewards/exact_match_reward/mean"] for r in steps]
+    calls = [r.get("tools/ok", 0.0) for r in steps]
+    w = min(window, len(rate) // 2)
+    return {
+        "steps": float(len(rate)),
+        "w": float(w),
+        "rate_first": sum(rate[:w]) / w,
+        "rate_last": sum(rate[-w:]) / w,
+        "calls_first": sum(calls[:w]) / w,
+        "calls_last": sum(calls[-w:]) / w,
+    }
