@@ -107,7 +107,7 @@ def async_problems(
             f"{key}={max_staleness} with engine vllm-server runs in one training process, got "
             f"{processes}; use the hf engine (one sampler per rank) or set it to 0"
         )
-    if episodes and getattr(engine, "async_sampler", "thread") == "process":
+    if episodes and _sampler_process(engine):
         # An episode is many sampling calls and a scoring forward over the whole episode; the
         # sampler process serves single-turn requests only.
         problems.append(
@@ -122,6 +122,12 @@ def async_problems(
             "sharded (distributed: fsdp2): set it to 0"
         )
     return problems
+
+
+def _sampler_process(engine: Any) -> bool:
+    """Whether ``engine`` samples asynchronously in a child process (the HF engine's
+    ``async_sampler: process``; other engines sample in the producer thread)."""
+    return getattr(engine, "async_sampler", "thread") == "process"
 
 
 class AsyncRolloutStage(RolloutStage):
@@ -253,7 +259,7 @@ class AsyncRolloutStage(RolloutStage):
         self._finished, self._error = False, None
         assert self.sampler_model is not None and self._policy is not None
         self.sampler_model.train(self._policy.training)  # old log-probs as the training forward
-        if getattr(self.engine, "async_sampler", "thread") == "process":
+        if _sampler_process(self.engine):
             self.sampler_process = SamplerProcess(
                 self.sampler_model, self.sampler_engine, self._autocast,
                 threads=self.sampler_threads or 1, cpu=self.sampler_cpu,

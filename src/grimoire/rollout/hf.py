@@ -107,7 +107,7 @@ class HFGenerateEngine(RolloutEngine):
         model = self.policy
         config = self._generation_config(greedy)
         out: list[list[int]] = []
-        logps: list[list[float]] | None = [] if self.decode_logps else None
+        logps: list[list[float]] = []  # with decode_logps: the drawn tokens', per row
         chunks = self.prompt_chunks(prompts, n)
         # Sharded: every rank makes as many generate calls (fillers: a pad-token prompt, output
         # dropped), and synced_gpus keeps each call stepping until every rank's is done.
@@ -115,14 +115,16 @@ class HFGenerateEngine(RolloutEngine):
         synced = {"synced_gpus": True} if self.agree is not None else {}
         with generation_mode(model):
             for group in chunks + [[[self.pad_token_id]]] * fillers:
-                recorder = DrawnTokenLogps(self.sampler.temperature) if logps is not None else None
+                recorder = DrawnTokenLogps(self.sampler.temperature) if self.decode_logps else None
                 with self.autocast():
                     gen, width = self._generate(group, n, config, synced, recorder)
                 out.extend(gen[:, width:].tolist())
-                if recorder is not None and logps is not None:
+                if recorder is not None:
                     logps.extend(recorder.finish(gen, gen.shape[1] - width).tolist())
         rows = len(prompts) * n
-        return out[:rows] if logps is None else Samples(out[:rows], logps[:rows], policy=True)
+        if not self.decode_logps:
+            return out[:rows]
+        return Samples(out[:rows], logps[:rows], policy=True)
 
     def _generate(
         self,
