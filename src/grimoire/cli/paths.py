@@ -23,6 +23,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from grimoire.cli.model import REF_MODEL_COPY, TINY_PREFIX
+from grimoire.model.gguf import gguf_problems, is_gguf_name
 from grimoire.rows.sources import PACKAGE_PREFIX, hub_offline, resolve_path
 from grimoire.training.checkpoint import STATE_FILE, damaged_message, list_checkpoints
 from grimoire.training.integrity import damage
@@ -75,20 +76,27 @@ def pretrained_problems(
     kind: str = "model",
     needs_tokenizer: bool = False,
     cache_dir: str | None = None,
+    gguf_file: str | None = None,
 ) -> list[str]:
     """Problems with one ``from_pretrained`` name: ``model.pretrained``, ``model.tokenizer`` or
     ``loss.ref_model`` (``kind`` is ``"model"`` or ``"tokenizer"``).
 
     ``needs_tokenizer``: the tokenizer is read from this model folder too (no
-    ``model.tokenizer``), so the folder must hold one.
+    ``model.tokenizer``), so the folder must hold one. A GGUF file (``*.gguf``,
+    ``grimoire://models/...``, or a folder with ``gguf_file``) holds both; its header is checked.
     """
     if name.startswith(TINY_PREFIX):
         return []  # built in code; the architecture is checked with the model section
+    if is_gguf_name(name, gguf_file):
+        return gguf_problems(name, where, gguf_file)
     path = resolve_path(name)
     if path.is_dir():
         return _folder_problems(path, where, kind, needs_tokenizer)
     if path.exists():
-        return [f"{where}: {path} is a file; give the folder that holds the {kind}'s files"]
+        return [
+            f"{where}: {path} is a file; give the folder that holds the {kind}'s files (or a "
+            ".gguf file)"
+        ]
     instead = (
         "an existing model folder (e.g. one that grimoire train saved to save_to), a hub name "
         "such as Qwen/Qwen2.5-0.5B, or tiny:llama"
@@ -209,6 +217,9 @@ def reference_problems(raw: Mapping[str, Any]) -> list[str]:
                 "model.pretrained",
                 needs_tokenizer=not tokenizer,
                 cache_dir=cache_dir,
+                gguf_file=model.get("gguf_file")
+                if isinstance(model.get("gguf_file"), str)
+                else None,
             )
         if isinstance(tokenizer, str) and tokenizer:
             p += pretrained_problems(tokenizer, "model.tokenizer", "tokenizer", cache_dir=cache_dir)

@@ -30,6 +30,7 @@ from grimoire.errors import ConfigError, DataError, raise_if
 from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.base import GrimoireLoss, as_method
 from grimoire.losses.online_compat import is_peer_prompt_dataset
+from grimoire.model.gguf import is_gguf_name, materialize_gguf
 from grimoire.model.precision import decide
 from grimoire.model.tiny import build_tokenizer, save_tiny
 from grimoire.parallel.accelerate import has_accelerator
@@ -84,7 +85,9 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
     if validate_only and model_cfg["pretrained"].startswith(TINY_PREFIX):
         model_path, tokenizer = model_cfg["pretrained"], build_tokenizer()
     else:
-        model_path = _materialize_model(model_cfg["pretrained"], config.output_dir)
+        model_path = _materialize_model(
+            model_cfg["pretrained"], config.output_dir, model_cfg.get("gguf_file")
+        )
         tokenizer = load_tokenizer(model_cfg, model_path)
 
     raw_eval_rows: list[dict[str, Any]] | None = None
@@ -173,8 +176,8 @@ def build_run(raw: Mapping[str, Any]) -> Run:
     if ref_path or cache:
         # Default reference for caching: the starting policy itself (the usual DPO reference,
         # and what "copy" means).
-        ref_path = _materialize_model(ref_path or model_path, config.output_dir)
         where = "loss.ref_model" if ref_spec and ref_spec != REF_MODEL_COPY else "model.pretrained"
+        ref_path = _materialize_model(ref_path or model_path, config.output_dir, where=where)
         ref_model = load_model(model_cfg, ref_path, model_kind, quantization, where=where)
     if ref_model is not None and not cache:
         loss_fn = make_loss(
@@ -293,12 +296,20 @@ def build_callbacks(
     return out
 
 
-def _materialize_model(name_or_path: str, output_dir: str) -> str:
-    """``tiny:<arch>`` -> build the tiny model into ``<output_dir>/tiny-model``;
-    ``grimoire://REL`` -> the folder inside the package (a bundled model); else as given."""
-    if name_or_path.startswith(PACKAGE_PREFIX):
+def _materialize_model(
+    name_or_path: str,
+    output_dir: str,
+    gguf_file: str | None = None,
+    where: str = "model.pretrained",
+) -> str:
+    """``tiny:<arch>`` -> build the tiny model into ``<output_dir>/tiny-model``; a GGUF file
+    (``*.gguf``, ``grimoire://models/<name>``, or a folder + ``gguf_file``) -> its cached
+    transformers folder (converted on first use); ``grimoire://REL`` -> the folder inside the
+    package (a bundled model); else as given."""
+    gguf = is_gguf_name(name_or_path, gguf_file)
+    if name_or_path.startswith(PACKAGE_PREFIX) and not gguf:
         return str(resolve_path(name_or_path))
-    if not name_or_path.startswith(TINY_PREFIX):
+    if not gguf and not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
     # Saved and reloaded (not used in memory) so the run exercises the real from_pretrained path.
     # Under a multi-process launch one process per node writes it while the others wait.
@@ -308,7 +319,9 @@ def _materialize_model(name_or_path: str, output_dir: str) -> str:
     # separate 1-process run instead of one gloo group.
     state = PartialState(cpu=not has_accelerator())
     with state.local_main_process_first():
-        if state.is_local_main_process:
+        if gguf:  # the others find the main process's finished cache folder
+            path = materialize_gguf(name_or_path, gguf_file, where)
+        elif state.is_local_main_process:
             save_tiny(path, arch=name_or_path[len(TINY_PREFIX) :])
     return str(path)
 

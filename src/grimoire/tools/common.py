@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from grimoire.columns import pad_token_id_of
-from grimoire.errors import GrimoireError
+from grimoire.errors import ConfigError, GrimoireError
+from grimoire.model.gguf import resolve_pretrained
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -125,7 +126,8 @@ def torch_dtype(name: str) -> Any:
 def load_for_inference(
     path: str | Path, base: str | None = None, dtype: str = "auto", merge: bool = False
 ) -> tuple[Any, Any, str]:
-    """``(model, tokenizer, base)`` for a full model folder or a LoRA adapter folder.
+    """``(model, tokenizer, base)`` for a full model folder, a LoRA adapter folder, or a GGUF
+    file (converted once, :mod:`grimoire.model.gguf`).
 
     An adapter is loaded onto its base as a ``PeftModel`` (merged and unloaded when ``merge``).
     The tokenizer comes from the folder when it holds one (``GrimoireTrainer.save_model`` saves
@@ -141,7 +143,10 @@ def load_for_inference(
     # Only the tool's own output: no "Loading weights" progress bars on a one-shot command.
     hf_logging.disable_progress_bar()
 
-    path = Path(path)
+    try:  # a .gguf file or grimoire://models/<name>: its cached transformers folder
+        path = Path(resolve_pretrained(str(path), where="--model"))
+    except ConfigError as exc:
+        raise GrimoireError("; ".join(exc.problems)) from exc
     is_adapter, base_path, adapter_cfg = _model_source(path, base)
     # Reward models are trained as sequence classifiers; their adapters say so, and carry the
     # trained head, whose size the base's config.json does not know (it says 2 labels).

@@ -4,7 +4,8 @@ Usage::
 
     grimoire generate --model out/final --prompt "reverse abcdef=" [--chat] [--temperature 0.7]
 
-``--model`` is a full model folder or a saved LoRA adapter folder (loaded onto its base).
+``--model`` is a full model folder, a saved LoRA adapter folder (loaded onto its base), or a
+``.gguf`` file / ``grimoire://models/<name>`` (converted once and cached).
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ def main(argv: Sequence[str]) -> int:
         description="Complete a prompt with a saved model (a full model or a LoRA adapter "
         "folder). Prints the completion only.",
     )
-    p.add_argument("--model", required=True, help="model folder, or a LoRA adapter folder")
+    p.add_argument(
+        "--model", required=True, help="model folder, LoRA adapter folder, or .gguf file"
+    )
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-new-tokens", type=int, default=64)
