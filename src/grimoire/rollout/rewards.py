@@ -106,7 +106,8 @@ def score_completions(
         except Exception as exc:
             raise RewardFunctionError(
                 f"reward function {rf.name!r} raised {type(exc).__name__}: {exc} "
-                f"(called with {n} completions and columns {sorted(columns)})"
+                f"(called with {n} completions and the keywords "
+                f"{sorted(rf.keywords(prompts, completions, columns, completion_ids))})"
             ) from exc
         per_func[rf.name] = _as_rewards(values, n, rf.name)
         total += rf.weight * per_func[rf.name]
