@@ -162,6 +162,8 @@ def test_entries_with_options_are_checked_and_named():
     (bound,) = resolve_reward_funcs([{"type": scaled, "args": {"scale": 0.5}}])
     assert bound.name == "scaled"
     assert score_completions([bound], ["p"], ["abcd"], {})[0].tolist() == [2.0]
+    # a column named like a bound option does not override it
+    assert score_completions([bound], ["p"], ["abcd"], {"scale": [9.0]})[0].tolist() == [2.0]
     with pytest.raises(ConfigError) as err:
         resolve_reward_funcs(
             [

@@ -63,6 +63,9 @@ class RewardFunction:
         #: The keywords passed: all (None) for ``**kwargs`` or an unreadable signature, else
         #: the parameter names (a function is never handed a keyword it cannot take).
         self._accepted: set[str] | None = None if takes_kwargs or not self._params else names
+        #: Options bound by a ``{type, args}`` entry: a column of the same name must not
+        #: override them.
+        self._bound = set(self.fn.keywords) if isinstance(self.fn, functools.partial) else set()
 
     def keywords(
         self,
@@ -79,9 +82,11 @@ class RewardFunction:
         supplied.update(prompts=list(prompts), completions=list(completions))
         if completion_ids is not None:
             supplied["completion_ids"] = [list(map(int, ids)) for ids in completion_ids]
-        if self._accepted is None:
-            return supplied
-        return {k: v for k, v in supplied.items() if k in self._accepted}
+        return {
+            k: v
+            for k, v in supplied.items()
+            if (self._accepted is None or k in self._accepted) and k not in self._bound
+        }
 
     def __call__(
         self,
