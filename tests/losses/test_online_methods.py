@@ -288,7 +288,7 @@ def test_bad_input_is_rejected_before_training(tiny_model, tokenizer, prompt_row
               max_length=64)  # fmt: skip
     # the reward needs a column the dataset lacks
     no_answer = [{k: v for k, v in r.items() if k != "answer"} for r in prompt_rows]
-    with pytest.raises(DataError, match="'exact_match_reward' needs column"):
+    with pytest.raises(DataError, match="'exact_match_reward' needs 'answer'"):
         train(GRPOMethod(["exact_match"], num_generations=2, max_new_tokens=4), no_answer)
 
 

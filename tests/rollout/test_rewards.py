@@ -92,7 +92,10 @@ def test_bad_reward_functions_are_named():
             score_completions(resolve_reward_funcs(fn), ["a", "b"], ["x", "y"], {})
     # tensors and bools are accepted
     ok = score_completions(
-        resolve_reward_funcs(lambda p, c, **k: torch.tensor([1.0, 0.0])), ["a", "b"], ["x", "y"], {}
+        resolve_reward_funcs(lambda prompts, completions, **k: torch.tensor([1.0, 0.0])),
+        ["a", "b"],
+        ["x", "y"],
+        {},
     )
     assert ok[0].tolist() == [1.0, 0.0]
 

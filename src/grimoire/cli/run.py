@@ -116,6 +116,7 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
     if loss_cfg.get("ref_model") == REF_MODEL_COPY and not loss_cfg.get("cache_reference"):
         args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
     loss_fn = make_loss(loss_cls, loss_cfg["type"], args)
+    raise_if(reward_problems(loss_fn, datasets), ConfigError)
     raise_if(missing_reference(as_method(loss_fn), raw, config, datasets), ConfigError)
     return Checked(raw, config, model_path, tokenizer, datasets, callbacks, loss_cls, args, loss_fn)
 
@@ -125,6 +126,16 @@ def make_loss(loss_cls: Any, name: str, args: dict[str, Any]) -> Any:
         return loss_cls(**args)
     except (TypeError, ValueError) as exc:
         raise ConfigError([f"loss: {name}: {exc}"]) from exc
+
+
+def reward_problems(loss_fn: Any, datasets: dict[str, Any]) -> list[str]:
+    """Reward functions that the rollout's keyword call would not fit, for each dataset's columns
+    (the same check the trainer makes; here ``grimoire validate`` reports it too)."""
+    check = getattr(loss_fn, "reward_problems", None)
+    if check is None:
+        return []
+    split = {"dataset": "train", "eval_dataset": "eval"}
+    return [p for where, ds in datasets.items() for p in check(columns_of(ds), split[where])]
 
 
 def missing_reference(

@@ -162,12 +162,16 @@ def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
 
 
 def _reward_problems(funcs: Any, weights: Any) -> list[str]:
-    """Short names and ``package.module:function`` specs resolved now (importing a spec runs its
-    module, as for ``loss.type``), with the weights, as the online methods will at set-up."""
+    """Short names, ``package.module:function`` specs and ``{type, args}`` entries resolved now
+    (importing a spec runs its module, as for ``loss.type``; options are checked by building the
+    reward), with the weights, as the online methods will at set-up."""
     if weights is not None and not isinstance(weights, list):
         return [f"loss.args.reward_weights: expected a list of numbers, got {weights!r}"]
-    if not isinstance(funcs, str | list):
-        return [f"loss.args.reward_funcs: expected a name or a list of names, got {funcs!r}"]
+    if not isinstance(funcs, str | list | Mapping):
+        return [
+            "loss.args.reward_funcs: expected a name, a {type: <name>, args: {...}} entry or a "
+            f"list of them, got {funcs!r}"
+        ]
     try:
         resolve_reward_funcs(funcs, weights)
     except ConfigError as exc:

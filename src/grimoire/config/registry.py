@@ -1,4 +1,5 @@
-"""Short names for the pluggable pieces the YAML/CLI can pick: losses, tokenizers, callbacks.
+"""Short names for the pluggable pieces the YAML/CLI can pick: losses, tokenizers, rewards,
+callbacks.
 
 Each registry maps a short name to a lazy ``"package.module:Name"`` spec string, so importing
 this module imports nothing heavy; the target is imported only when :func:`resolve` is called.
@@ -63,6 +64,18 @@ TOOL_CALL_PARSERS: dict[str, str] = {
     "tiny": "grimoire.rollout.tool_calls:parse_tiny",
 }
 
+#: ``loss.args.reward_funcs`` short names -> a reward function, or a class instantiated with the
+#: entry's ``args`` (``{type: answer_match, args: {extract: boxed}}``); see
+#: :mod:`grimoire.rollout.reward_calls`.
+REWARD_FUNCS: dict[str, str] = {
+    "exact_match": "grimoire.rollout.rewards:exact_match_reward",
+    "char_match": "grimoire.rollout.rewards:char_match_reward",
+    "answer_match": "grimoire.rollout.reward_answers:AnswerMatch",
+    "think_format": "grimoire.rollout.reward_shaping:ThinkFormat",
+    "overlong_penalty": "grimoire.rollout.reward_shaping:OverlongPenalty",
+    "reward_model": "grimoire.rollout.reward_model:RewardModelReward",
+}
+
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).
 CALLBACKS: dict[str, str] = {
     "exact_match": "grimoire.training.callbacks:ExactMatchCallback",
@@ -125,6 +138,7 @@ def resolve(name_or_spec: str, registry: Mapping[str, str], kind: str) -> Any:
 __all__ = [
     "CALLBACKS",
     "LOSSES",
+    "REWARD_FUNCS",
     "TOKENIZERS",
     "TOOL_CALL_PARSERS",
     "import_spec",

@@ -45,7 +45,7 @@ from grimoire.forward.reference import Reference, unwrap
 from grimoire.losses.distill_functional import chunked_generalized_jsd, sampled_reverse_kl_loss
 from grimoire.losses.online import OnlineMethod
 from grimoire.rollout.batches import completion_rows
-from grimoire.rollout.rewards import RewardFn
+from grimoire.rollout.reward_calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 from grimoire.rows.sources import resolve_path
 
@@ -147,7 +147,7 @@ class DistillMethod(OnlineMethod):
         teacher: torch.nn.Module | str,
         loss_type: str = "reverse_kl",
         beta: float = 0.5,
-        reward_funcs: RewardFn | str | Sequence[RewardFn | str] | None = None,
+        reward_funcs: RewardSpec | Sequence[RewardSpec] | None = None,
         reward_weights: Sequence[float] | None = None,
         jsd_chunk_size: int = 1024,
         num_generations: int = 1,

@@ -71,7 +71,7 @@ from grimoire.losses.online_functional import (
     reduce_token_loss,
     reduction_units,
 )
-from grimoire.rollout.rewards import RewardFn
+from grimoire.rollout.reward_calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class GRPOMethod(OnlineMethod):
 
     def __init__(
         self,
-        reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+        reward_funcs: RewardSpec | Sequence[RewardSpec],
         *,
         epsilon: float = 0.2,
         epsilon_high: float | None = None,

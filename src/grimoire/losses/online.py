@@ -49,7 +49,13 @@ from grimoire.rollout.async_rollouts import checked_staleness
 from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
 from grimoire.rollout.engine import RolloutEngine
-from grimoire.rollout.rewards import RewardFn, RewardFunction, resolve_reward_funcs
+from grimoire.rollout.episode_batches import EPISODE_COLUMNS
+from grimoire.rollout.reward_calls import (
+    RewardFunction,
+    RewardSpec,
+    resolve_reward_funcs,
+    reward_signature_problems,
+)
 from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.stage import RolloutMethod, SamplingConfig, ScoredGroup
 
@@ -61,8 +67,10 @@ class OnlineMethod(GrimoireLoss):
     (:data:`~grimoire.rollout.stage.RolloutMethod`); see the module docstring for the flow.
 
     Args:
-        reward_funcs: reward callables, built-in names (``"exact_match"``, ``"char_match"``) or
-            ``package.module:function`` specs (importing a spec runs its module's code).
+        reward_funcs: reward callables, built-in short names (``"exact_match"``,
+            ``"answer_match"``, ...), ``package.module:function`` specs (importing a spec runs its
+            module's code) or ``{"type": name, "args": {...}}`` entries
+            (:mod:`grimoire.rollout.reward_calls`); called with keywords, as in TRL.
         reward_weights: one weight per reward function (default 1.0 each).
         num_generations: completions sampled per prompt (``G``).
         temperature, top_p, top_k, max_new_tokens: sampling (``top_k=0``, ``top_p=1``: off).
@@ -108,7 +116,7 @@ class OnlineMethod(GrimoireLoss):
     @accepts_peer_spelling
     def __init__(
         self,
-        reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+        reward_funcs: RewardSpec | Sequence[RewardSpec],
         reward_weights: Sequence[float] | None = None,
         num_generations: int = 8,
         temperature: float = 1.0,
@@ -268,15 +276,14 @@ class OnlineMethod(GrimoireLoss):
 
     def validate_dataset(self, dataset: Any, split: str = "train") -> list[str]:
         problems = super().validate_dataset(dataset, split)
-        names = set(columns_of(dataset))
-        for rf in self.reward_funcs:
-            missing = [c for c in rf.required_columns() if c not in names]
-            if missing:
-                problems.append(
-                    f"{split} dataset: reward function {rf.name!r} needs column(s) {missing}; the "
-                    f"dataset has {sorted(names)} (tokenize_grpo keeps a row's extra columns)"
-                )
-        return problems
+        return problems + self.reward_problems(columns_of(dataset), split)
+
+    def reward_problems(self, columns: Sequence[str], split: str = "train") -> list[str]:
+        """Reward functions whose signature a call with these dataset columns would not fit
+        (:func:`~grimoire.rollout.reward_calls.reward_signature_problems`); episodes add their
+        own columns (``messages``, ``tool_calls``, ...)."""
+        passed = [*columns, *(EPISODE_COLUMNS if self.agent is not None else ())]
+        return reward_signature_problems(self.reward_funcs, passed, f"{split} dataset")
 
     def adapt_rows(self, dataset: Any, tokenizer: Any) -> Any:
         """Rows tokenized by grimoire-rl's ``tokenize_grpo`` (``input_ids`` / ``attention_mask``

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import best_of_n
-from grimoire.rollout.rewards import RewardFn
+from grimoire.rollout.reward_calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
 
@@ -39,7 +39,7 @@ class RAFTMethod(OnlineMethod):
 
     def __init__(
         self,
-        reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+        reward_funcs: RewardSpec | Sequence[RewardSpec],
         reward_threshold: float | None = None,
         log_entropy: bool = False,
         min_reward: float | None = None,

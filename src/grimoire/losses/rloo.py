@@ -27,7 +27,7 @@ from torch import Tensor
 from grimoire.config.context import TrainingContext
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import masked_mean, rloo_advantages
-from grimoire.rollout.rewards import RewardFn
+from grimoire.rollout.reward_calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
 
@@ -41,7 +41,7 @@ class RLOOMethod(OnlineMethod):
 
     def __init__(
         self,
-        reward_funcs: RewardFn | str | Sequence[RewardFn | str],
+        reward_funcs: RewardSpec | Sequence[RewardSpec],
         num_generations: int = 4,
         beta: float = 0.05,
         normalize_advantages: bool = False,

@@ -138,6 +138,10 @@ def play_groups(
     )
 
 
+#: The columns an episode adds to its row's for reward functions (see :func:`episode_reward_inputs`).
+EPISODE_COLUMNS = ("messages", "tool_calls", "env_reward", "stop_reason", "episode_failed")
+
+
 def final_answer(episode: Episode) -> str:
     """The content of the episode's last assistant message ("" when it has none)."""
     for message in reversed(episode.messages):
@@ -182,13 +186,18 @@ def score_episodes(
     Shapes: ``N`` episodes -> ``total [N]`` float32 and ``{name: r_k [N]}``.
     """
     prompts, completions, columns = episode_reward_inputs(episodes, rows, tokenizer)
-    total, per_func = score_completions(reward_funcs, prompts, completions, columns)
+    # An episode's completion is everything after its prompt (tool results included).
+    ids = [list(e.input_ids[e.prompt_length :]) for e in episodes]
+    total, per_func = score_completions(
+        reward_funcs, prompts, completions, columns, completion_ids=ids
+    )
     env = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
     failed = torch.tensor([e.failure is not None for e in episodes])
     return torch.where(failed, env, env + total), per_func
 
 
 __all__ = [
+    "EPISODE_COLUMNS",
     "engine_generate",
     "engine_generate_batch",
     "episode_reward_inputs",

@@ -47,12 +47,18 @@ from grimoire.rollout.episode_batches import (
     score_episodes,
 )
 from grimoire.rollout.episodes import sum_metrics
-from grimoire.rollout.rewards import RewardFunction, score_completions
+from grimoire.rollout.reward_calls import NOT_COLUMNS, RewardFunction
+from grimoire.rollout.rewards import score_completions
 from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.statistics import equal_reward_groups, reward_std
 
-#: Batch keys of a prompt micro-batch that are not reward-function columns.
-_NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
+
+def completion_token_lists(rollout: Rollout) -> list[list[int]]:
+    """Each completion's sampled token ids (its mask's tokens: EOS included when it has one)."""
+    return [
+        ids[m.bool()].tolist()
+        for ids, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
+    ]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,23 +284,23 @@ class RolloutStage:
     def score(self, prompts: dict[str, Any], rollout: Rollout) -> ScoredGroup:
         """Decode the completions and run the reward functions on them."""
         g = rollout.group_size
-        texts = self.decode(rollout)
+        ids = completion_token_lists(rollout)
+        texts = list(self.tokenizer.batch_decode(ids, skip_special_tokens=True))
         columns = {
             k: [v for v in values for _ in range(g)]
             for k, values in prompts.items()
-            if k not in _NOT_COLUMNS and isinstance(values, list)
+            if k not in NOT_COLUMNS and isinstance(values, list)
         }
         repeated = [p for p in prompts["prompt"] for _ in range(g)]
         device = rollout.completion_ids.device
-        total, per_func = score_completions(self.reward_funcs, repeated, texts, columns, device)
+        total, per_func = score_completions(
+            self.reward_funcs, repeated, texts, columns, device, completion_ids=ids
+        )
         return ScoredGroup(prompts, rollout, total, per_func, texts)
 
     def decode(self, rollout: Rollout) -> list[str]:
         """Completion texts (special tokens, e.g. EOS, skipped)."""
-        rows = [
-            ids[m.bool()].tolist()
-            for ids, m in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu())
-        ]
+        rows = completion_token_lists(rollout)
         return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
 
     def metrics(self, groups: list[ScoredGroup]) -> tuple[dict[str, float], float]:
