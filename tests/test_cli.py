@@ -377,7 +377,7 @@ def test_ref_model_copy_reaches_the_loss_as_the_string_copy(data, tmp_path, monk
     if cache:
         # Caching from "a copy of the starting policy" is caching from the starting policy.
         raw["loss"]["cache_reference"] = True
-        monkeypatch.setattr(train_cli, "cache_reference", lambda ref, ds, loss, cfg: ref)
+        monkeypatch.setattr(train_cli, "cache_reference", lambda ref, ds, loss, cfg, where: ref)
     run = train_cli.build_run(raw)
     policy_path = str(tmp_path / "out" / "tiny-model")
     if cache:

@@ -31,6 +31,15 @@ NOISE_SWITCHES = (
 LIBRARY_NOISE = ("Loading weights", "Writing model shards", "UserWarning", "FutureWarning")
 
 
+def after_phases(stderr: str, command: str = "train") -> str:
+    """A failed run's one message: what follows the phase lines (``loading ... ...``, ``...: done
+    in 0.3s``) that ``grimoire train`` prints as it goes; nothing else precedes it."""
+    start = stderr.index(f"grimoire {command}: ")
+    before = stderr[:start].splitlines()
+    assert all(line.endswith(" ...") or ": done in " in line for line in before), stderr
+    return stderr[start:]
+
+
 def grimoire_cmd(cwd: Path, *args: str, extra_path: Path | None = None):
     """``python -m grimoire ARGS`` in ``cwd``, offline, this checkout's package first."""
     env = {k: v for k, v in os.environ.items() if k not in NOISE_SWITCHES}
@@ -133,7 +142,8 @@ def test_a_library_error_is_one_message_and_debug_adds_the_traceback(tmp_path, e
     args = ("train", "--set", f"model.pretrained={broken}", "--set", "training.output_dir=out")
     res = grimoire_cmd(empty, *args)
     assert res.returncode == 1
-    assert res.stderr.startswith("grimoire train: invalid configuration (1):\n  - "), res.stderr
+    # The tokenizer is loaded in a phase, whose start line comes first.
+    assert after_phases(res.stderr).startswith("grimoire train: invalid configuration (1):\n  - ")
     assert f"model.pretrained: cannot load a tokenizer from '{broken}'" in res.stderr
     assert "Traceback" not in res.stderr
     debug = grimoire_cmd(empty, *args, "--log-level", "DEBUG")
@@ -239,9 +249,14 @@ def test_a_normal_run_is_quiet_and_info_lets_the_libraries_speak(tmp_path, empty
     assert "model saved to: output/run/final" in res.stdout
     assert (empty / "output" / "run" / "checkpoint-2").is_dir()
     # Deprecations: once each (validation and the run both meet them), one line, no echo.
-    # Besides them only the plain per-logging-step lines (stderr is not a terminal here).
+    # Besides them only the phase lines before step 1 (the start and end of each) and the plain
+    # per-logging-step lines (stderr is not a terminal here).
     lines = res.stderr.splitlines()
-    assert [line for line in lines if not line.startswith("step ")] == list(DEPRECATIONS)
+    phase = [line for line in lines if line.endswith(" ...") or ": done in " in line]
+    assert phase[0] == "loading the tokenizer of tiny:llama ..." and len(phase) % 2 == 0, phase
+    assert [line for line in lines if not line.startswith("step ") and line not in phase] == list(
+        DEPRECATIONS
+    )
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["2/2", "2/2"]
 
     verbose = grimoire_cmd(
@@ -286,7 +301,7 @@ training: {{output_dir: ./out, max_steps: 1}}
     )
     res = grimoire_cmd(empty, "train", "--config", str(cfg))
     assert res.returncode == 1
-    err = res.stderr
+    err = after_phases(res.stderr)
     assert err.startswith("grimoire train: invalid data (nothing was loaded or trained)"), err
     assert f"{train}:2: invalid JSON" in err
     assert f"{train}:3: tokenize_preference: missing field 'rejected'" in err

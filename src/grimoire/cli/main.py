@@ -25,6 +25,7 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import json
 import logging
 import math
 import re
@@ -43,8 +44,9 @@ from grimoire.cli.schema import (
 from grimoire.cli.wording import yaml_wording
 from grimoire.errors import GrimoireError
 from grimoire.training.interrupts import SecondInterrupt, exit_code
+from grimoire.training.phases import reporting
 from grimoire.training.records import metrics_path, read_records
-from grimoire.training.report import SUMMARY_FILE
+from grimoire.training.report import SUMMARY_FILE, written_text
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +104,13 @@ def summarize(output_dir: str | Path, save_to: str | None) -> str:
         if "eval/exact_match" in last:
             lines.append(f"held-out exact match: {100 * last['eval/exact_match']:.1f}%")
     lines.append(f"metrics: {metrics_path(output_dir)}")
-    if (Path(output_dir) / SUMMARY_FILE).is_file():
-        lines.append(f"run summary: {Path(output_dir) / SUMMARY_FILE}")
+    summary_file = Path(output_dir) / SUMMARY_FILE
+    if summary_file.is_file():
+        # What the run left on disk and how large: a checkpoint (optimizer state included) is
+        # several times the model, which a user of a real model wants to see before it fills
+        # the disk.
+        lines += written_text(json.loads(summary_file.read_text(encoding="utf-8")))
+        lines.append(f"run summary: {summary_file}")
     lines.append(
         f"model saved to: {save_to}"
         if save_to
@@ -300,7 +307,7 @@ def import_dirs(config: str | None) -> list[str]:
 def _train_or_validate(command: str, args: argparse.Namespace, argv: Sequence[str]) -> int:
     raw = config_from_args(args)
     import_dirs(args.config)
-    check_config(raw)  # before the model stack is imported: config mistakes answer at once
+    config = check_config(raw)  # before the model stack is imported: config mistakes answer at once
     # Imported once the config is valid: `grimoire --help` never loads the model stack.
     from grimoire.cli.run import build_run, check_run
 
@@ -310,7 +317,10 @@ def _train_or_validate(command: str, args: argparse.Namespace, argv: Sequence[st
         print(f"OK: {args.config or 'embedded default config'} is valid")
         return 0
 
-    run = build_run(raw)
+    # Loading, tokenizing and the reference pass say what they do as they go (a line at each
+    # phase's start and end), on a terminal or not: minutes on a real model before step 1.
+    with reporting(on=config.progress_bar):
+        run = build_run(raw)
     # For the model card: how to reproduce this run.
     run.trainer.launch = {"command": shlex.join(["grimoire", *argv]), "config": raw}
     run.trainer.train()

@@ -43,6 +43,7 @@ from grimoire.rows.sources import (
     resolve_path,
     tokenize_dataset,
 )
+from grimoire.training.phases import phase
 from grimoire.training.trainer import GrimoireTrainer
 
 
@@ -85,10 +86,11 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
     if validate_only and model_cfg["pretrained"].startswith(TINY_PREFIX):
         model_path, tokenizer = model_cfg["pretrained"], build_tokenizer()
     else:
-        model_path = _materialize_model(
-            model_cfg["pretrained"], config.output_dir, model_cfg.get("gguf_file")
-        )
-        tokenizer = load_tokenizer(model_cfg, model_path)
+        with phase(f"loading the tokenizer of {model_cfg['pretrained']}"):
+            model_path = _materialize_model(
+                model_cfg["pretrained"], config.output_dir, model_cfg.get("gguf_file")
+            )
+            tokenizer = load_tokenizer(model_cfg, model_path)
 
     raw_eval_rows: list[dict[str, Any]] | None = None
     datasets: dict[str, Any] = {}
@@ -97,13 +99,14 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
         if where not in raw:
             continue
         try:
-            section = {k: v for k, v in raw[where].items() if k != "tokenize"}
-            source = read_source(section, where)
-            if where == "eval_dataset":
-                raw_eval_rows = [dict(r) for r in source.dataset]
-            datasets[where] = tokenize(
-                source, raw, where, tokenizer, config.max_length, config.truncate_long_samples
-            )
+            with phase(f"reading and tokenizing {where}"):
+                section = {k: v for k, v in raw[where].items() if k != "tokenize"}
+                source = read_source(section, where)
+                if where == "eval_dataset":
+                    raw_eval_rows = [dict(r) for r in source.dataset]
+                datasets[where] = tokenize(
+                    source, raw, where, tokenizer, config.max_length, config.truncate_long_samples
+                )
         except DataError as exc:
             problems += exc.problems
     callbacks = build_callbacks(raw.get("callbacks") or [], raw_eval_rows, problems)
@@ -189,30 +192,36 @@ def build_run(raw: Mapping[str, Any]) -> Run:
         # and what "copy" means).
         where = "loss.ref_model" if ref_spec and ref_spec != REF_MODEL_COPY else "model.pretrained"
         ref_path = _materialize_model(ref_path or model_path, config.output_dir, where=where)
-        ref_model = load_model(model_cfg, ref_path, model_kind, quantization, where=where)
+        with phase(f"loading the reference model {ref_path}"):
+            ref_model = load_model(model_cfg, ref_path, model_kind, quantization, where=where)
     if ref_model is not None and not cache:
         loss_fn = make_loss(
             loss_cls, loss_cfg["type"], {**checked.loss_args, "ref_model": ref_model}
         )
     if cache:
         method = as_method(loss_fn)
-        datasets = {k: cache_reference(ref_model, v, method, config) for k, v in datasets.items()}
+        datasets = {
+            k: cache_reference(ref_model, v, method, config, k) for k, v in datasets.items()
+        }
         del ref_model
 
-    model = load_model(model_cfg, model_path, model_kind, quantization)
+    with phase(f"loading the model {model_path}"):
+        model = load_model(model_cfg, model_path, model_kind, quantization)
     peft_config = build_peft(raw.get("peft"))
     _export_wandb_env(raw.get("wandb") or {})
 
-    trainer = GrimoireTrainer(
-        model=model,
-        tokenizer=tokenizer,
-        config=config,
-        loss_fn=loss_fn,
-        train_dataset=datasets["dataset"],
-        eval_dataset=datasets.get("eval_dataset"),
-        peft_config=peft_config,
-        callbacks=callbacks,
-    )
+    # Preparing the model and data (and precompute_ref_log_probs' reference pass) happens here.
+    with phase("setting up the trainer"):
+        trainer = GrimoireTrainer(
+            model=model,
+            tokenizer=tokenizer,
+            config=config,
+            loss_fn=loss_fn,
+            train_dataset=datasets["dataset"],
+            eval_dataset=datasets.get("eval_dataset"),
+            peft_config=peft_config,
+            callbacks=callbacks,
+        )
     return Run(trainer=trainer, config=config, save_to=save_path(raw, config))
 
 
@@ -337,8 +346,11 @@ def _materialize_model(
     return str(path)
 
 
-def cache_reference(ref_model: Any, dataset: Any, method: Method, config: TrainingConfig) -> Any:
-    """Precompute reference log-probs into ``dataset`` once (``loss.cache_reference: true``)."""
+def cache_reference(
+    ref_model: Any, dataset: Any, method: Method, config: TrainingConfig, where: str = "dataset"
+) -> Any:
+    """Precompute reference log-probs into ``dataset`` (the config's ``where`` section) once
+    (``loss.cache_reference: true``)."""
     return cache_reference_log_probs(
         ref_model,
         dataset,
@@ -347,6 +359,8 @@ def cache_reference(ref_model: Any, dataset: Any, method: Method, config: Traini
         reduction=method.logp_reduction,
         autocast_dtype=torch.bfloat16 if decide(config.mixed_precision)[0] == "bf16" else None,
         max_length=config.max_length,
+        # One pass over every row with the reference: minutes on a real model, said as it goes.
+        progress=lambda _, rows: phase(f"cache_reference: reference log-probs of {where}", rows),
     )
 
 

@@ -155,10 +155,20 @@ def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
         args["ref_model"] = None  # checked against the loss's signature like any argument
     if args.get("engine") is not None:  # a name or {type, args}: vLLM installed, known arguments
         p += engine_problems(args["engine"], "loss.args.engine")
-    p += _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
+    checked = _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
+    p += [_trl_answer(m, args, "loss.args") for m in checked]
     if "reward_funcs" in args:
         p += _reward_problems(args["reward_funcs"], args.get("reward_weights"))
     return loss["type"], p
+
+
+def _trl_answer(problem: str, args: Mapping[str, Any], where: str) -> str:
+    """An unknown argument that is one of TRL's names (``max_completion_length``) answered with
+    the key that does it here, as in ``training:``; other problems as they are."""
+    for key, value in args.items():
+        if problem.startswith(f"{where}.{key}: unknown key"):
+            return trl_hint(key, value, where) or problem
+    return problem
 
 
 def _reward_problems(funcs: Any, weights: Any) -> list[str]:

@@ -68,7 +68,12 @@ class TrainingConfig:
     eval_on_start: bool = False
     save_steps: int | None = None
     save_total_limit: int | None = 2
-    save_on_epoch_end: bool = True
+    # A checkpoint (model + optimizer state: several times the model's size) after each complete
+    # epoch. None (auto): after every epoch but one that ends the run, whose weights the final
+    # model export holds (a checkpoint of the same step would only duplicate it, 4x larger);
+    # True: after every epoch, the last included; False: never. save_steps and a checkpoint
+    # signal (preemption) write theirs either way.
+    save_on_epoch_end: bool | None = None
     resume_from_checkpoint: str | None = None
     seed: int = 42
     log_with: str | list[str] | None = None

@@ -28,7 +28,8 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -60,6 +61,17 @@ CACHE_COLUMNS: tuple[str, ...] = (
     *KL_PAIR_COLUMNS,
     REDUCTION_COLUMN,
 )
+
+
+class Progress(Protocol):
+    """What a pass reports its rows to (``grimoire.training.phases.Phase``)."""
+
+    def advance(self, n: int) -> None: ...
+
+
+#: ``(split, rows) -> a context`` around one split's pass, giving its :class:`Progress`: how a
+#: caller shows a long reference pass (start, rows done, end) without this module printing.
+ProgressFactory = Callable[[str, int], AbstractContextManager[Progress]]
 
 
 def _to_dataset(dataset: Any):
@@ -105,6 +117,7 @@ def score_reference_columns(
     score: Callable[[dict[str, Any]], Sequence[Tensor]],
     device: torch.device,
     split: str = "train",
+    progress: Progress | None = None,
 ) -> Any:
     """The one reference pass: ``ds`` (a ``datasets.Dataset``) with ``columns`` and the
     reduction column added.
@@ -113,6 +126,7 @@ def score_reference_columns(
     ``collate(indices)`` builds their batch, moved to ``device``; ``score(batch)`` returns one
     ``[rows]`` tensor per column, in ``columns`` order. ``model`` (the module whose forward
     scores, or the policy wrapping it) is in eval mode for the pass, then back as it was.
+    ``progress`` is told the rows each batch scored.
     """
     values = torch.full((len(ds), len(columns)), float("nan"), dtype=torch.float64)
     with eval_mode(model):
@@ -124,6 +138,8 @@ def score_reference_columns(
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             got = score(batch)
             values[indices] = torch.stack([g.double().cpu() for g in got], dim=1)
+            if progress is not None:
+                progress.advance(len(indices))
     missing = int(values.isnan().any(dim=1).sum())
     if missing:  # a batching bug, never a data property: fail loudly, not train on NaN
         raise RuntimeError(f"reference log-probs: {missing} {split} rows not scored")
@@ -144,6 +160,7 @@ def cache_reference_log_probs(
     autocast_dtype: torch.dtype | None = None,
     pad_token_id: int | None = None,
     max_length: int | None = None,
+    progress: ProgressFactory | None = None,
 ):
     """Return ``dataset`` (a ``datasets.Dataset``) with reference log-prob columns added.
 
@@ -162,6 +179,8 @@ def cache_reference_log_probs(
             masked); default :func:`grimoire.columns.pad_token_id_of` of ``ref_model``.
         max_length: KTO only: bound on a mismatched pair's length (use the training
             ``max_length``; the completion's end is cut).
+        progress: ``(split, rows) -> context`` around the pass, told the rows each batch
+            scored (the CLI's phase lines); None: silent.
 
     Preference rows get ``ref_chosen_logps``/``ref_rejected_logps``; KTO rows get ``ref_logps``,
     ``ref_kl_logps`` and the dataset-level pairs ``kl_*`` (see the module docstring). Both get
@@ -198,16 +217,24 @@ def cache_reference_log_probs(
             out.append(logps.sum() if reduction == "sum" else logps.mean())
         return out
 
-    return score_reference_columns(
-        ds,
-        tuple(sides.values()),
-        reduction,
-        model=ref_model,
-        batches=[range(s, min(s + batch_size, len(ds))) for s in range(0, len(ds), batch_size)],
-        collate=lambda indices: collator([ds[i] for i in indices]),
-        score=score,
-        device=device,
-    )
+    with _reporting(progress, "train", len(ds)) as rows:
+        return score_reference_columns(
+            ds,
+            tuple(sides.values()),
+            reduction,
+            model=ref_model,
+            batches=[range(s, min(s + batch_size, len(ds))) for s in range(0, len(ds), batch_size)],
+            collate=lambda indices: collator([ds[i] for i in indices]),
+            score=score,
+            device=device,
+            progress=rows,
+        )
+
+
+def _reporting(
+    progress: ProgressFactory | None, split: str, rows: int
+) -> AbstractContextManager[Progress | None]:
+    return progress(split, rows) if progress is not None else contextlib.nullcontext()
 
 
 def _row_kind(
@@ -277,6 +304,7 @@ def precompute_reference(
     batch_size: int,
     accelerator: Any,
     move_policy: bool = True,
+    progress: ProgressFactory | None = None,
 ) -> list[Any]:
     """``TrainingConfig.precompute_ref_log_probs``: the datasets with the method's reference
     columns, from one no-grad pass of its :class:`~grimoire.forward.reference.Reference` (set up
@@ -291,6 +319,7 @@ def precompute_reference(
     the same on all ranks without a collective, and under FSDP2 (a sharded reference: every
     forward is a collective) all ranks run the same forwards. ``move_policy``: move the policy
     to the accelerator's device first when it is the reference (not when it is sharded later).
+    ``progress``: as :func:`cache_reference_log_probs`', once per split.
     """
     scoring, reference = _precomputable(method)
     columns = tuple(reference.cache_columns)
@@ -302,7 +331,17 @@ def precompute_reference(
 
     out = [
         _precompute_split(
-            scoring, dataset, split, columns, policy, collator, budget, batch_size, score, device
+            scoring,
+            dataset,
+            split,
+            columns,
+            policy,
+            collator,
+            budget,
+            batch_size,
+            score,
+            device,
+            progress,
         )
         for split, dataset in zip(("train", "eval"), datasets)
     ]
@@ -338,6 +377,7 @@ def _precompute_split(
     batch_size: int,
     score: Callable[[dict[str, Any]], Sequence[Tensor]],
     device: torch.device,
+    progress: ProgressFactory | None = None,
 ) -> Any:
     """One split with the method's reference columns (as it is when it has them already, e.g.
     from ``cache_reference_log_probs``), batched as training batches it."""
@@ -358,21 +398,25 @@ def _precompute_split(
     )
     # The policy goes to eval mode whichever module scores: it may itself be the reference
     # (adapters disabled, or untrained).
-    return score_reference_columns(
-        ds,
-        columns,
-        method.logp_reduction,
-        model=policy,
-        batches=batches,
-        collate=lambda indices: loader.collate(list(indices), True)[0],
-        score=score,
-        device=device,
-        split=split,
-    )
+    with _reporting(progress, split, len(ds)) as rows:
+        return score_reference_columns(
+            ds,
+            columns,
+            method.logp_reduction,
+            model=policy,
+            batches=batches,
+            collate=lambda indices: loader.collate(list(indices), True)[0],
+            score=score,
+            device=device,
+            split=split,
+            progress=rows,
+        )
 
 
 __all__ = [
     "CACHE_COLUMNS",
+    "Progress",
+    "ProgressFactory",
     "cache_reference_log_probs",
     "check_precomputable",
     "kl_pair_columns",

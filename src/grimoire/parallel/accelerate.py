@@ -1,12 +1,44 @@
-"""accelerate's process state: which device a run gets, a clean per-run state, and the check
-that a multi-process launch really formed one group (DeepSpeed's part: parallel/deepspeed.py)."""
+"""accelerate's process state: which device a run gets, a clean per-run state, the check that a
+multi-process launch really formed one group (DeepSpeed's part: parallel/deepspeed.py), and
+DeepSpeed left unimported by runs that do not use it (:func:`keep_deepspeed_unimported`)."""
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import imports as accelerate_imports
+from accelerate.utils import other as accelerate_other
+
+
+def keep_deepspeed_unimported() -> None:
+    """Make accelerate's model unwrapping stop importing ``deepspeed`` merely because it is installed.
+
+    ``accelerate.utils.other.extract_model_from_parallel`` (behind ``Accelerator.unwrap_model``
+    and every transformers ``save_pretrained``) runs ``from deepspeed import DeepSpeedEngine``
+    whenever the package is installed, to test ``isinstance(model, DeepSpeedEngine)``. Importing
+    deepspeed costs about a second and prints "[real_accelerator.py:...] Setting accelerator to
+    CPU" on every command of a machine without a GPU. A DeepSpeed engine can only exist once
+    ``deepspeed`` has been imported (the DeepSpeed runs import it: accelerate's ``prepare``,
+    :mod:`grimoire.parallel.deepspeed`), so answering "available" only when it is already in
+    ``sys.modules`` leaves that isinstance test exactly as it was. Idempotent.
+    """
+    if getattr(accelerate_other.is_deepspeed_available, "_grimoire_lazy", False):
+        return
+    installed = accelerate_imports.is_deepspeed_available
+
+    def imported_and_installed() -> bool:
+        return "deepspeed" in sys.modules and installed()
+
+    imported_and_installed._grimoire_lazy = True  # type: ignore[attr-defined]
+    accelerate_other.is_deepspeed_available = imported_and_installed
+
+
+# At import: this module is imported (through the CLI's run builder and the trainer's set-up)
+# before any model is saved or unwrapped.
+keep_deepspeed_unimported()
 
 
 def has_accelerator() -> bool:
@@ -47,5 +79,6 @@ def check_world_size(num_processes: int) -> None:
 __all__ = [
     "check_world_size",
     "has_accelerator",
+    "keep_deepspeed_unimported",
     "reset_accelerate_state",
 ]

@@ -56,6 +56,17 @@ class TrainerState:
     skipped_steps: int = 0  # steps not applied: a non-finite loss or gradient norm
 
 
+def at_epoch_end(asked: bool | None, ends_run: bool) -> bool:
+    """Whether a complete epoch is checkpointed (``save_on_epoch_end``: ``asked``).
+
+    Auto (None) skips the epoch that ends the run (``ends_run``): the final model is exported at
+    that step, and a checkpoint beside it (optimizer state included) only costs its size several
+    times over. A run stopped by a checkpoint signal still gets its own checkpoint in
+    ``train()``; a diverged one gets none. True / False: every epoch, or none.
+    """
+    return not ends_run if asked is None else asked
+
+
 def resolve_resume_path(spec: str, output_dir: str | Path, rank: int = 0) -> Path | None:
     """``"latest"`` -> the newest complete checkpoint in ``output_dir`` (None if there is none;
     damaged newer ones are skipped, and said so); else the path, refused when damaged.

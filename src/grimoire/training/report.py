@@ -6,6 +6,7 @@ config, ``metrics.jsonl``), so they never disagree with the metrics log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -75,6 +76,47 @@ def checkpoints_in(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
+def folder_bytes(path: str | Path) -> int:
+    """The bytes of every file under ``path`` (links not followed): its size on disk, as far
+    as a user deciding what to keep or delete is concerned."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            # A file removed meanwhile (a rotated checkpoint) is not there any more.
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def human_size(size: int) -> str:
+    """``2362232012`` -> ``2.2 GiB`` (binary units, one decimal)."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def written_entry(kind: str, path: str | Path) -> dict[str, Any]:
+    """One folder the run wrote, for ``run_summary.json``'s ``written``: what it is (``checkpoint``
+    or ``model``), where, and its size on disk."""
+    return {"kind": kind, "path": str(path), "bytes": folder_bytes(path)}
+
+
+def written_text(summary: dict[str, Any]) -> list[str]:
+    """``run_summary.json``'s ``written`` as lines: kind, path, size (the printed summary)."""
+    entries = summary.get("written") or []
+    if not entries:
+        return []
+    width = max(len(str(e["path"])) for e in entries)
+    lines = ["written:"]
+    for e in entries:
+        kind = "final model" if e["kind"] == "model" else e["kind"]
+        lines.append(f"  {kind:<11}  {e['path']!s:<{width}}  {human_size(e['bytes'])}")
+    return lines
+
+
 # --------------------------------------------------------------------------- run summary
 
 
@@ -111,6 +153,9 @@ def run_summary(trainer: Any, started: float, tokens_before: int = 0) -> dict[st
         "metrics": str(metrics_path(cfg.output_dir)),
         "checkpoints": [str(p) for p in checkpoints],
         "saved_model": None,  # filled in by save_model
+        # The folders left on disk and their sizes (a checkpoint holds the optimizer state too:
+        # several times the model); save_model adds the final model's.
+        "written": [written_entry("checkpoint", p) for p in checkpoints],
     }
 
 
@@ -130,7 +175,14 @@ def summary_text(summary: dict[str, Any]) -> str:
     loss = ""
     if summary["loss_first"] is not None:
         loss = f", loss {summary['loss_first']:.4f} -> {summary['loss_last']:.4f}"
-    where = summary["checkpoints"][-1] if summary["checkpoints"] else "none"
+    sizes = {e["path"]: e["bytes"] for e in summary.get("written") or []}
+    where = "none"
+    if summary["checkpoints"]:
+        last = summary["checkpoints"][-1]
+        size = f" ({human_size(sizes[last])})" if last in sizes else ""
+        where = f"{last}{size}" + (
+            f", {len(summary['checkpoints'])} in all" if len(summary["checkpoints"]) > 1 else ""
+        )
     return (
         f"run: {summary['steps']}/{summary['max_steps']} steps{stop} in "
         f"{summary['wall_time_s']:.1f}s, {summary['tokens']} tokens "
@@ -159,7 +211,11 @@ def note_saved_model(output_dir: str | Path, model_dir: str | Path) -> None:
         return  # saved before (or without) training: nothing to update
     summary = json.loads(path.read_text(encoding="utf-8"))
     summary["saved_model"] = str(model_dir)
+    # Saved again to the same folder: one entry, the newest size.
+    kept = [e for e in summary.get("written") or [] if e["path"] != str(model_dir)]
+    summary["written"] = [*kept, written_entry("model", model_dir)]
     write_atomic(path, json.dumps(summary, indent=2))
+    logger.info("final model: %s (%s)", model_dir, human_size(summary["written"][-1]["bytes"]))
 
 
 # --------------------------------------------------------------------------- model card
@@ -320,9 +376,13 @@ def write_model_card(trainer: Any, model_dir: str | Path) -> Path | None:
 
 
 __all__ = [
+    "folder_bytes",
+    "human_size",
     "model_card",
     "note_saved_model",
     "run_summary",
     "write_model_card",
     "write_run_summary",
+    "written_entry",
+    "written_text",
 ]

@@ -53,6 +53,7 @@ from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
 from grimoire.rollout.async_rollouts import AsyncRolloutStage, async_problems
 from grimoire.rollout.stage import RolloutStage
 from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
+from grimoire.training.phases import phase
 
 logger = logging.getLogger(__name__)
 
@@ -289,6 +290,8 @@ def precompute_reference_columns(
         batch_size=config.effective_eval_batch_size,
         accelerator=context.accelerator,
         move_policy=config.distributed != "fsdp2",
+        # Minutes on a real model before the first step: said as it goes (training/phases.py).
+        progress=lambda split, rows: phase(f"reference log-probs of the {split} rows", rows),
     )
     return context.train_dataset, context.eval_dataset
 

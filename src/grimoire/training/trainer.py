@@ -218,7 +218,7 @@ class GrimoireTrainer:
             if self.state.step_in_epoch >= self.loader.steps_per_epoch:
                 self.state.epoch, self.state.step_in_epoch = epoch + 1, 0
                 self.callbacks("on_epoch_end", self, epoch)
-                if cfg.save_on_epoch_end:
+                if ckpt.at_epoch_end(cfg.save_on_epoch_end, ends_run=self._done()):
                     self.save_checkpoint()
 
     def _on_signal(self, name: str) -> None:
