@@ -67,13 +67,14 @@ def test_string_layout_masks_prompt_and_trains_eos(tok):
 
 
 def chat_expected(tok, prompt_turns, answer):
-    """``<bos><|role|>text<|end|>...<|assistant|>answer<|end|><eos>`` and its labels."""
+    """``<bos><|role|>text<|end|>...<|assistant|>answer<|end|>`` and its labels: the template's
+    rendering, no EOS after the ``<|end|>`` that closes the final turn."""
     end = special(tok, "<|end|>")
     prompt = [tok.bos_token_id]
     for role, text in prompt_turns:
         prompt += [special(tok, f"<|{role}|>"), *ids(tok, text), end]
     prompt.append(special(tok, "<|assistant|>"))
-    response = [*ids(tok, answer), end, tok.eos_token_id]
+    response = [*ids(tok, answer), end]
     return prompt + response, [IGN] * len(prompt) + response
 
 
@@ -175,8 +176,8 @@ def test_a_user_turn_opening_both_responses_is_shared_untrained_prompt(tok):
         ids, labels = out[f"{side}_input_ids"], out[f"{side}_labels"]
         assert len(ids) <= 20
         trained = tok.decode([t for t in labels if t != -100])
-        assert trained == f"{answer}<|end|><eos>"
-    n = len(out["chosen_input_ids"]) - 3  # both share everything before the answer
+        assert trained == f"{answer}<|end|>"
+    n = len(out["chosen_input_ids"]) - 2  # both share everything before the answer
     assert out["chosen_input_ids"][:n] == out["rejected_input_ids"][:n]
 
 

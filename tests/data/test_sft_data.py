@@ -43,7 +43,11 @@ def test_chat_messages_train_assistant_turns_only(tokenizer):
     assert text.startswith("<bos><|system|>s<|end|><|user|>hi<|end|><|assistant|>yo<|end|>")
     trained = tokenizer.decode([t for t in out["labels"] if t != IGNORE])
     # Each assistant reply and its end-of-turn marker are trained; user/system text never is.
-    assert trained == "yo<|end|>k<|end|><eos>"
+    # The template closes the last turn with <|end|>: the row is its rendering, no EOS after it.
+    assert trained == "yo<|end|>k<|end|>"
+    assert out["input_ids"] == ids(
+        tokenizer, tokenizer.apply_chat_template(messages, tokenize=False)
+    )
 
 
 def test_long_rows_are_errors_unless_truncation_asks(tokenizer):
@@ -95,7 +99,36 @@ def test_tiny_template_renders_tools_reasoning_and_tool_results(tokenizer):
     assert tokenizer.decode(out["input_ids"]) == (
         "<bos><|system|>tools: rev<|end|><|user|>reverse ab=<|end|>"
         "<|assistant|>call: rev(word=ab)<|end|><|user|>result: ba<|end|>"
-        "<|assistant|>think: the tool said ba\nba<|end|><eos>"
+        "<|assistant|>think: the tool said ba\nba<|end|>"
     )
     trained = tokenizer.decode([t for t in out["labels"] if t != IGNORE])
-    assert trained == "call: rev(word=ab)<|end|>think: the tool said ba\nba<|end|><eos>"
+    assert trained == "call: rev(word=ab)<|end|>think: the tool said ba\nba<|end|>"
+
+
+def test_an_open_final_turn_gets_a_trained_eos():
+    # GLM-4-MoE's shape on the tiny tokenizer: a turn ends where the next header starts, so the
+    # final answer is left open: EOS is appended (and trained) after the template's rendering,
+    # for SFT and preference rows alike. The middle turn is closed by the next <|user|>.
+    from grimoire.data import tokenize_preference
+    from grimoire.model.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "k"},
+    ]
+    out = tokenize_sft({"messages": messages}, tok)
+    rendered = tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert out["input_ids"] == [*rendered, tok.eos_token_id]
+    assert tok.decode([t for t in out["labels"] if t != IGNORE]) == "yo<|user|>k<eos>"
+    pref = tokenize_preference(
+        {"prompt": messages[:1], "chosen": messages[1:2], "rejected": messages[3:]}, tok
+    )
+    assert tok.decode([t for t in pref["chosen_labels"] if t != IGNORE]) == "yo<eos>"
+    assert tok.decode([t for t in pref["rejected_labels"] if t != IGNORE]) == "k<eos>"

@@ -186,6 +186,66 @@ def bpe_tokenizer(template: str, vocab_size: int = 400):
     return _fast_tokenizer(tok, template)
 
 
+def rendering(tokenizer, messages, tools=None) -> tuple[list, str] | None:
+    """``(messages, text)``: the conversation as the template renders it (as text parts for the
+    vision-language templates), or ``None`` where the template raises or drops an answer."""
+    answers = [answer_and_reasoning(m)[0] for m in messages if m["role"] == "assistant"]
+    for form in (messages, as_parts(messages)):
+        try:
+            text = render_text(tokenizer, form, tools=tools)
+        except Exception:
+            continue
+        if all(a in text for a in answers if a):
+            return form, text
+    return None
+
+
+def leaves_final_turn_open(text: str, messages) -> bool:
+    """The independent rule of the EOS tests: the template writes nothing but whitespace after
+    the final assistant answer."""
+    answer = answer_and_reasoning(messages[-1])[0]
+    return (
+        messages[-1]["role"] == "assistant"
+        and not text[text.rindex(answer) + len(answer) :].strip()
+    )
+
+
+def expected_row(tokenizer, messages, tools=None) -> tuple[list[int], bool]:
+    """``(input_ids, open)`` a chat row must have: the template's own tokenization
+    (``apply_chat_template(tokenize=True)``), plus EOS only where it leaves the final turn open."""
+    kwargs = {"tools": tools} if tools else {}
+    ids = list(
+        tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)[
+            "input_ids"
+        ]
+    )
+    text = render_text(tokenizer, messages, tools=tools)
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    is_open = leaves_final_turn_open(text, messages)
+    return ids + [tokenizer.eos_token_id] * is_open, is_open
+
+
+def eos_cell(path: Path, tokenizer=None) -> str:
+    """The table's EOS cell: what ``tokenize_sft`` writes after a one-turn conversation's
+    answer: nothing but the template's own closing, or EOS where the template leaves the final
+    turn open. ``WRONG: ...`` is a bug."""
+    from grimoire.rows.sft import tokenize_sft
+
+    tokenizer = tokenizer or char_tokenizer(path.read_text())
+    placed = rendering(tokenizer, conversations()["1-turn"][0])
+    if placed is None:
+        return "refused"
+    messages, text = placed
+    expected, is_open = expected_row(tokenizer, messages)
+    ids = tokenize_sft({"messages": messages}, tokenizer, max_length=10_000)["input_ids"]
+    if ids != expected:
+        return "WRONG: the row is not the template's rendering" + " + EOS" * is_open
+    tail = text[text.rindex("assistantanswer alpha") + len("assistantanswer alpha") :]
+    if is_open:
+        return "appended (the final turn is left open)"
+    return "none (closed by `" + tail.replace("\n", "\\n") + "`)"
+
+
 def cell(path: Path, messages, tools, tokenizer=None) -> str:
     """One table cell: ``equal``, ``labelled`` or ``refused: reason``; ``WRONG: ...`` is a bug.
 

@@ -37,7 +37,8 @@ def test_tools_lookup_task_sft_rows_train_the_call_and_the_answer():
         word = row["messages"][0]["content"][len("reverse ") : -1]
         out = tokenize_sft(row, TOK, 128)
         trained = [t for t, label in zip(out["input_ids"], out["labels"]) if label != IGNORE_INDEX]
-        expected = f"call: lookup(word={word})<|end|>{word[::-1]}<|end|><eos>"
+        # The template closes the final turn with <|end|>: no EOS after it (issue 44).
+        expected = f"call: lookup(word={word})<|end|>{word[::-1]}<|end|>"
         assert TOK.decode(trained) == expected
 
 

@@ -18,6 +18,11 @@ Tokens are labelled when they overlap a span (the fast tokenizer's offsets), so
 nothing depends on earlier turns rendering the same way in a longer conversation: templates
 that drop earlier reasoning, date-stamp the system turn or change the generation prompt work.
 A message that cannot be located is a ``DataError`` naming it, never a silent guess.
+
+A conversation is trained exactly as its template renders it: no EOS follows a template's own
+end of turn (``<|im_end|>``, ``<|eot_id|>``, ...). The tokenizers append a trained EOS
+(:func:`append_eos`) to a chat row only where the template leaves the final assistant turn open
+(:func:`final_turn_open`: it writes no closing after it), so the model still learns to stop.
 """
 
 from __future__ import annotations
@@ -218,12 +223,45 @@ def check_messages(messages: Any, *, tools: Sequence[Any] | None, field: str, fn
 
 @dataclass(frozen=True)
 class ChatTokens:
-    """One rendering of a conversation: token ids, labels (-100 outside assistant turns) and
-    the token index where each assistant turn's labelled span begins."""
+    """One rendering of a conversation: token ids, labels (-100 outside assistant turns), the
+    token index where each assistant turn's labelled span begins, and whether the template
+    leaves the final assistant turn open (:func:`final_turn_open`)."""
 
     input_ids: list[int]
     labels: list[int]
     turn_starts: list[int]
+    open_end: bool = False
+
+
+def final_turn_open(tokenizer, text: str, messages: Messages) -> bool:
+    """True when the template leaves the conversation's final turn open: the last message is
+    the assistant's and nothing the template writes after its content (and its tool calls'
+    arguments) closes a turn.
+
+    What closes a turn is the tokenizer's EOS text or a text the template ends assistant turns
+    with (:func:`grimoire.rows.rendering.template_shape`, learnt from probe renderings: the
+    same closings the labelled spans end with; for a turn of tool calls also the tool-call
+    closings, gpt-oss ``<|call|>``). So ``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``
+    close a turn; GLM-4-MoE's stock template, which writes nothing after the final answer (the
+    next turn's ``<|user|>`` would end it), leaves it open. A conversation that ends with a
+    non-assistant message is never open: its end is not the assistant's to learn."""
+    if not messages or messages[-1].get("role") != "assistant":
+        return False
+    shape = template_shape(tokenizer)
+    finder, cursor, after = _Finder(tokenizer, text), 0, -1
+    for i, message in enumerate(messages):
+        at = finder.find(_anchor(message), cursor)
+        if at >= 0:
+            cursor = at + len(_anchor(message))
+            after = cursor if i == len(messages) - 1 else after
+    if after < 0:
+        return False  # the final answer is not placed (the labelling refuses such a row)
+    last = messages[-1]
+    closings = shape.closings + (shape.tool_closings if last.get("tool_calls") else ())
+    after = _past_call_arguments(finder, text, last, after, closings)
+    tail = text[after:]
+    eos = getattr(tokenizer, "eos_token", None)
+    return not any(c and c in tail for c in (*closings, eos))
 
 
 def _check_rendered(tokenizer, text: str, messages: Messages) -> None:
@@ -260,7 +298,8 @@ def chat_tokens(
         )
         ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
         starts = [j for j, on in enumerate(mask) if on and (j == 0 or not mask[j - 1])]
-        return ChatTokens(ids, [t if on else IGNORE_INDEX for t, on in zip(ids, mask)], starts)
+        labels = [t if on else IGNORE_INDEX for t, on in zip(ids, mask)]
+        return ChatTokens(ids, labels, starts, final_turn_open(tokenizer, text, messages))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(enc["input_ids"])
     spans = assistant_spans(tokenizer, text, messages, train_final_reasoning=train_final_reasoning)
@@ -275,7 +314,7 @@ def chat_tokens(
         j0, j1 = bisect_right(lasts, begin), bisect_left(firsts, end)
         labels[j0:j1] = ids[j0:j1]
         starts.append(j0)
-    return ChatTokens(ids, labels, starts)
+    return ChatTokens(ids, labels, starts, final_turn_open(tokenizer, text, messages))
 
 
 def chat_labels(
@@ -304,6 +343,15 @@ def row_tools(example: Mapping[str, Any], field: str, default: Sequence[Any] | N
     return value or None
 
 
+def append_eos(tokenizer, ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """``ids``/``labels`` with the tokenizer's EOS appended and trained, unless they already end
+    with it (or the tokenizer has none)."""
+    eos = tokenizer.eos_token_id
+    if eos is None or (ids and ids[-1] == eos):
+        return list(ids), list(labels)
+    return [*ids, eos], [*labels, eos]
+
+
 def split_conversation(
     tokenizer,
     prompt: Messages,
@@ -311,10 +359,11 @@ def split_conversation(
     *,
     tools: Sequence[Any] | None = None,
     train_final_reasoning: bool = True,
-) -> tuple[list[int], list[int], list[int]]:
-    """``(prompt_ids, response_ids, response_labels)`` from ONE rendering of ``prompt +
-    response``: the response starts where its first assistant turn's labels start; assistant
-    turns inside ``prompt`` are context, never trained."""
+) -> tuple[list[int], list[int], list[int], bool]:
+    """``(prompt_ids, response_ids, response_labels, open_end)`` from ONE rendering of
+    ``prompt + response``: the response starts where its first assistant turn's labels start;
+    assistant turns inside ``prompt`` are context, never trained. ``open_end``: the template
+    leaves the final turn open (:func:`final_turn_open`)."""
     out = chat_tokens(
         tokenizer, prompt + response, tools=tools, train_final_reasoning=train_final_reasoning
     )
@@ -328,16 +377,18 @@ def split_conversation(
             ]
         )
     cut = out.turn_starts[before]
-    return out.input_ids[:cut], out.input_ids[cut:], out.labels[cut:]
+    return out.input_ids[:cut], out.input_ids[cut:], out.labels[cut:], out.open_end
 
 
 __all__ = [
     "ChatTokens",
     "answer_and_reasoning",
+    "append_eos",
     "assistant_spans",
     "chat_labels",
     "chat_tokens",
     "check_messages",
+    "final_turn_open",
     "has_generation_blocks",
     "row_tools",
     "split_conversation",

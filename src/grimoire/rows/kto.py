@@ -76,11 +76,13 @@ def tokenize_kto(
     """Tokenize one unpaired KTO example: ``input_ids``, ``attention_mask``, ``labels``, ``label``.
 
     ``prompt``/``completion`` are strings or chat messages exactly as in
-    :func:`grimoire.rows.preference.tokenize_preference` (EOS appended to the completion and
-    trained; the same truncation: prompt end first, then completion start). ``label`` is a bool
-    (True = desirable); 0/1 integers are accepted. grimoire-rl's rows name the completion
-    ``response``: it is read when the row has no ``completion`` (or pass ``response_field=``).
-    Conversations may carry tool calls; the schemas come from ``tools_field`` or ``tools``.
+    :func:`grimoire.rows.preference.tokenize_preference` (EOS appended to a string completion
+    and trained; a conversation trained as its template renders it, EOS only where the template
+    leaves the final turn open; the same truncation: prompt end first, then completion start).
+    ``label`` is a bool (True = desirable); 0/1 integers are accepted. grimoire-rl's rows name
+    the completion ``response``: it is read when the row has no ``completion`` (or pass
+    ``response_field=``). Conversations may carry tool calls; the schemas come from
+    ``tools_field`` or ``tools``.
 
     Raises:
         DataError: a missing/empty prompt or completion, a missing or non-boolean label, or no

@@ -10,9 +10,10 @@ shared with the KTO tokenizer.
 Truncation (when ``prompt + longest response > max_length``): the prompt is shortened first,
 keeping its END (the question right before the answer matters most; a leading BOS token is kept),
 but never below ``max_prompt_length`` tokens (default ``max_length // 2``); then the responses
-keep their START. A cut response loses its EOS, so the model is never taught to stop where the
-text did not. A row left with no trainable response token raises ``DataError``. What is cut
-is counted (:func:`grimoire.rows.common.counting_cuts`; ``tokenize_dataset`` logs the totals).
+keep their START. A cut response loses its end (EOS or end of turn), so the model is never
+taught to stop where the text did not. A row left with no trainable response token raises
+``DataError``. What is cut is counted (:func:`grimoire.rows.common.counting_cuts`;
+``tokenize_dataset`` logs the totals).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.rows.chat import check_messages, row_tools, split_conversation
+from grimoire.rows.chat import append_eos, check_messages, row_tools, split_conversation
 from grimoire.rows.common import report_cut
 
 Messages = list[dict[str, Any]]
@@ -90,18 +91,19 @@ def encode_prompt_response(
     """Tokenize one ``(prompt, response)``: ``(prompt_ids, response_ids, response_labels)``.
 
     Strings: ``prompt`` with the tokenizer's special tokens (BOS), the response without, plus
-    EOS (trained, so the model learns to stop). Conversational: ``prompt + response`` is
-    rendered ONCE with the chat template (``tools`` handed to it) and the response starts where
-    its first assistant turn does (:func:`grimoire.rows.chat.split_conversation`); only its
-    assistant turns are trained (tool calls included, tool results never), and EOS is appended
-    when the template does not end with it.
+    EOS unless it already ends with it (trained, so the model learns to stop; TRL's rule).
+    Conversational: ``prompt + response`` is rendered ONCE with the chat template (``tools``
+    handed to it) and the response starts where its first assistant turn does
+    (:func:`grimoire.rows.chat.split_conversation`); only its assistant turns are trained (tool
+    calls included, tool results never), exactly as the template renders them: no EOS after
+    the template's own end of turn, EOS appended only where the template leaves the final
+    turn open (:func:`grimoire.rows.chat.final_turn_open`).
     """
-    eos = tokenizer.eos_token_id
     if not conversational:
         prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-        response_ids = list(response_ids) + ([eos] if eos is not None else [])
-        return list(prompt_ids), response_ids, list(response_ids)
+        response_ids, response_labels = append_eos(tokenizer, response_ids, response_ids)
+        return list(prompt_ids), response_ids, response_labels
     prompt_msgs = _as_messages(prompt, "user", prompt_field, fn) if prompt else []
     response_msgs = _as_messages(response, "assistant", response_field, fn)
     if not any(m.get("role") == "assistant" for m in response_msgs):
@@ -110,11 +112,11 @@ def encode_prompt_response(
     problems += check_messages(response_msgs, tools=tools, field=response_field, fn=fn)
     if problems:
         raise DataError(problems)
-    prompt_ids, response_ids, response_labels = split_conversation(
+    prompt_ids, response_ids, response_labels, open_end = split_conversation(
         tokenizer, prompt_msgs, response_msgs, tools=tools
     )
-    if eos is not None and (not response_ids or response_ids[-1] != eos):
-        response_ids, response_labels = response_ids + [eos], response_labels + [eos]
+    if open_end:
+        response_ids, response_labels = append_eos(tokenizer, response_ids, response_labels)
     return prompt_ids, response_ids, response_labels
 
 
@@ -291,11 +293,12 @@ def tokenize_preference(
     Accepted rows:
 
     - strings: ``prompt``, ``chosen``, ``rejected`` (EOS is appended to each response and
-      trained);
+      trained, unless it already ends with it);
     - conversational: ``prompt`` a message list (or a string, read as one user message) and
       ``chosen``/``rejected`` message lists (or strings, read as one assistant message),
       rendered with the tokenizer's chat template; only assistant turns of the responses are
-      trained;
+      trained, exactly as the template renders them (no EOS after its end of turn; EOS only
+      where it leaves the final turn open, :func:`grimoire.rows.chat.final_turn_open`);
     - implicit prompt: no ``prompt`` field and ``chosen``/``rejected`` full conversations (their
       shared leading messages are the prompt) or full texts (their shared leading text, up to
       the space before the first difference, as TRL splits them).

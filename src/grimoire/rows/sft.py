@@ -10,7 +10,13 @@ from typing import Any
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.errors import DataError
-from grimoire.rows.chat import chat_tokens, check_messages, row_tools, split_conversation
+from grimoire.rows.chat import (
+    append_eos,
+    chat_tokens,
+    check_messages,
+    row_tools,
+    split_conversation,
+)
 from grimoire.rows.common import fit_length, require_fields
 
 
@@ -20,7 +26,7 @@ def _chat_row(
     messages_field: str,
     tools: Sequence[Any] | None,
     train_final_reasoning: bool,
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[int], bool]:
     messages = example[messages_field]
     problems = check_messages(messages, tools=tools, field=messages_field, fn="tokenize_sft")
     if not problems and messages[-1].get("role") != "assistant":
@@ -33,7 +39,7 @@ def _chat_row(
     out = chat_tokens(
         tokenizer, list(messages), tools=tools, train_final_reasoning=train_final_reasoning
     )
-    return out.input_ids, out.labels
+    return out.input_ids, out.labels, out.open_end
 
 
 def _prompt_completion(
@@ -44,7 +50,7 @@ def _prompt_completion(
     tools: Sequence[Any] | None,
     train_final_reasoning: bool,
     max_prompt_length: int | None,
-) -> tuple[list[int], list[int]]:
+) -> tuple[list[int], list[int], bool]:
     require_fields(example, [prompt_field, response_field], "tokenize_sft")
     prompt, response = example[prompt_field], example[response_field]
     if isinstance(prompt, list) or isinstance(response, list):
@@ -56,7 +62,7 @@ def _prompt_completion(
         problems += check_messages(response, tools=tools, field=response_field, fn="tokenize_sft")
         if problems:
             raise DataError(problems)
-        p_ids, r_ids, r_labels = split_conversation(
+        p_ids, r_ids, r_labels, needs_eos = split_conversation(
             tokenizer,
             list(prompt_msgs),
             list(response),
@@ -66,10 +72,11 @@ def _prompt_completion(
     else:
         p_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
         r_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-        r_labels = list(r_ids)
+        r_labels, needs_eos = list(r_ids), True  # plain strings: EOS always (TRL's rule)
     if max_prompt_length is not None and len(p_ids) > max_prompt_length:
         p_ids = p_ids[len(p_ids) - max_prompt_length :]
-    return list(p_ids) + list(r_ids), [IGNORE_INDEX] * len(p_ids) + list(r_labels)
+    ids, labels = list(p_ids) + list(r_ids), [IGNORE_INDEX] * len(p_ids) + list(r_labels)
+    return ids, labels, needs_eos
 
 
 def tokenize_sft(
@@ -100,25 +107,32 @@ def tokenize_sft(
       conversational prompt-completion: only the completion is trained).
     - ``text``: every token trained.
 
-    EOS is appended when the row does not already end with it, and trained, so the model learns
-    to stop. ``max_prompt_length`` (prompt + response rows) first cuts a longer prompt to its
-    LAST tokens. A row longer than ``max_length`` is a ``DataError`` unless ``truncation`` is
+    EOS, so the model learns to stop: non-conversational rows (``prompt`` + ``response``
+    strings, ``text``) get EOS appended and trained unless they already end with it, as TRL
+    does. A conversation (``messages``, or conversational prompt-completion) is trained exactly
+    as its chat template renders it: no EOS after the template's own end of turn
+    (``<|im_end|>``, ``<|eot_id|>``, ...; stopping there is the inference stack's job, as for
+    TRL). Only where the template leaves the final assistant turn open, writing no closing
+    after it (:func:`grimoire.rows.chat.final_turn_open`; GLM-4-MoE's stock template), is EOS
+    appended and trained.
+
+    ``max_prompt_length`` (prompt + response rows) first cuts a longer prompt to its LAST
+    tokens. A row longer than ``max_length`` is a ``DataError`` unless ``truncation`` is
     ``"drop"`` (returns ``None``; ``tokenize_dataset`` skips and counts it), ``"turn"`` (ends
     after the last whole assistant turn that fits) or ``"cut"`` (cut at ``max_length``); what was
     cut is counted (:func:`grimoire.rows.common.counting_cuts`) and ``tokenize_dataset`` logs it.
 
     Returns ``{"input_ids", "attention_mask", "labels"}`` (lists of equal length).
     """
-    eos = tokenizer.eos_token_id
     tools = row_tools(example, tools_field, tools)
     if response_field == "response" and "response" not in example and "completion" in example:
         response_field = "completion"  # TRL's prompt-completion column
     if example.get(messages_field):
-        input_ids, labels = _chat_row(
+        input_ids, labels, needs_eos = _chat_row(
             example, tokenizer, messages_field, tools, train_final_reasoning
         )
     elif prompt_field in example or response_field in example:
-        input_ids, labels = _prompt_completion(
+        input_ids, labels, needs_eos = _prompt_completion(
             example,
             tokenizer,
             prompt_field,
@@ -130,7 +144,7 @@ def tokenize_sft(
     elif text_field in example:
         require_fields(example, [text_field], "tokenize_sft")
         input_ids = list(tokenizer(example[text_field], add_special_tokens=True)["input_ids"])
-        labels = list(input_ids)
+        labels, needs_eos = list(input_ids), True
     else:
         raise DataError(
             [
@@ -139,9 +153,8 @@ def tokenize_sft(
                 "(pass prompt_field=/response_field=/text_field=/messages_field= to map columns)"
             ]
         )
-    if eos is not None and (not input_ids or input_ids[-1] != eos):
-        # Templates that end turns with their own marker still get EOS so generation stops.
-        input_ids, labels = input_ids + [eos], labels + [eos]
+    if needs_eos:
+        input_ids, labels = append_eos(tokenizer, input_ids, labels)
     fitted = fit_length(input_ids, labels, max_length, truncation, "tokenize_sft")
     if fitted is None:
         return None
