@@ -67,6 +67,15 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         [],
         "output/grimoire_rl_schema/final/adapter_config.json",
     ),
+    "smollm2_sft_sums.yaml": (
+        # The real model (SmolLM2-135M-Instruct from its wheel's GGUF file, converted once into
+        # GRIMOIRE_CACHE: the session's, see test_example_runs_as_written); 30 steps as
+        # written, docs/real-model.md has the measured run.
+        [GRIMOIRE, "train", "--config", "examples/smollm2_sft_sums.yaml"],
+        ["--set", "training.max_steps=1", "--set", "training.eval_on_start=false"]
+        + ["--set", "training.eval_steps=null"],
+        "output/smollm2_sft_sums/final/model.safetensors",
+    ),
     "sft_python.py": (
         [PYTHON, "examples/sft_python.py"],  # 300 steps of the tiny model as written
         ["--max-steps", "20"],
@@ -128,13 +137,15 @@ def command(argv: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("example", sorted(RUNS))
-def test_example_runs_as_written(example, tmp_path):
+def test_example_runs_as_written(example, tmp_path, request):
     documented, shorter, writes = RUNS[example]
     root = repo_root_copy(tmp_path)
     if example == "accelerate/ddp.yaml":
         (root / "run.yaml").write_text(RUN_YAML)
     # Two processes on a shared CPU: one thread each, as tests/test_distributed.py does.
     env = {"OMP_NUM_THREADS": "1"} if example == "accelerate/ddp.yaml" else {}
+    if example.startswith("smollm2_"):  # the session's converted GGUF file, not a second one
+        env["GRIMOIRE_CACHE"] = str(request.getfixturevalue("real_model_cache")[0])
     done = run(command(documented + shorter), root, timeout=900, **env)
     assert (root / writes).is_file(), done.stdout[-2000:]
     if example == "accelerate/ddp.yaml":
