@@ -2,7 +2,7 @@
 
 Deterministic (seed 0): ``sums_train.jsonl`` (chat rows: the question, the bare sum as the
 assistant's answer), ``sums_prompts.jsonl`` (the same questions as prompts + ``answer``, for the
-online methods) and ``sums_eval.jsonl`` (held-out questions, both shapes: pairs that appear in neither).
+online methods) and ``sums_eval.jsonl`` (held-out questions, every shape: pairs that appear in neither).
 
     python scripts/make_sums_data.py
 """
@@ -31,8 +31,9 @@ def main() -> None:
             for a, b in train
         ],
         "sums_prompts.jsonl": [{"prompt": question(a, b), "answer": str(a + b)} for a, b in train],
-        # Both shapes in one row: ``messages`` for the SFT eval loss, ``prompt`` + ``answer`` for
-        # the exact-match callback and the online methods.
+        # Every shape in one row: ``messages`` for the SFT eval loss, ``prompt`` + ``answer`` for
+        # the exact-match callback and the online methods, ``chosen`` / ``rejected`` (below) for
+        # the preference methods' eval loss.
         "sums_eval.jsonl": [
             {
                 "messages": [*question(a, b), {"role": "assistant", "content": str(a + b)}],
@@ -42,6 +43,27 @@ def main() -> None:
             for a, b in held_out
         ],
     }
+    # DPO (examples/smollm2_dpo_concise.yaml): both answers right, the chosen one in the asked
+    # form, the rejected one in the base model's own wordy styles (seen in its greedy answers).
+    wordy = (
+        "To solve this, we need to add {a} and {b}.\n\nThe answer is {s}.",
+        "{a} + {b} = {s}",
+        "To solve this problem, we need to combine {a} and {b}. Adding them gives {s}.",
+        "The sum of {a} and {b} is {s}.",
+    )
+
+    def pair(i: int, a: int, b: int) -> dict[str, list[dict[str, str]]]:
+        rejected = wordy[i % len(wordy)].format(a=a, b=b, s=a + b)
+        return {
+            "chosen": [{"role": "assistant", "content": str(a + b)}],
+            "rejected": [{"role": "assistant", "content": rejected}],
+        }
+
+    rows["sums_dpo.jsonl"] = [
+        {"prompt": question(a, b), **pair(i, a, b)} for i, (a, b) in enumerate(train)
+    ]
+    for i, (row, (a, b)) in enumerate(zip(rows["sums_eval.jsonl"], held_out)):
+        row.update(pair(i, a, b))  # the eval loss of the preference recipes
     for name, data in rows.items():
         with open(ASSETS / name, "w") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in data)

@@ -400,6 +400,10 @@ def test_summary_reads_metrics(tmp_path):
     assert "2.9000 -> 2.0000" in text and "held-out exact match: 25.0%" in text
     assert "model saved to: somewhere/final" in text
     assert sparkline([3, 2, 1]) == "@=_" and sparkline([]) == ""
+    # An evaluation before training (eval_on_start) is shown as the starting point.
+    records.insert(0, {"split": "eval", "step": 0, "eval/loss": 2.5, "eval/exact_match": 0.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "held-out exact match: 0.0% at step 0 -> 25.0%" in summarize(tmp_path, None)
 
 
 @pytest.mark.slow

@@ -102,7 +102,15 @@ def summarize(output_dir: str | Path, save_to: str | None) -> str:
         ]
         lines.append(f"eval @ step {last.get('step')}: " + ", ".join(shown))
         if "eval/exact_match" in last:
-            lines.append(f"held-out exact match: {100 * last['eval/exact_match']:.1f}%")
+            # With an evaluation before training (eval_on_start), the starting model's score
+            # too: a fine-tune of a real model is judged by the change, not the end point.
+            first = evals[0] if evals[0].get("step") == 0 and len(evals) > 1 else None
+            before = (
+                f"{100 * first['eval/exact_match']:.1f}% at step 0 -> "
+                if first and "eval/exact_match" in first
+                else ""
+            )
+            lines.append(f"held-out exact match: {before}{100 * last['eval/exact_match']:.1f}%")
     lines.append(f"metrics: {metrics_path(output_dir)}")
     summary_file = Path(output_dir) / SUMMARY_FILE
     if summary_file.is_file():

@@ -21,6 +21,12 @@ import torch
 
 from grimoire.errors import ConfigError
 from grimoire.rollout.generation import greedy_generate_texts
+from grimoire.rollout.reward_answers import (
+    EXTRACTORS,
+    answers_match,
+    extract_answer,
+    reference_answer,
+)
 
 
 class TrainerCallback:
@@ -199,6 +205,13 @@ class ExactMatchCallback(TrainerCallback):
     ``rows`` are raw examples with ``prompt_field`` (a string, or a chat message list rendered
     with the generation prompt) and ``answer_field``; a prediction counts when its decoded text,
     stripped, equals the answer. Each rank scores a strided shard; counts are summed over ranks.
+
+    ``extract`` (``auto``, ``last_number``, ``boxed``, ``gsm8k``: the ``answer_match`` reward's
+    extractors) also logs ``eval/answer_match``: the extracted answer equals the reference
+    (numerically where both are numbers), whatever text surrounds it. The two apart tell a
+    model that answers right in its own words from one that answers in the asked form; with
+    ``eval/answer_chars`` (the mean length of the stripped answers) they measure a behaviour
+    such as "answer with the number only".
     """
 
     def __init__(
@@ -208,12 +221,18 @@ class ExactMatchCallback(TrainerCallback):
         answer_field: str = "answer",
         max_new_tokens: int = 16,
         batch_size: int = 32,
+        extract: str | None = None,
     ):
+        if extract is not None and extract not in EXTRACTORS:
+            raise ValueError(
+                f"ExactMatchCallback: extract={extract!r} is not one of {list(EXTRACTORS)}"
+            )
         self.rows = list(rows)
         self.prompt_field = prompt_field
         self.answer_field = answer_field
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
+        self.extract = extract
         missing = [
             i for i, r in enumerate(self.rows) if prompt_field not in r or answer_field not in r
         ]
@@ -223,10 +242,20 @@ class ExactMatchCallback(TrainerCallback):
             )
 
     def on_evaluate(self, trainer, metrics: dict[str, float]) -> None:
-        metrics["eval/exact_match"] = self.score(trainer)
+        exact, answer, chars = self.scores(trainer)
+        metrics["eval/exact_match"] = exact
+        if self.extract is not None:
+            metrics["eval/answer_match"] = answer
+            metrics["eval/answer_chars"] = chars
+
+    def score(self, trainer) -> float:
+        """``eval/exact_match`` alone."""
+        return self.scores(trainer)[0]
 
     @torch.no_grad()
-    def score(self, trainer) -> float:
+    def scores(self, trainer) -> tuple[float, float, float]:
+        """``(exact match, answer match, mean answer characters)`` over all ranks' rows
+        (answer match is 0 without ``extract``)."""
         acc = trainer.accelerator
         shard = self.rows[acc.process_index :: acc.num_processes]
         prompts = [r[self.prompt_field] for r in shard]
@@ -237,7 +266,20 @@ class ExactMatchCallback(TrainerCallback):
             self.max_new_tokens,
             self.batch_size,
         )
-        hits = sum(t.strip() == str(r[self.answer_field]).strip() for t, r in zip(texts, shard))
-        counts = torch.tensor([hits, len(shard)], dtype=torch.float64, device=acc.device)
+        refs = [str(r[self.answer_field]).strip() for r in shard]
+        exact = sum(t.strip() == ref for t, ref in zip(texts, refs))
+        answer = 0
+        if self.extract is not None:
+            found = [extract_answer(t, self.extract) for t in texts]
+            answer = sum(
+                f is not None and answers_match(f, reference_answer(ref))
+                for f, ref in zip(found, refs)
+            )
+        chars = sum(len(t.strip()) for t in texts)
+        # Sums, not means, are reduced: ranks' shards differ in size by up to one row.
+        counts = torch.tensor(
+            [exact, answer, chars, len(shard)], dtype=torch.float64, device=acc.device
+        )
         counts = acc.reduce(counts, reduction="sum")
-        return float(counts[0] / counts[1].clamp(min=1))
+        n = counts[3].clamp(min=1)
+        return float(counts[0] / n), float(counts[1] / n), float(counts[2] / n)
