@@ -145,6 +145,18 @@ def machine_line(cores_note: str = "", *, cpu_capability: bool = False, tail: st
     return "# machine: " + "; ".join(parts)
 
 
+def cpu_flags(prefixes: tuple[str, ...] = ("avx512", "amx")) -> list[str]:
+    """The CPU's ``/proc/cpuinfo`` flags starting with one of ``prefixes`` (sorted; empty where
+    unreadable): which of the wide-vector / matrix units torch's kernels may use here."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    flags = line.split(":", 1)[1].split() if ":" in line else []
+    return sorted({f for f in flags if f.startswith(prefixes)})
+
+
 def tiny_llama(
     vocab: int, hidden: int, layers: int, max_positions: int, heads: int | None = None
 ) -> Any:
@@ -170,6 +182,31 @@ def training_config(output_dir: str, **kw: Any) -> Any:
     from grimoire import TrainingConfig
 
     return TrainingConfig(output_dir=output_dir, **{**TRAINING_DEFAULTS, **kw})
+
+
+# --------------------------------------------------------------------------- timing
+
+
+class StepClock:
+    """``on_step_end`` timestamps; the same callback protocol in both grimoires (wrap it in a
+    ``transformers.TrainerCallback`` for TRL). On a GPU the step's queued kernels are waited for
+    first, so a timestamp means the step is done."""
+
+    def __init__(self, cuda: bool = False) -> None:
+        self.times: list[float] = []
+        self.cuda = cuda
+
+    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def __getattr__(self, name: str) -> Any:  # every other hook: nothing to do
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
 
 
 # --------------------------------------------------------------------------- subprocesses

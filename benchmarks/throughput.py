@@ -143,28 +143,9 @@ def save_model(path: Path, spec: dict[str, int]) -> Path:
 # --------------------------------------------------------------------------- workers
 
 
-class _Clock:
-    """``on_step_end`` timestamps; the same callback protocol in both grimoires. On a GPU the
-    step's queued kernels are waited for first, so a timestamp means the step is done."""
-
-    def __init__(self, cuda: bool = False) -> None:
-        self.times: list[float] = []
-        self.cuda = cuda
-
-    def on_step_end(self, *args: Any, **kwargs: Any) -> None:
-        if self.cuda:
-            import torch
-
-            torch.cuda.synchronize()
-        self.times.append(time.perf_counter())
-
-    def __getattr__(self, name: str) -> Any:  # every other hook: nothing to do
-        if name.startswith("on_"):
-            return lambda *a, **k: None
-        raise AttributeError(name)
-
-
-def _grimoire_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: _Clock) -> None:
+def _grimoire_worker(
+    spec: dict[str, Any], rows: list[dict[str, Any]], clock: bench.StepClock
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grimoire import GrimoireTrainer, TrainingConfig
@@ -214,7 +195,7 @@ def _grimoire_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: _C
     trainer.train()
 
 
-def _trl_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: _Clock) -> None:
+def _trl_worker(spec: dict[str, Any], rows: list[dict[str, Any]], clock: bench.StepClock) -> None:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig, SFTTrainer
@@ -257,7 +238,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(spec["threads"])
     rows = long_tailed_rows(spec["rows"], spec["vocab"], spec["max_len"], spec["seed"])
-    clock = _Clock(cuda=spec.get("device") == "cuda")
+    clock = bench.StepClock(cuda=spec.get("device") == "cuda")
     if spec["impl"] == "trl":
         _trl_worker(spec, rows, clock)
     else:
