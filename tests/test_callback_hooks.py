@@ -118,6 +118,7 @@ def test_exact_match_with_extract_tells_the_asked_form_from_a_right_answer(monke
     assert metrics == {
         "eval/exact_match": 2 / 4,  # "68" and "7" (stripped)
         "eval/answer_match": 3 / 4,  # + "1,000" == 1000; 41 != 42
+        "eval/answer_only": 2 / 4,  # "68", " 7 ": nothing but the number
         "eval/answer_chars": (2 + 20 + 12 + 1) / 4,
     }
     metrics.clear()

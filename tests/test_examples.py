@@ -76,6 +76,20 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         + ["--set", "training.eval_steps=null"],
         "output/smollm2_sft_sums/final/model.safetensors",
     ),
+    "smollm2_dpo_concise.yaml": (
+        [GRIMOIRE, "train", "--config", "examples/smollm2_dpo_concise.yaml"],
+        ["--set", "training.max_steps=1", "--set", "training.eval_on_start=false"]
+        + ["--set", "training.eval_steps=null", "--set", "dataset.max_samples=8"]
+        + ["--set", "eval_dataset.max_samples=8"],
+        "output/smollm2_dpo_concise/final/model.safetensors",
+    ),
+    "smollm2_grpo_sums.yaml": (
+        [GRIMOIRE, "train", "--config", "examples/smollm2_grpo_sums.yaml"],
+        ["--set", "training.max_steps=1", "--set", "training.eval_on_start=false"]
+        + ["--set", "training.eval_steps=null", "--set", "loss.args.max_new_tokens=8"]
+        + ["--set", "training.batch_size=2", "--set", "loss.args.num_generations=2"],
+        "output/smollm2_grpo_sums/final/model.safetensors",
+    ),
     "sft_python.py": (
         [PYTHON, "examples/sft_python.py"],  # 300 steps of the tiny model as written
         ["--max-steps", "20"],

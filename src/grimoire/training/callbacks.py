@@ -210,8 +210,9 @@ class ExactMatchCallback(TrainerCallback):
     extractors) also logs ``eval/answer_match``: the extracted answer equals the reference
     (numerically where both are numbers), whatever text surrounds it. The two apart tell a
     model that answers right in its own words from one that answers in the asked form; with
-    ``eval/answer_chars`` (the mean length of the stripped answers) they measure a behaviour
-    such as "answer with the number only".
+    ``eval/answer_only`` (the share of answers that are nothing but an extractable answer,
+    right or wrong) and ``eval/answer_chars`` (the mean length of the stripped answers) they
+    measure a behaviour such as "answer with the number only".
     """
 
     def __init__(
@@ -242,10 +243,11 @@ class ExactMatchCallback(TrainerCallback):
             )
 
     def on_evaluate(self, trainer, metrics: dict[str, float]) -> None:
-        exact, answer, chars = self.scores(trainer)
+        exact, answer, only, chars = self.scores(trainer)
         metrics["eval/exact_match"] = exact
         if self.extract is not None:
             metrics["eval/answer_match"] = answer
+            metrics["eval/answer_only"] = only
             metrics["eval/answer_chars"] = chars
 
     def score(self, trainer) -> float:
@@ -253,9 +255,9 @@ class ExactMatchCallback(TrainerCallback):
         return self.scores(trainer)[0]
 
     @torch.no_grad()
-    def scores(self, trainer) -> tuple[float, float, float]:
-        """``(exact match, answer match, mean answer characters)`` over all ranks' rows
-        (answer match is 0 without ``extract``)."""
+    def scores(self, trainer) -> tuple[float, float, float, float]:
+        """``(exact match, answer match, answer only, mean answer characters)`` over all ranks'
+        rows (the two answer shares are 0 without ``extract``)."""
         acc = trainer.accelerator
         shard = self.rows[acc.process_index :: acc.num_processes]
         prompts = [r[self.prompt_field] for r in shard]
@@ -268,18 +270,20 @@ class ExactMatchCallback(TrainerCallback):
         )
         refs = [str(r[self.answer_field]).strip() for r in shard]
         exact = sum(t.strip() == ref for t, ref in zip(texts, refs))
-        answer = 0
+        answer = only = 0
         if self.extract is not None:
             found = [extract_answer(t, self.extract) for t in texts]
             answer = sum(
                 f is not None and answers_match(f, reference_answer(ref))
                 for f, ref in zip(found, refs)
             )
+            only = sum(f is not None and t.strip() == f.strip() for f, t in zip(found, texts))
         chars = sum(len(t.strip()) for t in texts)
         # Sums, not means, are reduced: ranks' shards differ in size by up to one row.
         counts = torch.tensor(
-            [exact, answer, chars, len(shard)], dtype=torch.float64, device=acc.device
+            [exact, answer, only, chars, len(shard)], dtype=torch.float64, device=acc.device
         )
         counts = acc.reduce(counts, reduction="sum")
-        n = counts[3].clamp(min=1)
-        return float(counts[0] / n), float(counts[1] / n), float(counts[2] / n)
+        n = counts[4].clamp(min=1)
+        exact_share, answer_share, only_share, mean_chars = (float(c / n) for c in counts[:4])
+        return exact_share, answer_share, only_share, mean_chars
