@@ -245,10 +245,11 @@ def _convert(path: Path, out: Path) -> None:
         hf_logging.enable_progress_bar()
     # The weights are plain fp32 tensors now; what still marks the model as "GGUF-quantized" (and
     # makes save_pretrained refuse it) is the quantizer and its config entry.
-    model.hf_quantizer = None
-    model.is_quantized = False
+    # (setattr/delattr: torch's Module.__setattr__ types only tensors and modules.)
+    setattr(model, "hf_quantizer", None)  # noqa: B010
+    setattr(model, "is_quantized", False)  # noqa: B010
     if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+        delattr(model.config, "quantization_config")
     out.mkdir(parents=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -30,7 +30,7 @@ def keep_deepspeed_unimported() -> None:
     installed = accelerate_imports.is_deepspeed_available
 
     def imported_and_installed() -> bool:
-        return "deepspeed" in sys.modules and installed()
+        return "deepspeed" in sys.modules and bool(installed())
 
     imported_and_installed._grimoire_lazy = True  # type: ignore[attr-defined]
     accelerate_other.is_deepspeed_available = imported_and_installed
