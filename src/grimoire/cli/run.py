@@ -119,8 +119,9 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
     if loss_cfg.get("ref_model") == REF_MODEL_COPY and not loss_cfg.get("cache_reference"):
         args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
     loss_fn = make_loss(loss_cls, loss_cfg["type"], args)
-    raise_if(reward_problems(loss_fn, datasets), ConfigError)
-    raise_if(missing_reference(as_method(loss_fn), raw, config, datasets), ConfigError)
+    method = as_method(loss_fn)
+    raise_if(dataset_problems(method, datasets, tokenizer), ConfigError)
+    raise_if(missing_reference(method, raw, config, datasets), ConfigError)
     return Checked(raw, config, model_path, tokenizer, datasets, callbacks, loss_cls, args, loss_fn)
 
 
@@ -131,14 +132,16 @@ def make_loss(loss_cls: Any, name: str, args: dict[str, Any]) -> Any:
         raise ConfigError([f"loss: {name}: {exc}"]) from exc
 
 
-def reward_problems(loss_fn: Any, datasets: dict[str, Any]) -> list[str]:
-    """Reward functions that the rollout's keyword call would not fit, for each dataset's columns
-    (the same check the trainer makes; here ``grimoire validate`` reports it too)."""
-    check = getattr(loss_fn, "reward_problems", None)
-    if check is None:
-        return []
+def dataset_problems(method: Method, datasets: dict[str, Any], tokenizer: Any) -> list[str]:
+    """The method's own check of each tokenized dataset, as the trainer makes it after
+    ``adapt_rows`` (missing columns; for the online methods, reward functions that the rollout's
+    keyword call would not fit): ``grimoire validate`` reports these before any weights load."""
     split = {"dataset": "train", "eval_dataset": "eval"}
-    return [p for where, ds in datasets.items() for p in check(columns_of(ds), split[where])]
+    return [
+        p
+        for where, ds in datasets.items()
+        for p in method.validate_dataset(method.adapt_rows(ds, tokenizer), split[where])
+    ]
 
 
 def missing_reference(
