@@ -6,7 +6,7 @@ They are not accepted silently as aliases: several differ in meaning or shape (`
 one value of ``mixed_precision``; ``eval_strategy: epoch`` has no step count), and a config
 that says one thing and runs another is what the up-front checks exist to prevent. The error
 names the exact key (and value) to write instead, and that replacement is itself a valid config
-(tests/test_real_model_walls.py feeds every entry's examples back through validation).
+(tests/test_trl_user_walls.py feeds every entry's examples back through validation).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class TrlName:
 
 
 # Allowed values, written here rather than imported: this module sits below the config and the
-# methods (TrainingConfig imports it), and tests/test_real_model_walls.py checks every
+# methods (TrainingConfig imports it), and tests/test_trl_user_walls.py checks every
 # replacement against the real validation, so a list that drifts fails there.
 _SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 _OPTIMIZERS = {
