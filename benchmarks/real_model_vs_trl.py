@@ -155,10 +155,13 @@ def build_data(folder: str, args: argparse.Namespace) -> dict[str, Any]:
     grpo = [tokenize_grpo(p, tok, max_length=MAX_LENGTH) for p in prompts[:grpo_n]]
     # TRL renders the chat itself; the same template must give the same prompt ids.
     rendered = [
-        list(tok.apply_chat_template(p["prompt"], add_generation_prompt=True, tokenize=True,
-                                     return_dict=True)["input_ids"])
+        list(
+            tok.apply_chat_template(
+                p["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
         for p in prompts[:grpo_n]
-    ]  # fmt: skip
+    ]
     return {
         "sft": sft,
         "sft_labels": sum(sum(x != -100 for x in r["labels"]) for r in sft),
@@ -203,9 +206,14 @@ def _ours(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) ->
     else:
         rows = data["grpo"]
         loss = GRPOMethod(
-            [sums_reward], num_generations=spec["generations"], max_new_tokens=spec["new_tokens"],
-            temperature=1.0, beta=0.0, num_iterations=1, max_staleness=spec.get("staleness", 0),
-        )  # fmt: skip
+            [sums_reward],
+            num_generations=spec["generations"],
+            max_new_tokens=spec["new_tokens"],
+            temperature=1.0,
+            beta=0.0,
+            num_iterations=1,
+            max_staleness=spec.get("staleness", 0),
+        )
         config = bench.training_config(
             spec["out"], batch_size=spec["prompts"], max_steps=spec["steps"], **common
         )
@@ -225,10 +233,16 @@ def _trl(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) -> 
     method, folder = spec["method"], spec["folder"]
     tok = AutoTokenizer.from_pretrained(folder)
     common: dict[str, Any] = dict(
-        output_dir=spec["out"], learning_rate=1e-5, lr_scheduler_type="constant",
-        use_cpu=True, gradient_checkpointing=spec["ckpt"], report_to="none",
-        save_strategy="no", logging_steps=10**6, disable_tqdm=True,
-    )  # fmt: skip
+        output_dir=spec["out"],
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        use_cpu=True,
+        gradient_checkpointing=spec["ckpt"],
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+    )
     if method == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -237,13 +251,19 @@ def _trl(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) -> 
             for r in data["sft"]
         ]
         config = SFTConfig(
-            **common, num_train_epochs=1, per_device_train_batch_size=BATCH,
-            max_length=MAX_LENGTH, completion_only_loss=True,
-        )  # fmt: skip
+            **common,
+            num_train_epochs=1,
+            per_device_train_batch_size=BATCH,
+            max_length=MAX_LENGTH,
+            completion_only_loss=True,
+        )
         return SFTTrainer(
-            model=_load(folder), args=config, train_dataset=Dataset.from_list(rows),
-            processing_class=tok, callbacks=[Clock()],
-        )  # fmt: skip
+            model=_load(folder),
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tok,
+            callbacks=[Clock()],
+        )
     if method == "dpo":
         from trl import DPOConfig, DPOTrainer
 
@@ -255,28 +275,46 @@ def _trl(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) -> 
                 return dataset
 
         config = DPOConfig(
-            **common, num_train_epochs=1, per_device_train_batch_size=BATCH, beta=0.1,
-            loss_type=["sigmoid"], max_length=MAX_LENGTH, precompute_ref_log_probs=False,
-        )  # fmt: skip
+            **common,
+            num_train_epochs=1,
+            per_device_train_batch_size=BATCH,
+            beta=0.1,
+            loss_type=["sigmoid"],
+            max_length=MAX_LENGTH,
+            precompute_ref_log_probs=False,
+        )
         return PreTokenizedDPO(
-            model=_load(folder), ref_model=_load(folder).eval(), args=config,
+            model=_load(folder),
+            ref_model=_load(folder).eval(),
+            args=config,
             train_dataset=Dataset.from_list([r["trl"] for r in data["dpo"]]),
-            processing_class=tok, callbacks=[Clock()],
-        )  # fmt: skip
+            processing_class=tok,
+            callbacks=[Clock()],
+        )
     from trl import GRPOConfig, GRPOTrainer
 
     g = spec["generations"]
     config = GRPOConfig(
-        **common, max_steps=spec["steps"], per_device_train_batch_size=spec["prompts"] * g,
-        num_generations=g, max_completion_length=spec["new_tokens"], temperature=1.0,
-        beta=0.0, num_iterations=1, steps_per_generation=1, use_vllm=False,
+        **common,
+        max_steps=spec["steps"],
+        per_device_train_batch_size=spec["prompts"] * g,
+        num_generations=g,
+        max_completion_length=spec["new_tokens"],
+        temperature=1.0,
+        beta=0.0,
+        num_iterations=1,
+        steps_per_generation=1,
+        use_vllm=False,
         log_completions=False,
-    )  # fmt: skip
+    )
     return GRPOTrainer(
-        model=_load(folder), reward_funcs=[sums_reward], args=config,
-        train_dataset=Dataset.from_list(data["grpo_trl"]), processing_class=tok,
+        model=_load(folder),
+        reward_funcs=[sums_reward],
+        args=config,
+        train_dataset=Dataset.from_list(data["grpo_trl"]),
+        processing_class=tok,
         callbacks=[Clock()],
-    )  # fmt: skip
+    )
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -435,17 +473,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generations", type=int, default=None, help="GRPO G (8; quick 4)")
     p.add_argument("--new-tokens", type=int, default=16, help="GRPO max new tokens")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every run")
-    p.add_argument("--ckpt", choices=["off", "on"], default="off",
-                   help="activation checkpointing, the same on both sides")  # fmt: skip
+    p.add_argument(
+        "--ckpt",
+        choices=["off", "on"],
+        default="off",
+        help="activation checkpointing, the same on both sides",
+    )
     p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS)
     p.add_argument("--trl-python", help="run the TRL columns with this interpreter (a venv)")
     p.add_argument("--json", help="also write the rows to this file")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    full = dict(repeats=3, warmup=2, sft_steps=20, dpo_steps=10, grpo_steps=8, prompts=4,
-                generations=8)  # fmt: skip
-    quick = dict(repeats=1, warmup=1, sft_steps=2, dpo_steps=2, grpo_steps=2, prompts=2,
-                 generations=4)  # fmt: skip
+    full = dict(
+        repeats=3, warmup=2, sft_steps=20, dpo_steps=10, grpo_steps=8, prompts=4, generations=8
+    )
+    quick = dict(
+        repeats=1, warmup=1, sft_steps=2, dpo_steps=2, grpo_steps=2, prompts=2, generations=4
+    )
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
