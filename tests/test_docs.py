@@ -217,8 +217,10 @@ DOCS_WITH_PYTHON = [p for p in DOC_FILES if python_blocks(p)]
 
 
 @pytest.mark.parametrize("doc", DOCS_WITH_PYTHON, ids=_rel)
-def test_python_blocks_run(doc, doc_namespace):
+def test_python_blocks_run(doc, doc_namespace, request, monkeypatch):
     ns = doc_namespace
+    if doc.name == "real-model.md":  # the session's converted GGUF file, not one in ~/.cache
+        monkeypatch.setenv("GRIMOIRE_CACHE", str(request.getfixturevalue("real_model_cache")[0]))
     skipped = []
     for block in python_blocks(doc):
         where = f"{_rel(doc)}:{block.line}"
