@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from tests.helpers.commands import grimoire_command, run
@@ -46,7 +47,7 @@ def test_real_model_sft_step_loss_is_the_assistant_token_mean(real_model, real_t
     before, record = params_of(real_model), RecordLosses()
     config = quiet_config(tmp_path, max_steps=1, batch_size=4, learning_rate=1e-5)
     train(real_model, real_tokenizer, rows, SFTLoss(), config, callbacks=[record])
-    assert record.losses[0] == _approx(nll / count, 1e-4)
+    assert record.losses[0] == pytest.approx(nll / count, rel=1e-4)
     assert _changed(before, real_model) > 200
 
 
@@ -65,7 +66,7 @@ def test_real_model_dpo_starts_at_log_two_and_moves_towards_chosen(
     config = quiet_config(tmp_path, max_steps=3, batch_size=4, learning_rate=1e-5)
     train(real_model, real_tokenizer, rows, DPOLoss(ref_model="copy"), config, callbacks=[record])
     # policy == reference at step 1: every pair's margin is 0 and -log sigmoid(0) = log 2
-    assert record.losses[0] == _approx(math.log(2), 1e-5)
+    assert record.losses[0] == pytest.approx(math.log(2), rel=1e-5)
     assert record.losses[-1] < math.log(2) - 1e-3  # the same 4 pairs, three steps on
 
 
@@ -147,9 +148,3 @@ def test_real_model_cli_trains_saves_reloads_and_generates(real_model_cache, tmp
 
 def _reply(n: int) -> dict[str, str]:
     return {"role": "assistant", "content": str(n)}
-
-
-def _approx(value: float, rel: float):
-    import pytest
-
-    return pytest.approx(value, rel=rel)

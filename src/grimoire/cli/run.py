@@ -334,17 +334,18 @@ def _materialize_model(
         return str(resolve_path(name_or_path))
     if not gguf and not name_or_path.startswith(TINY_PREFIX):
         return name_or_path
-    # Saved and reloaded (not used in memory) so the run exercises the real from_pretrained path.
-    # Under a multi-process launch one process per node writes it while the others wait.
-    path = Path(output_dir) / "tiny-model"
+    # A tiny model is saved and reloaded (not used in memory) so the run exercises the real
+    # from_pretrained path. Under a multi-process launch one process per node writes it (or
+    # converts the GGUF file) while the others wait, then find the finished folder.
     # cpu= must match the trainer's Accelerator: PartialState is a process-wide singleton and
     # the first one decides; cpu=False on a CPU-only machine would lock every worker into a
     # separate 1-process run instead of one gloo group.
     state = PartialState(cpu=not has_accelerator())
     with state.local_main_process_first():
-        if gguf:  # the others find the main process's finished cache folder
-            path = materialize_gguf(name_or_path, gguf_file, where)
-        elif state.is_local_main_process:
+        if gguf:
+            return str(materialize_gguf(name_or_path, gguf_file, where))
+        path = Path(output_dir) / "tiny-model"
+        if state.is_local_main_process:
             save_tiny(path, arch=name_or_path[len(TINY_PREFIX) :])
     return str(path)
 

@@ -250,10 +250,6 @@ class ExactMatchCallback(TrainerCallback):
             metrics["eval/answer_only"] = only
             metrics["eval/answer_chars"] = chars
 
-    def score(self, trainer) -> float:
-        """``eval/exact_match`` alone."""
-        return self.scores(trainer)[0]
-
     @torch.no_grad()
     def scores(self, trainer) -> tuple[float, float, float, float]:
         """``(exact match, answer match, answer only, mean answer characters)`` over all ranks'
