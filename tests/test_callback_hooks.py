@@ -12,10 +12,10 @@ from grimoire.errors import ConfigError
 from grimoire.training.callbacks import (
     HOOKS,
     CallbackList,
-    ExactMatchCallback,
     ProgressCallback,
     hook_problems,
 )
+from grimoire.training.heldout import ExactMatchCallback
 from grimoire.training.setup import build_callbacks
 
 
@@ -100,7 +100,7 @@ def test_exact_match_with_extract_tells_the_asked_form_from_a_right_answer(monke
     """Hand-worked: 4 answers to 4 sums; exact needs the bare number, extract finds the last one."""
     from types import SimpleNamespace
 
-    from grimoire.training import callbacks as cb
+    from grimoire.training import heldout as cb
 
     texts = ["68", "The answer is 1,000.", "12 + 30 = 41", " 7 "]
     monkeypatch.setattr(cb, "greedy_generate_texts", lambda *a: texts)

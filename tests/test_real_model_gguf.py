@@ -144,3 +144,28 @@ def test_real_model_converted_weights_answer_as_the_model_does(real_model, real_
     out = real_model.generate(**ids, max_new_tokens=8, do_sample=False)
     answer = real_tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert answer.startswith("The capital of France is Paris")
+
+
+def test_real_model_gguf_teacher_is_resolved_like_the_policy(
+    real_model_cache, monkeypatch, tmp_path
+):
+    """``loss.args.teacher: grimoire://models/...`` (distillation) is a model source like
+    ``model.pretrained``: the CLI hands the method the cached folder, never re-converting."""
+    from grimoire.cli.run import check_run
+
+    root, folder, _ = real_model_cache
+    monkeypatch.setenv("GRIMOIRE_CACHE", str(root))
+    monkeypatch.setattr(gg, "_convert", lambda *a, **k: pytest.fail("converted again"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": [{"role": "user", "content": "1 + 1?"}]}) + "\n")
+    raw = {
+        "model": {"pretrained": SMOLLM2},
+        "dataset": {"jsonl": str(prompts)},
+        "loss": {"type": "distill", "args": {"teacher": SMOLLM2, "max_new_tokens": 4}},
+        "training": {"output_dir": str(tmp_path / "out"), "max_steps": 1},
+    }
+    checked = check_run(raw, validate_only=True)
+    teacher = checked.loss_fn.teacher.ref_model
+    assert teacher.config.name_or_path == str(folder)
+    assert checked.loss_args["teacher"] == str(folder)
+    assert raw["loss"]["args"]["teacher"] == SMOLLM2  # the config itself is not rewritten

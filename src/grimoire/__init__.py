@@ -12,14 +12,16 @@ if TYPE_CHECKING:
     from grimoire.model.gguf import resolve_pretrained
     from grimoire.parallel.launcher import LaunchError, launch
     from grimoire.rows.sources import resolve_path
-    from grimoire.training.callbacks import ExactMatchCallback, TrainerCallback
+    from grimoire.training.callbacks import TrainerCallback
+    from grimoire.training.heldout import ExactMatchCallback, TextNLLCallback
     from grimoire.training.trainer import GrimoireTrainer
 
 _LAZY = {
     "GrimoireTrainer": "grimoire.training.trainer",
     "TrainingConfig": "grimoire.config.training",
     "TrainerCallback": "grimoire.training.callbacks",
-    "ExactMatchCallback": "grimoire.training.callbacks",
+    "ExactMatchCallback": "grimoire.training.heldout",
+    "TextNLLCallback": "grimoire.training.heldout",
     "launch": "grimoire.parallel.launcher",
     "LaunchError": "grimoire.parallel.launcher",
     "resolve_path": "grimoire.rows.sources",
@@ -30,6 +32,7 @@ __all__ = [
     "ExactMatchCallback",
     "GrimoireTrainer",
     "LaunchError",
+    "TextNLLCallback",
     "TrainerCallback",
     "TrainingConfig",
     "__version__",

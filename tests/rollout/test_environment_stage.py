@@ -5,6 +5,8 @@ model's own tokens while the policy attends to every token of the episode.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from tests.helpers.episodes import Narrator
@@ -20,6 +22,7 @@ from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import lookup, reverse_rows
 from grimoire.rollout.batches import pack_rollout_batch
 from grimoire.rollout.engine import Samples, position_ids_from_mask
+from grimoire.rollout.environment import Step
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rows.prompts import tokenize_grpo
 
@@ -276,5 +279,49 @@ def test_environment_tokens_carry_no_gradient_in_rloo_and_raft(tiny_dir, tmp_pat
         per_token = seen["logits"].grad[:, -(c + 1) : -1].abs().sum(-1)
         assert torch.all(per_token[context] == 0)
         assert (per_token[mask.bool()] > 0).any()
+    finally:
+        trainer.close()
+
+
+class Recorder:
+    """Keeps the row each episode starts from; ends the episode at once."""
+
+    tools = None
+    seen: ClassVar[list] = []
+
+    def reset(self, row):
+        Recorder.seen.append(row)
+        prompt = row["prompt"]
+        return list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+    def step(self, message):
+        return Step([], 0.0, True)
+
+
+def test_a_chat_prompt_reaches_the_environment_as_its_messages(tiny_dir, tmp_path):
+    """A chat-list prompt (system + a worked exchange + the question, as real datasets write
+    them) is given to the environment as those messages, not as the rendered text (which the
+    default environment would wrap into one user turn): the episode's first prompt is then the
+    template's own rendering of the dataset's messages, token for token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "reverse ab="},
+        {"role": "assistant", "content": "ba"},
+        {"role": "user", "content": "reverse cd="},
+    ]
+    trainer, _ = _trainer(tiny_dir, tmp_path, environment=Recorder)
+    Recorder.seen = []
+    try:
+        rows = [tokenize_grpo({"prompt": messages, "answer": "dc"}, tok, max_length=64)] * 2
+        batch, _ = _one_batch(trainer, rows)
+        assert Recorder.seen and all(r["prompt"] == messages for r in Recorder.seen)
+        assert all("prompt_messages" not in r and r["answer"] == "dc" for r in Recorder.seen)
+        rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        want = tok(rendered, add_special_tokens=False)["input_ids"]
+        first = batch["input_ids"][0][batch["attention_mask"][0].bool()].tolist()
+        assert first[: len(want)] == want
     finally:
         trainer.close()

@@ -118,6 +118,9 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
     args: dict[str, Any] = dict(loss_cfg.get("args") or {})
     if loss_cfg.get("ref_model") == REF_MODEL_COPY and not loss_cfg.get("cache_reference"):
         args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
+    for key in getattr(loss_cls, "model_args", ()):
+        if isinstance(args.get(key), str):  # a GGUF or tiny: source, as model.pretrained is
+            args[key] = _materialize_model(args[key], config.output_dir, where=f"loss.args.{key}")
     loss_fn = make_loss(loss_cls, loss_cfg["type"], args)
     method = as_method(loss_fn)
     raise_if(dataset_problems(method, datasets, tokenizer), ConfigError)

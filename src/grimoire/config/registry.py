@@ -78,7 +78,8 @@ REWARD_FUNCS: dict[str, str] = {
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).
 CALLBACKS: dict[str, str] = {
-    "exact_match": "grimoire.training.callbacks:ExactMatchCallback",
+    "exact_match": "grimoire.training.heldout:ExactMatchCallback",
+    "text_nll": "grimoire.training.heldout:TextNLLCallback",
 }
 
 

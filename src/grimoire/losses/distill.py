@@ -130,7 +130,9 @@ class DistillMethod(OnlineMethod):
     Args:
         teacher: the teacher, a causal LM sharing the student's tokenizer: a model, or a folder /
             ``grimoire://REL`` / hub name loaded here with ``trust_remote_code=False``. Frozen,
-            eval mode, cast to the policy's dtype and placed on its device at set-up.
+            eval mode, cast to the policy's dtype and placed on its device at set-up. A GGUF
+            file is a model source the CLI resolves (:attr:`model_args`) like
+            ``model.pretrained``; from Python pass ``grimoire.resolve_pretrained(path)``.
         loss_type: ``"reverse_kl"`` (sampled tokens, policy gradient) or ``"jsd"`` (GKD).
         beta: the generalised JSD's interpolation with ``loss_type="jsd"`` (0 forward KL,
             1 reverse KL; TRL's default 0.5).
@@ -141,6 +143,9 @@ class DistillMethod(OnlineMethod):
 
     min_generations = 1
     hidden_args = ("ref_model",)
+    #: Arguments that name a model: the CLI resolves them as it does ``model.pretrained``
+    #: (a ``.gguf`` file or ``grimoire://models/<name>`` becomes its cached folder).
+    model_args = ("teacher",)
 
     def __init__(
         self,

@@ -37,7 +37,7 @@ RewardSpec = RewardFn | str | Mapping[str, Any]
 #: The keywords every call supplies besides the dataset columns (TRL's names).
 CALL_KEYWORDS = ("prompts", "completions", "completion_ids")
 #: Keys of a prompt micro-batch that are not passed as columns (``prompt`` is ``prompts``).
-NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
+NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt", "prompt_messages")
 #: The keys of a ``{"type": ..., "args": ...}`` entry.
 ENTRY_KEYS = ("type", "args")
 

@@ -26,7 +26,7 @@ whoever builds it (the trainer, from a :data:`RolloutMethod`'s members) owns it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -98,6 +98,26 @@ BuildBatches = Callable[
 ReferenceLogps = Callable[[dict[str, Any]], Tensor]
 #: The contract's generating method with the rollout's own types: what a stage's parts come from.
 RolloutMethod = GeneratingMethod[RolloutEngine, RewardFunction, SamplingConfig, ScoredGroup]
+
+
+def environment_rows(prompts: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The dataset rows of a collated prompt batch, as an environment's ``reset`` takes them:
+    every column but the token ids, with a chat prompt as its messages (``prompt_messages``),
+    not the rendered text (an environment given the text would wrap the whole transcript in
+    one user turn)."""
+    n = len(prompts["prompt"])
+    rows = []
+    for i in range(n):
+        row = {
+            k: v[i]
+            for k, v in prompts.items()
+            if k not in ("prompt_input_ids", "prompt_attention_mask") and isinstance(v, list)
+        }
+        messages = row.pop("prompt_messages", None)
+        if messages is not None:
+            row["prompt"] = messages
+        rows.append(row)
+    return rows
 
 
 class RolloutStage:
@@ -256,19 +276,12 @@ class RolloutStage:
         agent, g = self.agent, 1 if greedy else self.sampling.num_generations
         engine = self.engine if engine is None else engine
         assert agent is not None
-        n = len(prompts["prompt"])
-        rows = [
-            {
-                k: v[i]
-                for k, v in prompts.items()
-                if k != "prompt_input_ids" and k != "prompt_attention_mask" and isinstance(v, list)
-            }
-            for i in range(n)
-        ]
+        rows = environment_rows(prompts)
+        turns = engine_generate_batch(engine, greedy)
+        stops = engine.eos_token_ids
         episodes = play_groups(
-            rows, agent.env_factory, engine_generate_batch(engine, greedy), self.tokenizer,
-            agent.parser, g, agent.limits, engine.eos_token_ids,
-        )  # fmt: skip
+            rows, agent.env_factory, turns, self.tokenizer, agent.parser, g, agent.limits, stops
+        )
         device = prompts["prompt_input_ids"].device
         rollout = episode_rollout(episodes, self.pad_token_id, g, device)
         if self.needs_old_logps and not greedy:

@@ -14,7 +14,7 @@ from grimoire.errors import DataError
 from grimoire.rows.common import render_chat, require_fields
 
 #: Columns ``tokenize_grpo`` writes itself; a dataset column with one of these names is replaced.
-GRPO_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt")
+GRPO_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt", "prompt_messages")
 
 
 def tokenize_grpo(
@@ -33,7 +33,9 @@ def tokenize_grpo(
 
     Returns ``prompt_input_ids``, ``prompt_attention_mask``, ``prompt`` (the prompt as text: the
     string itself, or the rendered chat template; this is what reward functions receive as
-    ``prompts``) and every other column of ``example`` unchanged. A prompt longer than
+    ``prompts``), for a chat prompt ``prompt_messages`` (its messages as given: what an agentic
+    rollout's environment starts the episode from, not the rendered text) and every other
+    column of ``example`` unchanged. A prompt longer than
     ``max_length`` is an error rather than truncated: cutting a prompt changes the task. (The
     method checks ``prompt + max_new_tokens`` against the context before training.)
 
@@ -44,6 +46,7 @@ def tokenize_grpo(
     """
     require_fields(example, [prompt_field], "tokenize_grpo")
     prompt = example[prompt_field]
+    messages: list[dict[str, Any]] | None = None
     if isinstance(prompt, str):
         ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
         text = prompt
@@ -78,12 +81,15 @@ def tokenize_grpo(
         for k, v in example.items()
         if k in keep and k != prompt_field and k not in GRPO_COLUMNS
     }
-    return {
+    out = {
         **extras,
         "prompt_input_ids": ids,
         "prompt_attention_mask": [1] * len(ids),
         "prompt": text,
     }
+    if messages is not None:
+        out["prompt_messages"] = messages
+    return out
 
 
 __all__ = ["GRPO_COLUMNS", "tokenize_grpo"]

@@ -14,19 +14,10 @@ and the hooks there are.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from grimoire.errors import ConfigError
-from grimoire.rollout.generation import greedy_generate_texts
-from grimoire.rollout.reward_answers import (
-    EXTRACTORS,
-    answers_match,
-    extract_answer,
-    reference_answer,
-)
 
 
 class TrainerCallback:
@@ -197,89 +188,3 @@ class ProgressCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-class ExactMatchCallback(TrainerCallback):
-    """Held-out accuracy by greedy generation: logs ``eval/exact_match`` on every evaluation.
-
-    ``rows`` are raw examples with ``prompt_field`` (a string, or a chat message list rendered
-    with the generation prompt) and ``answer_field``; a prediction counts when its decoded text,
-    stripped, equals the answer. Each rank scores a strided shard; counts are summed over ranks.
-
-    ``extract`` (``auto``, ``last_number``, ``boxed``, ``gsm8k``: the ``answer_match`` reward's
-    extractors) also logs ``eval/answer_match``: the extracted answer equals the reference
-    (numerically where both are numbers), whatever text surrounds it. The two apart tell a
-    model that answers right in its own words from one that answers in the asked form; with
-    ``eval/answer_only`` (the share of answers that are nothing but an extractable answer,
-    right or wrong) and ``eval/answer_chars`` (the mean length of the stripped answers) they
-    measure a behaviour such as "answer with the number only".
-    """
-
-    def __init__(
-        self,
-        rows: Sequence[Mapping[str, Any]],
-        prompt_field: str = "prompt",
-        answer_field: str = "answer",
-        max_new_tokens: int = 16,
-        batch_size: int = 32,
-        extract: str | None = None,
-    ):
-        if extract is not None and extract not in EXTRACTORS:
-            raise ValueError(
-                f"ExactMatchCallback: extract={extract!r} is not one of {list(EXTRACTORS)}"
-            )
-        self.rows = list(rows)
-        self.prompt_field = prompt_field
-        self.answer_field = answer_field
-        self.max_new_tokens = max_new_tokens
-        self.batch_size = batch_size
-        self.extract = extract
-        missing = [
-            i for i, r in enumerate(self.rows) if prompt_field not in r or answer_field not in r
-        ]
-        if missing:
-            raise ValueError(
-                f"ExactMatchCallback: rows {missing[:10]} lack {prompt_field!r} or {answer_field!r}"
-            )
-
-    def on_evaluate(self, trainer, metrics: dict[str, float]) -> None:
-        exact, answer, only, chars = self.scores(trainer)
-        metrics["eval/exact_match"] = exact
-        if self.extract is not None:
-            metrics["eval/answer_match"] = answer
-            metrics["eval/answer_only"] = only
-            metrics["eval/answer_chars"] = chars
-
-    @torch.no_grad()
-    def scores(self, trainer) -> tuple[float, float, float, float]:
-        """``(exact match, answer match, answer only, mean answer characters)`` over all ranks'
-        rows (the two answer shares are 0 without ``extract``)."""
-        acc = trainer.accelerator
-        shard = self.rows[acc.process_index :: acc.num_processes]
-        prompts = [r[self.prompt_field] for r in shard]
-        texts = greedy_generate_texts(
-            acc.unwrap_model(trainer.model),
-            trainer.tokenizer,
-            prompts,
-            self.max_new_tokens,
-            self.batch_size,
-        )
-        refs = [str(r[self.answer_field]).strip() for r in shard]
-        exact = sum(t.strip() == ref for t, ref in zip(texts, refs))
-        answer = only = 0
-        if self.extract is not None:
-            found = [extract_answer(t, self.extract) for t in texts]
-            answer = sum(
-                f is not None and answers_match(f, reference_answer(ref))
-                for f, ref in zip(found, refs)
-            )
-            only = sum(f is not None and t.strip() == f.strip() for f, t in zip(found, texts))
-        chars = sum(len(t.strip()) for t in texts)
-        # Sums, not means, are reduced: ranks' shards differ in size by up to one row.
-        counts = torch.tensor(
-            [exact, answer, only, chars, len(shard)], dtype=torch.float64, device=acc.device
-        )
-        counts = acc.reduce(counts, reduction="sum")
-        n = counts[4].clamp(min=1)
-        exact_share, answer_share, only_share, mean_chars = (float(c / n) for c in counts[:4])
-        return exact_share, answer_share, only_share, mean_chars

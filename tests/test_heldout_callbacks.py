@@ -1,0 +1,75 @@
+"""Held-out callbacks: named metrics side by side, SQuAD-normalised matching, and the text NLL
+against a naive full-logits reference on a tiny model."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grimoire.training import heldout
+from grimoire.training.heldout import ExactMatchCallback, TextNLLCallback, normalize_answer
+
+
+def _trainer(model=None, tokenizer=None) -> SimpleNamespace:
+    acc = SimpleNamespace(
+        process_index=0,
+        num_processes=1,
+        device="cpu",
+        unwrap_model=lambda m: m,
+        reduce=lambda t, reduction: t,
+    )
+    return SimpleNamespace(accelerator=acc, model=model, tokenizer=tokenizer)
+
+
+def test_normalize_answer_hand_worked():
+    assert normalize_answer("The  Paris.") == "paris"
+    assert normalize_answer(" Buenos Aires! ") == "buenos aires"
+    assert normalize_answer("an Apple, a day") == "apple day"
+    assert normalize_answer("Washington, D.C.") == "washington dc"
+
+
+def test_named_exact_match_normalised(monkeypatch):
+    texts = ["Paris.", "the city is Berlin", "rome", " Madrid "]
+    monkeypatch.setattr(heldout, "greedy_generate_texts", lambda *a: texts)
+    rows = [{"prompt": "q", "answer": a} for a in ("Paris", "Berlin", "Rome", "Madrid")]
+    metrics: dict[str, float] = {}
+    ExactMatchCallback(rows, normalize=True, name="capitals").on_evaluate(_trainer(), metrics)
+    # "Paris." and "rome" match once normalised; "Madrid" strips; "the city is Berlin" does not.
+    assert metrics == {"eval/capitals/exact_match": 3 / 4}
+    metrics.clear()
+    ExactMatchCallback(rows).on_evaluate(_trainer(), metrics)
+    assert metrics == {"eval/exact_match": 1 / 4}  # only " Madrid " once stripped
+
+
+def test_text_nll_equals_a_naive_full_logits_reference(tiny_model, tokenizer):
+    model, tok = tiny_model, tokenizer
+    model.eval()
+    rows = [{"text": t} for t in ("hello world", "abc", "a longer line of text here", "x")]
+    # Naive: each row alone, full logits, log_softmax, the next token's log-prob summed.
+    total = count = 0.0
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([tok(r["text"])["input_ids"]])
+            if ids.shape[1] < 2:
+                continue  # one token: nothing is predicted
+            logits = model(input_ids=ids).logits[0, :-1].double()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])
+            total -= float(lp.sum())
+            count += ids.shape[1] - 1
+    want = total / count
+    metrics: dict[str, float] = {}
+    cb = TextNLLCallback(rows, name="general", batch_size=3)  # a batch with padding
+    cb.on_evaluate(_trainer(model, tok), metrics)
+    assert metrics["eval/general/nll"] == pytest.approx(want, rel=1e-5)
+    assert metrics["eval/general/ppl"] == pytest.approx(math.exp(want), rel=1e-5)
+    assert model.training is False  # evaluation leaves the mode as it found it
+
+
+def test_text_nll_rejects_rows_without_text():
+    with pytest.raises(ValueError, match=r"rows \[1\] have no 'text' string"):
+        TextNLLCallback([{"text": "ok"}, {"body": "no"}])
+    with pytest.raises(ValueError, match="no rows"):
+        TextNLLCallback([])
