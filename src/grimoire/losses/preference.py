@@ -84,14 +84,6 @@ def pair_rows(batch: dict[str, Any], pad_value: int = 0) -> tuple[Tensor, Tensor
     return stacked_sides(batch, PAIR_SIDES, pad_value)
 
 
-def split_logps(out: TokenLogps, n: int) -> tuple[TokenLogps, TokenLogps]:
-    """Split a stacked result into its first ``n`` rows and the rest."""
-    return (
-        TokenLogps(out.logps[:n], out.mask[:n]),
-        TokenLogps(out.logps[n:], out.mask[n:]),
-    )
-
-
 def pair_forward(batch: dict[str, Any], compute: TokenLogpsFn) -> tuple[TokenLogps, TokenLogps]:
     """Chosen / rejected per-token log-probs ``[B, T]`` from one forward, padded or packed.
 
@@ -204,7 +196,6 @@ __all__ = [
     "policy_compute",
     "reduce_logps",
     "scalar_metrics",
-    "split_logps",
     "stack_rows",
     "unwrap",
 ]

@@ -83,10 +83,6 @@ class OSFTState:
         """Trainable ``U_l``, ``S_l``, ``V_l`` of every target (empty when R = 0)."""
         return [p for m in self.modules.values() for p in (m.U_l, m.S_l, m.V_l) if p.requires_grad]
 
-    def dense_state_dict(self, model: nn.Module) -> dict[str, Tensor]:
-        """Same as :func:`osft_dense_state_dict`."""
-        return osft_dense_state_dict(model, self.upcast_dtype)
-
     def merge(self, model: nn.Module) -> nn.Module:
         """Same as :func:`unapply_osft` (in place; this handle is stale afterwards)."""
         return unapply_osft(model, self.upcast_dtype)

@@ -12,12 +12,6 @@ import torch
 from accelerate.utils import gather_object
 
 
-def to_float(value: Any) -> float:
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().mean()) if value.numel() else 0.0
-    return float(value)
-
-
 class WeightedMeans:
     """Sums of ``value x weight`` and of weights per key; reduced over ranks on ``compute``.
 
@@ -135,4 +129,4 @@ class StepReduction:
         return totals, means_of(self.keys, body)
 
 
-__all__ = ["StepReduction", "WeightedMeans", "means_of", "packed_vector", "to_float"]
+__all__ = ["StepReduction", "WeightedMeans", "means_of", "packed_vector"]

@@ -246,18 +246,6 @@ def load_source(section: Mapping[str, Any], where: str = "dataset"):
     return loaded.dataset
 
 
-def read_json_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file (or a ``.json`` array); errors name ``file:line``.
-
-    Every bad line is reported (up to :data:`grimoire.columns.MAX_LISTED`), not just the first.
-    Blank lines are skipped.
-    """
-    rows, _, problems = _read_rows(Path(path))
-    if problems:
-        raise DataError(listed(problems), title=f"invalid JSONL file {path}")
-    return rows
-
-
 def _read_rows(path: Path) -> tuple[list[dict[str, Any]], list[int] | None, list[str]]:
     """``(rows, line of each row, problems)``; lines are None for a ``.json`` array."""
     try:
@@ -441,7 +429,6 @@ __all__ = [
     "hub_dataset_cached",
     "hub_offline",
     "load_source",
-    "read_json_rows",
     "read_source",
     "resolve_path",
     "rows_to_dataset",

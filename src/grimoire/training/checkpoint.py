@@ -182,34 +182,6 @@ def rotate(output_dir: Path, limit: int | None) -> list[Path]:
     return doomed
 
 
-def load_model_weights(model: torch.nn.Module, folder: Path) -> None:
-    """Load HF-format weights (full model, sharded or not, or a peft adapter) into ``model``."""
-    from safetensors.torch import load_file
-
-    if (folder / "adapter_model.safetensors").exists():
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(folder / "adapter_model.safetensors"))
-        return
-    index = folder / "model.safetensors.index.json"
-    files = (
-        sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
-        if index.exists()
-        else [folder / "model.safetensors"]
-    )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    result = model.load_state_dict(state, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or {})
-    missing = [k for k in result.missing_keys if k not in tied and not k.endswith("lm_head.weight")]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(
-            f"checkpoint {folder} does not match the model: missing {missing[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}"
-        )
-
-
 def save(
     root: Path,
     step: int,
