@@ -48,16 +48,34 @@ def main(sft_steps: int, rl_steps: int, engine: str, lr: float, rewards: list[st
     print(f"SFT warm start: {sft_steps} steps in {time.perf_counter() - start:.0f}s")
     prompts = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(4096, seed=7)]
     method = GRPOMethod(
-        rewards, num_generations=8, max_new_tokens=32, temperature=1.0, engine=engine,
-        tools=[lookup], tool_call_parser="tiny", stop_tokens=["<|end|>"], max_turns=3,
+        rewards,
+        num_generations=8,
+        max_new_tokens=32,
+        temperature=1.0,
+        engine=engine,
+        tools=[lookup],
+        tool_call_parser="tiny",
+        stop_tokens=["<|end|>"],
+        max_turns=3,
         max_episode_tokens=224,
-    )  # fmt: skip
+    )
     config = TrainingConfig(
-        output_dir=str(out / "grpo"), max_steps=rl_steps, batch_size=8, learning_rate=lr,
-        lr_scheduler="constant", warmup_ratio=0.0, weight_decay=0.0, mixed_precision="no",
-        gradient_checkpointing=False, progress_bar=False, save_on_epoch_end=False,
-        logging_steps=1, seed=0, disable_dropout=True, max_length=256,
-    )  # fmt: skip
+        output_dir=str(out / "grpo"),
+        max_steps=rl_steps,
+        batch_size=8,
+        learning_rate=lr,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
+        weight_decay=0.0,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        seed=0,
+        disable_dropout=True,
+        max_length=256,
+    )
     start = time.perf_counter()
     trainer = GrimoireTrainer(
         model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=prompts
@@ -74,8 +92,7 @@ def main(sft_steps: int, rl_steps: int, engine: str, lr: float, rewards: list[st
     print(f"steps logged: {int(c['steps'])}; metrics: {log}")
     print(f"success (exact match), first {w} steps: {c['rate_first']:.3f}")
     print(f"success (exact match), last {w} steps:  {c['rate_last']:.3f}")
-    print(f"tool calls ok per step, first/last {w}: {c['calls_first']:.1f} / "
-          f"{c['calls_last']:.1f}")  # fmt: skip
+    print(f"tool calls ok per step, first/last {w}: {c['calls_first']:.1f} / {c['calls_last']:.1f}")
 
 
 if __name__ == "__main__":

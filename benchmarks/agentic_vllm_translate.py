@@ -100,11 +100,21 @@ def warm_start(steps: int, tok, out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(start)
     rows = [tokenize_sft(r, tok, 128) for r in chat_rows(steps * 16, seed=0, tool_share=0.5)]
     config = TrainingConfig(
-        output_dir=str(out / "sft"), batch_size=16, learning_rate=1.5e-3, lr_scheduler="cosine",
-        warmup_steps=10, weight_decay=0.0, max_steps=steps, max_length=128, mixed_precision="no",
-        gradient_checkpointing=False, progress_bar=False, save_on_epoch_end=False,
-        logging_steps=max(steps // 4, 1), seed=0,
-    )  # fmt: skip
+        output_dir=str(out / "sft"),
+        batch_size=16,
+        learning_rate=1.5e-3,
+        lr_scheduler="cosine",
+        warmup_steps=10,
+        weight_decay=0.0,
+        max_steps=steps,
+        max_length=128,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=max(steps // 4, 1),
+        seed=0,
+    )
     GrimoireTrainer(
         model=model, tokenizer=tok, loss_fn=SFTLoss(), train_dataset=rows, config=config
     ).train()
@@ -123,23 +133,48 @@ def main(sft_steps: int, rl_steps: int, lr: float, engine: str) -> None:
     prompts = [tokenize_grpo(r, tok, max_length=64) for r in prompt_rows(4096, seed=7)]
     held = [tokenize_grpo(r, tok, max_length=64) for r in prompt_rows(64, seed=8)]
     method = GRPOMethod(
-        ["exact_match"], num_generations=8, max_new_tokens=32, temperature=1.0, engine=engine,
-        loss_type="dapo", beta=0.0, tools=[translate], tool_call_parser="tiny",
-        stop_tokens=["<|end|>"], max_turns=3, max_episode_tokens=224,
-    )  # fmt: skip
+        ["exact_match"],
+        num_generations=8,
+        max_new_tokens=32,
+        temperature=1.0,
+        engine=engine,
+        loss_type="dapo",
+        beta=0.0,
+        tools=[translate],
+        tool_call_parser="tiny",
+        stop_tokens=["<|end|>"],
+        max_turns=3,
+        max_episode_tokens=224,
+    )
     config = TrainingConfig(
-        output_dir=str(out / "grpo"), max_steps=rl_steps, batch_size=8, learning_rate=lr,
-        lr_scheduler="constant", warmup_ratio=0.0, weight_decay=0.0, mixed_precision="no",
-        gradient_checkpointing=False, progress_bar=False, save_on_epoch_end=False,
-        logging_steps=1, seed=0, disable_dropout=True, max_length=256,
-        eval_steps=rl_steps, eval_on_start=True,
-    )  # fmt: skip
+        output_dir=str(out / "grpo"),
+        max_steps=rl_steps,
+        batch_size=8,
+        learning_rate=lr,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
+        weight_decay=0.0,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        seed=0,
+        disable_dropout=True,
+        max_length=256,
+        eval_steps=rl_steps,
+        eval_on_start=True,
+    )
     model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
     t0 = time.perf_counter()
     trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=prompts,
+        model=model,
+        tokenizer=tok,
+        config=config,
+        loss_fn=method,
+        train_dataset=prompts,
         eval_dataset=held,
-    )  # fmt: skip
+    )
     try:
         trainer.train()
     finally:
@@ -150,13 +185,16 @@ def main(sft_steps: int, rl_steps: int, lr: float, engine: str) -> None:
     c = bench.tool_task_curve(records, WINDOW)
     w = int(c["w"])
     print(f"metrics: {out / 'grpo' / 'metrics.jsonl'}")
-    print(f"sampled success, first/last {w} steps: {c['rate_first']:.3f} / "
-          f"{c['rate_last']:.3f}")  # fmt: skip
-    print(f"tool calls that ran per step (of 64), first/last {w}: {c['calls_first']:.1f} / "
-          f"{c['calls_last']:.1f}")  # fmt: skip
+    print(f"sampled success, first/last {w} steps: {c['rate_first']:.3f} / {c['rate_last']:.3f}")
+    print(
+        f"tool calls that ran per step (of 64), first/last {w}: {c['calls_first']:.1f} / "
+        f"{c['calls_last']:.1f}"
+    )
     for r in evals:
-        print(f"held-out greedy success at step {r['step']}: "
-              f"{r['eval/rewards/exact_match_reward/mean']:.3f}")  # fmt: skip
+        print(
+            f"held-out greedy success at step {r['step']}: "
+            f"{r['eval/rewards/exact_match_reward/mean']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -74,22 +74,41 @@ def run(
     lines = (ASSETS / "reverse_train.jsonl").read_text().splitlines()
     rows = [tokenize_grpo(json.loads(line), tok, max_length=64) for line in lines]
     method = GRPOMethod(
-        ["char_match", "exact_match"], reward_weights=[1.0, 0.5], num_generations=args.g,
-        max_new_tokens=args.tokens, loss_type="dapo", max_staleness=staleness,
+        ["char_match", "exact_match"],
+        reward_weights=[1.0, 0.5],
+        num_generations=args.g,
+        max_new_tokens=args.tokens,
+        loss_type="dapo",
+        max_staleness=staleness,
         engine={"type": "hf", "args": {"async_sampler": sampler}},
-    )  # fmt: skip
+    )
     rewards = Rewards()
     with tempfile.TemporaryDirectory() as out:
         config = TrainingConfig(
-            output_dir=out, max_steps=args.steps, batch_size=args.prompts, learning_rate=5e-4,
-            lr_scheduler="constant", warmup_ratio=0.0, weight_decay=0.0, max_length=64,
-            mixed_precision="no", gradient_checkpointing=False, disable_dropout=True,
-            logging_steps=10**6, save_on_epoch_end=False, progress_bar=False, seed=0,
-        )  # fmt: skip
+            output_dir=out,
+            max_steps=args.steps,
+            batch_size=args.prompts,
+            learning_rate=5e-4,
+            lr_scheduler="constant",
+            warmup_ratio=0.0,
+            weight_decay=0.0,
+            max_length=64,
+            mixed_precision="no",
+            gradient_checkpointing=False,
+            disable_dropout=True,
+            logging_steps=10**6,
+            save_on_epoch_end=False,
+            progress_bar=False,
+            seed=0,
+        )
         trainer = GrimoireTrainer(
-            model=AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32), tokenizer=tok,
-            config=config, loss_fn=method, train_dataset=rows, callbacks=[rewards],
-        )  # fmt: skip
+            model=AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32),
+            tokenizer=tok,
+            config=config,
+            loss_fn=method,
+            train_dataset=rows,
+            callbacks=[rewards],
+        )
         stage = trainer.rollouts
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if isinstance(stage, AsyncRolloutStage):
@@ -180,15 +199,21 @@ def main() -> None:
     results = {name: _median_run(r) for name, r in runs.items()}
     samples = args.steps * args.prompts * args.g
     base = results["sync x1"]["steps_s"]
-    print(f"GRPO, {args.steps} steps x {args.prompts} prompts x G={args.g}, "
-          f"max_new_tokens={args.tokens} (reward: mean of the last quarter, after {samples} samples)")  # fmt: skip
-    print(f"concurrency probe (two threads' matmuls vs one alone; 1.00x = two free cores): "
-          f"{probe:.2f}x before, {after:.2f}x after")  # fmt: skip
+    print(
+        f"GRPO, {args.steps} steps x {args.prompts} prompts x G={args.g}, "
+        f"max_new_tokens={args.tokens} (reward: mean of the last quarter, after {samples} samples)"
+    )
+    print(
+        f"concurrency probe (two threads' matmuls vs one alone; 1.00x = two free cores): "
+        f"{probe:.2f}x before, {after:.2f}x after"
+    )
     print(f"each row: the run of median steps/s of {args.rounds} (rows interleaved)")
     print("steps/s and idle %: steps 2..N (steady state); all steps/s and first step s: the")
     print("whole train(), the first step (which includes starting the sampler process) alone")
-    print("| run | steps/s | sampler idle % | learner idle % | sampler ms/step | learner ms/step "
-          "| reward | vs sync x1 | all steps/s | first step s |")  # fmt: skip
+    print(
+        "| run | steps/s | sampler idle % | learner idle % | sampler ms/step | learner ms/step "
+        "| reward | vs sync x1 | all steps/s | first step s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
         print(

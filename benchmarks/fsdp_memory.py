@@ -56,11 +56,19 @@ MIB = 2**20
 
 #: Model and data of the full run and of ``--quick``.
 PRESETS: dict[str, dict[str, Any]] = {
-    "full": dict(hidden=512, layers=8, vocab=32000, worlds=(1, 2, 4), row_len=512,
-                 logits_vocab=128256, chunk=1024),
-    "quick": dict(hidden=128, layers=2, vocab=4096, worlds=(1, 2), row_len=128,
-                  logits_vocab=4096, chunk=128),
-}  # fmt: skip
+    "full": dict(
+        hidden=512,
+        layers=8,
+        vocab=32000,
+        worlds=(1, 2, 4),
+        row_len=512,
+        logits_vocab=128256,
+        chunk=1024,
+    ),
+    "quick": dict(
+        hidden=128, layers=2, vocab=4096, worlds=(1, 2), row_len=128, logits_vocab=4096, chunk=128
+    ),
+}
 ROWS_PER_PACK = 4  # part 2 packs this many rows of ``row_len`` tokens into one row per rank
 
 
@@ -157,8 +165,11 @@ class _PathLog(logging.Handler):
 
 #: Part 2's cells: (mode, fused). ``fsdp2`` with ``fused=False`` is the full-logits path FSDP2
 #: took for every method before the fused head learned to gather its weight (the old fallback).
-LOGIT_CELLS = {"ddp-fused": ("ddp", True), "fsdp2-fused": ("fsdp2", True),
-               "fsdp2-full": ("fsdp2", False)}  # fmt: skip
+LOGIT_CELLS = {
+    "ddp-fused": ("ddp", True),
+    "fsdp2-fused": ("fsdp2", True),
+    "fsdp2-full": ("fsdp2", False),
+}
 
 
 def run_logits(cell: str, preset: dict[str, Any], result_dir: Path) -> None:

@@ -210,8 +210,10 @@ def varlen_parity() -> bool:
     model = bench.tiny_llama(32000, 512, 2, 2048).to(DEVICE)  # head_dim 128
     enable_packed_attention(model)
     batch = to_device(pack_samples(_packed_rows(), 0), DEVICE)
-    print(f"kernels: {va.describe() if DEVICE == 'cuda' else 'cpu'}; "
-          f"{batch[LAYOUT_KEY].num_samples} samples, {batch['input_ids'].shape[1]} tokens")  # fmt: skip
+    print(
+        f"kernels: {va.describe() if DEVICE == 'cuda' else 'cpu'}; "
+        f"{batch[LAYOUT_KEY].num_samples} samples, {batch['input_ids'].shape[1]} tokens"
+    )
     calls = {"varlen": 0}
     real = va.varlen_forward
 
@@ -226,9 +228,12 @@ def varlen_parity() -> bool:
         model.zero_grad(set_to_none=True)
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             out = sample_token_logps(
-                policy_compute(model, fused=True, chunk_size=1024), batch["input_ids"],
-                batch["labels"], batch[LAYOUT_KEY], position_ids=batch["position_ids"],
-            )  # fmt: skip
+                policy_compute(model, fused=True, chunk_size=1024),
+                batch["input_ids"],
+                batch["labels"],
+                batch[LAYOUT_KEY],
+                position_ids=batch["position_ids"],
+            )
             loss = -out.logps.sum() / out.mask.sum()
         loss.backward()
         grads = {n: p.grad.float().clone() for n, p in model.named_parameters()}
@@ -242,8 +247,10 @@ def varlen_parity() -> bool:
     )
     ok = err <= 0.05 and rel <= 0.03
     print(f"varlen calls in the varlen pass: {calls['varlen']} (layers: 2, forward only)")
-    print(f"max |logp varlen - per-sample| {err:.2e}, max grad rel err {rel:.2e} (bounds 0.05, "
-          f"0.03) {'ok' if ok else 'FAIL'}")  # fmt: skip
+    print(
+        f"max |logp varlen - per-sample| {err:.2e}, max grad rel err {rel:.2e} (bounds 0.05, "
+        f"0.03) {'ok' if ok else 'FAIL'}"
+    )
     return ok and (calls["varlen"] == 2 or DEVICE != "cuda")
 
 
@@ -274,9 +281,14 @@ def step_syncs() -> bool:
             rows, loss = pairs, DPOLoss(ref_model=_model())
         with tempfile.TemporaryDirectory() as out:
             config = TrainingConfig(
-                output_dir=out, max_steps=4, batch_size=8, gradient_accumulation_steps=2,
-                progress_bar=False, save_on_epoch_end=False, logging_steps=1,
-            )  # fmt: skip
+                output_dir=out,
+                max_steps=4,
+                batch_size=8,
+                gradient_accumulation_steps=2,
+                progress_bar=False,
+                save_on_epoch_end=False,
+                logging_steps=1,
+            )
             trainer = GrimoireTrainer(_model(), build_tokenizer(), config, loss, rows)
             reads = step_reads(trainer, DEVICE)
             with warnings.catch_warnings(record=True) as caught:
@@ -293,8 +305,10 @@ def step_syncs() -> bool:
         counts = [len(r) for r in reads]
         good = all(c <= 2 for c in counts[1:])
         ok &= good
-        print(f"{name}: packed={trainer.packed}; reads per step {counts}; "
-              f"CUDA sync warnings over the run: {len(syncing)} {'ok' if good else 'FAIL'}")  # fmt: skip
+        print(
+            f"{name}: packed={trainer.packed}; reads per step {counts}; "
+            f"CUDA sync warnings over the run: {len(syncing)} {'ok' if good else 'FAIL'}"
+        )
         for op, site in reads[-1]:
             print(f"   last step: {op} at {site}")
         for line in sorted(set(syncing))[:10]:

@@ -46,12 +46,23 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 def run(impl: str, guard: bool, args: Any, model: Path) -> float:
     """Seconds per timed step of one run in a fresh process."""
     spec = {
-        "impl": impl, "precision": args.precisions[0], "model": str(model), "out": "",
-        "rows": args.steps * args.batch, "batch": args.batch, "max_len": args.max_len,
-        "max_tokens": args.max_tokens, "vocab": args.spec["vocab_size"], "seed": args.seed,
-        "warmup": args.warmup, "threads": args.threads, "device": args.device,
-        "cudnn": args.cudnn, "pad_multiple": args.pad_multiple, "guard": guard,
-    }  # fmt: skip
+        "impl": impl,
+        "precision": args.precisions[0],
+        "model": str(model),
+        "out": "",
+        "rows": args.steps * args.batch,
+        "batch": args.batch,
+        "max_len": args.max_len,
+        "max_tokens": args.max_tokens,
+        "vocab": args.spec["vocab_size"],
+        "seed": args.seed,
+        "warmup": args.warmup,
+        "threads": args.threads,
+        "device": args.device,
+        "cudnn": args.cudnn,
+        "pad_multiple": args.pad_multiple,
+        "guard": guard,
+    }
     spec["out"] = tempfile.mkdtemp(prefix="guard-cost-")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
     result = bench.last_json(bench.run_or_exit(cmd, impl, bench.child_env()).stdout)

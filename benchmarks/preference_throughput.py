@@ -33,9 +33,11 @@ except ModuleNotFoundError:  # run as a script
 PEER_PYTHON = Path("/work/venvs/peers/bin/python")
 PEER_LOG = Path("/work/venvs/peers.log")
 SIZES = {
-    "full": dict(hidden=256, layers=4, rows=32, batch=8, prompt=64, completion=96, orpo_vocab=128_000),
+    "full": dict(
+        hidden=256, layers=4, rows=32, batch=8, prompt=64, completion=96, orpo_vocab=128_000
+    ),
     "tiny": dict(hidden=32, layers=1, rows=4, batch=2, prompt=6, completion=8, orpo_vocab=4096),
-}  # fmt: skip
+}
 
 
 def make_rows(n: int, vocab: int, prompt: int, completion: int, seed: int = 0) -> list[dict]:
@@ -62,10 +64,16 @@ def build_llama(vocab: int, hidden: int, layers: int, positions: int) -> Any:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=positions, tie_word_embeddings=False, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=positions,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -96,10 +104,18 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     positions = size["prompt"] + size["completion"] + 8
     model = build_llama(vocab, size["hidden"], size["layers"], positions)
     common = dict(
-        output_dir=args.out, num_epochs=1, batch_size=size["batch"], learning_rate=1e-5,
-        warmup_ratio=0.0, lr_scheduler="constant", mixed_precision="no", disable_dropout=True,
-        gradient_checkpointing=False, save_on_epoch_end=False, logging_steps=1000,
-    )  # fmt: skip
+        output_dir=args.out,
+        num_epochs=1,
+        batch_size=size["batch"],
+        learning_rate=1e-5,
+        warmup_ratio=0.0,
+        lr_scheduler="constant",
+        mixed_precision="no",
+        disable_dropout=True,
+        gradient_checkpointing=False,
+        save_on_epoch_end=False,
+        logging_steps=1000,
+    )
     if args.impl == "peer":
         from grimoire import GrimoireTrainer, TrainingConfig
         from grimoire.losses import DPOLoss, ORPOLoss
@@ -120,9 +136,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     bench.reset_peak()
     start = time.perf_counter()
     trainer = GrimoireTrainer(
-        model=model, tokenizer=_Tok(), config=config, loss_fn=loss,
+        model=model,
+        tokenizer=_Tok(),
+        config=config,
+        loss_fn=loss,
         train_dataset=Dataset.from_list(rows),
-    )  # fmt: skip
+    )
     built = time.perf_counter()
     trainer.train()
     done = time.perf_counter()

@@ -88,8 +88,9 @@ def engines(size: str, repeats: int = 1, device: str = "cpu") -> list[dict[str, 
     model = bench.tiny_llama(s["vocab"], s["hidden"], s["layers"], positions, heads=s["heads"])
     model.to(device).eval()
     rng = random.Random(0)
-    prompts = [[rng.randrange(4, s["vocab"]) for _ in range(s["prompt_len"])]
-               for _ in range(s["prompts"])]  # fmt: skip
+    prompts = [
+        [rng.randrange(4, s["vocab"]) for _ in range(s["prompt_len"])] for _ in range(s["prompts"])
+    ]
     rows, samples = [], {}
     names = [n for n in ENGINES if n != "vllm" or vllm_available()]
     for name in names:
@@ -175,9 +176,13 @@ def run(size: str, out: str) -> dict[str, Any]:
     model = bench.tiny_llama(max(s["vocab"], len(tok)), s["hidden"], s["layers"], 512)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(s["prompts"], seed=1)]
     method = GRPOMethod(
-        ["char_match"], num_generations=s["G"], max_new_tokens=s["new"], beta=0.04,
-        ref_model="copy", num_iterations=2,
-    )  # fmt: skip
+        ["char_match"],
+        num_generations=s["G"],
+        max_new_tokens=s["new"],
+        beta=0.04,
+        ref_model="copy",
+        num_iterations=2,
+    )
     config = bench.training_config(
         out, batch_size=s["batch"], max_steps=s["steps"], gradient_checkpointing=False
     )

@@ -61,9 +61,13 @@ GPU_MODEL = dict(vocab_size=32000, hidden_size=1024, num_layers=8, max_position_
 #: ``--model 1b``: 1.04B parameters (24 x 2048, GQA 16/8 heads of 128, MLP 4096, untied 32k
 #: vocabulary), for MFU at a realistic size (issue #25: >= 1B at 16k tokens per step).
 MODEL_1B = dict(
-    vocab_size=32000, hidden_size=2048, num_layers=24, max_position_embeddings=2048,
-    num_attention_heads=16, num_key_value_heads=8,
-)  # fmt: skip
+    vocab_size=32000,
+    hidden_size=2048,
+    num_layers=24,
+    max_position_embeddings=2048,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+)
 
 
 # --------------------------------------------------------------------------- data and model

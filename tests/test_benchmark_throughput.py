@@ -18,14 +18,24 @@ def test_throughput_table_shape(tmp_path):
         sys.executable,
         str(ROOT / "benchmarks" / "throughput.py"),
         "--tiny",
-        "--steps", "3",
-        "--warmup", "1",
-        "--precisions", "no",
-        "--impls", "ours packed", "ours packed+ckpt", "ours padded", "grimoire-rl",
-        "--repeats", "2",
-        "--peer-python", str(tmp_path / "no-such-venv" / "python"),
-        "--json", str(out),
-    ]  # fmt: skip
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--precisions",
+        "no",
+        "--impls",
+        "ours packed",
+        "ours packed+ckpt",
+        "ours padded",
+        "grimoire-rl",
+        "--repeats",
+        "2",
+        "--peer-python",
+        str(tmp_path / "no-such-venv" / "python"),
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())

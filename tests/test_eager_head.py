@@ -292,9 +292,13 @@ def test_training_releases_the_cpu_workspace(tmp_path):
             raise AttributeError(name)
 
     trainer = GrimoireTrainer(
-        make_model("llama"), build_tokenizer(), quiet_config(tmp_path, max_steps=2, batch_size=2),
-        SFTLoss(), rows, callbacks=[Probe()],
-    )  # fmt: skip
+        make_model("llama"),
+        build_tokenizer(),
+        quiet_config(tmp_path, max_steps=2, batch_size=2),
+        SFTLoss(),
+        rows,
+        callbacks=[Probe()],
+    )
     trainer.train()
     assert seen and all(buf is not None for buf in seen)
     assert not hasattr(ws._WORKSPACE, "buffers")  # ...and is freed when it ends

@@ -41,11 +41,20 @@ def _config(tmp_path: Path, name: str, callbacks=(), **training) -> Path:
         write_jsonl(reverse_rows(64, seed=0), data)
     out = tmp_path / name
     settings = {
-        "output_dir": str(out), "max_steps": 6, "batch_size": 4, "learning_rate": 3e-3,
-        "lr_scheduler": "constant", "warmup_ratio": 0.0, "max_length": 64,
-        "mixed_precision": "no", "gradient_checkpointing": False, "progress_bar": False,
-        "save_on_epoch_end": False, "save_steps": 2, **training,
-    }  # fmt: skip
+        "output_dir": str(out),
+        "max_steps": 6,
+        "batch_size": 4,
+        "learning_rate": 3e-3,
+        "lr_scheduler": "constant",
+        "warmup_ratio": 0.0,
+        "max_length": 64,
+        "mixed_precision": "no",
+        "gradient_checkpointing": False,
+        "progress_bar": False,
+        "save_on_epoch_end": False,
+        "save_steps": 2,
+        **training,
+    }
     raw = {
         "model": {"pretrained": "tiny:llama"},
         "dataset": {"jsonl": str(data), "tokenize": {"type": "sft"}},
@@ -177,8 +186,12 @@ def test_a_real_full_disk_on_a_small_tmpfs(tmp_path, uninterrupted):
     """The reported case: a tmpfs with room for one checkpoint (needs mount rights: root)."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:  # fmt: skip
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("mounting a tmpfs needs root (the RLIMIT_FSIZE test covers the fault)")
     try:
         config = _config(mnt, "run")

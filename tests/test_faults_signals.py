@@ -29,14 +29,21 @@ def _start(tmp_path, seconds: float, save_steps: int = 100, wait_for: str | None
     """``grimoire train`` started, returned once its first step is logged (and ``wait_for``,
     a checkpoint folder name, exists)."""
     config = _config(
-        tmp_path, "run", [("SlowSteps", {"seconds": seconds})], save_steps=save_steps,
+        tmp_path,
+        "run",
+        [("SlowSteps", {"seconds": seconds})],
+        save_steps=save_steps,
         logging_steps=1,
-    )  # fmt: skip
+    )
     argv = [*grimoire_command(), "train", "--config", str(config)]
     proc = subprocess.Popen(
-        argv, cwd=tmp_path, env=command_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        argv,
+        cwd=tmp_path,
+        env=command_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     ready = tmp_path / "run" / wait_for if wait_for else metrics

@@ -127,9 +127,12 @@ def test_a_broken_uniform_grad_promise_fails_the_step(tmp_path):
     class Weighted(SFTLoss):
         def __call__(self, model, batch, training=True):
             out = compute_token_logps(
-                model, batch["input_ids"], batch["labels"],
-                attention_mask=batch.get("attention_mask"), uniform_grad=True,
-            )  # fmt: skip
+                model,
+                batch["input_ids"],
+                batch["labels"],
+                attention_mask=batch.get("attention_mask"),
+                uniform_grad=True,
+            )
             weights = torch.linspace(0.5, 1.5, out.logps.shape[1])
             return -(out.logps * weights).sum() / out.mask.sum(), {}
 
@@ -221,9 +224,14 @@ def test_bucketed_training_equals_unbucketed(tmp_path, method):
             loss, rows = DPOLoss(ref_model=build_model("llama", seed=0)), pair_rows(8)
         record = RecordLosses()
         config = quiet_config(
-            tmp_path / str(multiple), max_steps=3, batch_size=4, padding_free=False,
-            pad_to_multiple_of=multiple, optimizer="sgd", learning_rate=0.1,
-        )  # fmt: skip
+            tmp_path / str(multiple),
+            max_steps=3,
+            batch_size=4,
+            padding_free=False,
+            pad_to_multiple_of=multiple,
+            optimizer="sgd",
+            learning_rate=0.1,
+        )
         trainer = GrimoireTrainer(model, build_tokenizer(), config, loss, rows, callbacks=[record])
         micro = trainer.loader.step(0, 0)  # (the first step's micro-batches, as collated)
         widths = [b[k].shape[1] for b, _ in micro for k in b if k.endswith("input_ids")]

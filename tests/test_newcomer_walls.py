@@ -312,10 +312,17 @@ def test_identical_curves_share_one_plot_panel(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     lines = [
-        {"split": "train", "step": s, "loss": 1.0 / s, "reward": 0.1 * s,
-         "rewards/mean": 0.1 * s, "rewards/length/mean": 0.1 * s, "rewards/std": 0.5}
+        {
+            "split": "train",
+            "step": s,
+            "loss": 1.0 / s,
+            "reward": 0.1 * s,
+            "rewards/mean": 0.1 * s,
+            "rewards/length/mean": 0.1 * s,
+            "rewards/std": 0.5,
+        }
         for s in (1, 2, 3)
-    ]  # fmt: skip
+    ]
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "p.html"
     assert main(["plot", str(run_dir), "--out", str(out)]) == 0

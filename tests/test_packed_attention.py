@@ -207,9 +207,12 @@ def test_the_trainer_selects_it_for_packed_runs(tmp_path, tokenizer, overrides, 
     from grimoire.losses import SFTLoss
 
     trainer = GrimoireTrainer(
-        build_model("llama", vocab_size=64), tokenizer,
-        quiet_config(tmp_path, batch_size=4, **overrides), SFTLoss(), rows,
-    )  # fmt: skip
+        build_model("llama", vocab_size=64),
+        tokenizer,
+        quiet_config(tmp_path, batch_size=4, **overrides),
+        SFTLoss(),
+        rows,
+    )
     assert trainer.packed is selected
     assert (trainer.unwrapped_model.config._attn_implementation == NAME) is selected
 

@@ -132,9 +132,15 @@ def test_packed_grpo_pass_matches_padded(tiny_model, tokenizer, temperature):
     torch.manual_seed(0)
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(4, seed=5)]
     method = GRPOMethod(
-        [_length_reward], num_generations=4, max_new_tokens=6, temperature=temperature,
-        beta=0.1, num_iterations=2, loss_type="dapo", ref_model="copy",
-    )  # fmt: skip
+        [_length_reward],
+        num_generations=4,
+        max_new_tokens=6,
+        temperature=temperature,
+        beta=0.1,
+        num_iterations=2,
+        loss_type="dapo",
+        ref_model="copy",
+    )
     ctx = method_context(method, tiny_model, tokenizer, rows)
     assert not method.pack_training
     prompts = GRPOCollator(tokenizer.pad_token_id)(rows[:2])
@@ -169,9 +175,13 @@ def test_grpo_trains_padding_free(tiny_dir, tokenizer, tmp_path):
     torch.manual_seed(0)
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(8, seed=2)]
     method = GRPOMethod(
-        [_length_reward], num_generations=4, max_new_tokens=6, beta=0.04, num_iterations=2,
+        [_length_reward],
+        num_generations=4,
+        max_new_tokens=6,
+        beta=0.04,
+        num_iterations=2,
         ref_model="copy",
-    )  # fmt: skip
+    )
     seen: list[dict] = []
     build = method.build_batches
 

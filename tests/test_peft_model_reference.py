@@ -108,17 +108,23 @@ def test_reference_of_a_peft_model_is_its_base(
     with torch.no_grad():
         rc, rr = loss.reference_logps(trainer.model, batch)
         base_c = _naive_logps(
-            independent, batch["chosen_input_ids"], batch["chosen_attention_mask"],
+            independent,
+            batch["chosen_input_ids"],
+            batch["chosen_attention_mask"],
             batch["chosen_labels"],
-        )  # fmt: skip
+        )
         base_r = _naive_logps(
-            independent, batch["rejected_input_ids"], batch["rejected_attention_mask"],
+            independent,
+            batch["rejected_input_ids"],
+            batch["rejected_attention_mask"],
             batch["rejected_labels"],
-        )  # fmt: skip
+        )
         with_adapters = _naive_logps(
-            policy, batch["chosen_input_ids"], batch["chosen_attention_mask"],
+            policy,
+            batch["chosen_input_ids"],
+            batch["chosen_attention_mask"],
             batch["chosen_labels"],
-        )  # fmt: skip
+        )
     torch.testing.assert_close(rc.float(), base_c, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(rr.float(), base_r, rtol=1e-5, atol=1e-4)
     assert (with_adapters - base_c).abs().max() > 1e-2  # the check can tell them apart

@@ -100,9 +100,15 @@ def test_kto_precompute_matches_live_reference_with_the_same_kl_pairs(
         tiny_dir, tokenizer, tmp_path / "live", loss, fixed, max_length=MAX_LEN
     )
     cached, train_calls, _, trainer = _run(
-        tiny_dir, tokenizer, tmp_path / "pre", loss, kto, eval_rows=kto[:6],
-        max_length=MAX_LEN, precompute_ref_log_probs=True,
-    )  # fmt: skip
+        tiny_dir,
+        tokenizer,
+        tmp_path / "pre",
+        loss,
+        kto,
+        eval_rows=kto[:6],
+        max_length=MAX_LEN,
+        precompute_ref_log_probs=True,
+    )
     assert live_calls > 0 and train_calls == 0
     _assert_same_steps(live, cached, ["loss", "kl", "rewards/chosen", "grad_norm"])
     assert {"ref_logps", "ref_kl_logps"} <= set(trainer.eval_dataset.column_names)

@@ -76,8 +76,14 @@ def test_no_bar_but_plain_lines_when_the_stream_is_not_a_terminal(tmp_path, tiny
             seen.append(bar.bar)
 
     bar = ProgressCallback(log_file)
-    train(tiny_model, tokenizer, rows, SFTLoss(), quiet_config(tmp_path, max_steps=2),
-          callbacks=[bar, Probe()])  # fmt: skip
+    train(
+        tiny_model,
+        tokenizer,
+        rows,
+        SFTLoss(),
+        quiet_config(tmp_path, max_steps=2),
+        callbacks=[bar, Probe()],
+    )
     # No bar (its carriage returns are noise in a file): one plain line per logging step.
     assert seen == [None, None] and "\r" not in log_file.getvalue()
     lines = log_file.getvalue().splitlines()
@@ -90,8 +96,14 @@ def test_only_the_first_progress_callback_draws(tmp_path, tiny_model, tokenizer)
     rows = [{"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 6, 7]}] * 8
     first, second = FakeTerminal(), FakeTerminal()
     callbacks = [ProgressCallback(first), ProgressCallback(second)]
-    train(tiny_model, tokenizer, rows, SFTLoss(), quiet_config(tmp_path, max_steps=2),
-          callbacks=callbacks)  # fmt: skip
+    train(
+        tiny_model,
+        tokenizer,
+        rows,
+        SFTLoss(),
+        quiet_config(tmp_path, max_steps=2),
+        callbacks=callbacks,
+    )
     assert "2/2" in first.getvalue()
     assert second.getvalue() == ""
 
@@ -129,8 +141,9 @@ def test_run_summary_records_an_early_stop(tmp_path, tiny_model, tokenizer, sft_
                 trainer.request_stop()
 
     config = quiet_config(tmp_path, max_steps=5)
-    trainer = train(tiny_model, tokenizer, sft_rows[:40], SFTLoss(), config,
-                    callbacks=[StopAtTwo()])  # fmt: skip
+    trainer = train(
+        tiny_model, tokenizer, sft_rows[:40], SFTLoss(), config, callbacks=[StopAtTwo()]
+    )
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert (summary["steps"], summary["max_steps"], summary["stopped_early"]) == (2, 5, True)
     assert summary["tokens"] == trainer.state.tokens_seen

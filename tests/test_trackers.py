@@ -37,9 +37,13 @@ def test_tensorboard_event_files_hold_loss_and_lr_at_each_step(
 
     out = tmp_path / "out"
     config = quiet_config(
-        out, max_steps=STEPS, log_with="tensorboard", project_name="proj", run_name="r1",
+        out,
+        max_steps=STEPS,
+        log_with="tensorboard",
+        project_name="proj",
+        run_name="r1",
         eval_steps=2,
-    )  # fmt: skip
+    )
     train(tiny_model, tokenizer, sft_rows[:24], SFTLoss(), config, eval_dataset=sft_rows[24:32])
 
     folder = out / "tensorboard" / "proj" / "r1"  # named from project_name / run_name

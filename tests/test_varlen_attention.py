@@ -86,8 +86,10 @@ def test_the_route_is_logged_once(caplog):
         for _ in range(3):
             assert va.route_for(query, 0.0)[0] == "per_sample"
     lines = [r.getMessage() for r in caplog.records if "packed attention" in r.getMessage()]
-    assert lines == ["packed attention: per_sample (varlen kernels run on CUDA only; causal sdpa "
-                     "per sample on cpu)"]  # fmt: skip
+    assert lines == [
+        "packed attention: per_sample (varlen kernels run on CUDA only; causal sdpa "
+        "per sample on cpu)"
+    ]
 
 
 def test_varlen_attn_is_cuda_only_here():
@@ -172,9 +174,12 @@ def _logps_and_grads(model, batch, layout=True, bf16=False):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         out = sample_token_logps(
             compute if layout else (lambda *a: compute(*a[:4])),
-            batch["input_ids"], batch["labels"], batch[LAYOUT_KEY],
-            batch.get("attention_mask"), batch.get("position_ids"),
-        )  # fmt: skip
+            batch["input_ids"],
+            batch["labels"],
+            batch[LAYOUT_KEY],
+            batch.get("attention_mask"),
+            batch.get("position_ids"),
+        )
     weights = torch.linspace(0.5, 1.5, out.logps.shape[1])
     (out.logps * weights).sum().backward()
     return out.logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}

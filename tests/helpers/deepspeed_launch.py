@@ -40,5 +40,12 @@ def deepspeed_launcher(stage: int, processes: int, folder: Path) -> list[str]:
     """``accelerate launch`` with ZeRO-``stage`` on ``processes`` processes and a free port;
     append the script (or ``-m module``) and its arguments."""
     config = accelerate_deepspeed_config(stage, processes, folder)
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-            "--main_process_port", str(free_port())]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+    ]

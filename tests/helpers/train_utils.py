@@ -92,7 +92,18 @@ def gloo_launch(processes: int = 2) -> list[str]:
     port: ``--multi_gpu`` picks accelerate's torchrun launcher, and without GPUs the trainer forms
     a gloo group (``--cpu`` would run ONE process). Append the script and its arguments."""
     return [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-        str(processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-        "no", "--main_process_port", str(free_port()),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]

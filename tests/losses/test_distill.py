@@ -282,9 +282,13 @@ def test_distill_short_run_lowers_the_reverse_kl_to_the_teacher(
     record = RecordLosses()
     config = quiet_config(tmp_path, max_steps=30, batch_size=8, learning_rate=1e-2, seed=0)
     trainer = GrimoireTrainer(
-        model=tiny_model, tokenizer=tokenizer, config=config, loss_fn=method,
-        train_dataset=rows, callbacks=[record],
-    )  # fmt: skip
+        model=tiny_model,
+        tokenizer=tokenizer,
+        config=config,
+        loss_fn=method,
+        train_dataset=rows,
+        callbacks=[record],
+    )
     trainer.train()
     kl = [r["distill/reverse_kl"] for r in record.records]
     first, last = sum(kl[:5]) / 5, sum(kl[-5:]) / 5

@@ -179,12 +179,20 @@ def _trl_loss(logps, old, mask, adv, *, level, loss_type, eps, eps_high, beta, r
         args=SimpleNamespace(use_bias_correction_kl=bias_kl, delta=None, steps_per_generation=1),
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, torch.zeros(n, width), None),
         _metrics=defaultdict(lambda: defaultdict(list)),
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, _entropy_bonus_enabled=False,
-        aux_loss_enabled=False, current_gradient_accumulation_steps=1,
-        importance_sampling_level=level, loss_type=loss_type, epsilon_low=eps,
-        epsilon_high=eps_high, beta=beta, max_completion_length=width,
-        use_vllm=isw is not None, vllm_importance_sampling_correction=isw is not None,
-    )  # fmt: skip
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        _entropy_bonus_enabled=False,
+        aux_loss_enabled=False,
+        current_gradient_accumulation_steps=1,
+        importance_sampling_level=level,
+        loss_type=loss_type,
+        epsilon_low=eps,
+        epsilon_high=eps_high,
+        beta=beta,
+        max_completion_length=width,
+        use_vllm=isw is not None,
+        vllm_importance_sampling_correction=isw is not None,
+    )
     inputs = {
         "prompt_ids": torch.ones(n, 1, dtype=torch.long),
         "prompt_mask": torch.ones(n, 1, dtype=torch.long),
@@ -223,11 +231,17 @@ def test_gspo_cispo_match_trl_grpo_trainer(level, loss_type, extras):
     isw = None if cap is None else torch.clamp(torch.exp(old - sampler), max=cap)
 
     method = GRPOMethod(
-        [lambda prompts, completions, **kw: [0.0] * len(completions)], num_generations=2,
-        max_new_tokens=width, loss_type=loss_type, importance_sampling_level=level,
-        epsilon=eps, epsilon_high=eps_high, beta=beta, use_bias_correction_kl=bias_kl,
+        [lambda prompts, completions, **kw: [0.0] * len(completions)],
+        num_generations=2,
+        max_new_tokens=width,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon=eps,
+        epsilon_high=eps_high,
+        beta=beta,
+        use_bias_correction_kl=bias_kl,
         ref_model="copy" if beta else None,
-    )  # fmt: skip
+    )
     method.policy_logps = lambda model, batch: (logps, None)
     method.engine = SimpleNamespace(sampler=SimpleNamespace(importance_sampling_cap=cap))
     batch = {"completion_mask": mask, "advantages": adv, "old_logps": old, "ref_logps": ref}
@@ -235,9 +249,19 @@ def test_gspo_cispo_match_trl_grpo_trainer(level, loss_type, extras):
         batch["sampler_logps"] = sampler
     ours, metrics = method.compute_loss(None, batch)
     theirs, logged = _trl_loss(
-        logps, old, mask, adv, level=level, loss_type=loss_type, eps=eps, eps_high=eps_high,
-        beta=beta, ref=ref, bias_kl=bias_kl, isw=isw,
-    )  # fmt: skip
+        logps,
+        old,
+        mask,
+        adv,
+        level=level,
+        loss_type=loss_type,
+        eps=eps,
+        eps_high=eps_high,
+        beta=beta,
+        ref=ref,
+        bias_kl=bias_kl,
+        isw=isw,
+    )
 
     assert float(ours) == pytest.approx(float(theirs), rel=1e-5, abs=1e-7)
     g_ours, g_theirs = (torch.autograd.grad(x, logps, retain_graph=True)[0] for x in (ours, theirs))
@@ -281,9 +305,11 @@ def test_gspo_with_a_token_summing_loss_type_warns(caplog):
     caplog.clear()
     with caplog.at_level("WARNING", logger="grimoire.losses.grpo"):
         GRPOMethod(
-            ["char_match"], num_generations=2, importance_sampling_level="sequence",
+            ["char_match"],
+            num_generations=2,
+            importance_sampling_level="sequence",
             loss_type="grpo",
-        )  # fmt: skip
+        )
     assert caplog.text == ""
 
 
@@ -302,19 +328,30 @@ def _raw(tmp_path, args):
         "dataset": {"jsonl": str(data)},
         "loss": {"type": "grpo", "args": {**loss_args, "num_iterations": 2, **args}},
         "training": {
-            "output_dir": str(tmp_path / "out"), "max_steps": 4, "batch_size": 2,
-            "learning_rate": 0.05, "progress_bar": False, "gradient_checkpointing": False,
-            "mixed_precision": "no", "save_on_epoch_end": False, "logging_steps": 1,
-            "disable_dropout": True, "seed": 0,
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 4,
+            "batch_size": 2,
+            "learning_rate": 0.05,
+            "progress_bar": False,
+            "gradient_checkpointing": False,
+            "mixed_precision": "no",
+            "save_on_epoch_end": False,
+            "logging_steps": 1,
+            "disable_dropout": True,
+            "seed": 0,
         },
-    }  # fmt: skip
+    }
 
 
 YAML_OPTIONS = {
-    "gspo": {"importance_sampling_level": "sequence", "loss_type": "grpo",
-             "epsilon": 3e-4, "epsilon_high": 4e-4},
+    "gspo": {
+        "importance_sampling_level": "sequence",
+        "loss_type": "grpo",
+        "epsilon": 3e-4,
+        "epsilon_high": 4e-4,
+    },
     "cispo": {"loss_type": "cispo", "epsilon_high": 1.02},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", sorted(YAML_OPTIONS))

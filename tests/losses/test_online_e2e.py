@@ -49,9 +49,16 @@ def warm_dir(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(tiny)
     rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(2000, seed=0)]
     config = quiet_config(
-        root / "sft", max_steps=100, batch_size=32, learning_rate=3e-3, warmup_steps=10,
-        lr_scheduler="cosine", weight_decay=0.0, logging_steps=50, seed=0,
-    )  # fmt: skip
+        root / "sft",
+        max_steps=100,
+        batch_size=32,
+        learning_rate=3e-3,
+        warmup_steps=10,
+        lr_scheduler="cosine",
+        weight_decay=0.0,
+        logging_steps=50,
+        seed=0,
+    )
     trainer = GrimoireTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny),
         tokenizer=tok,
@@ -70,9 +77,15 @@ def heldout():
 
 def _score(model, tok, rows) -> float:
     return evaluate_rewards(
-        model, tok, rows, [char_match_reward], greedy=False, num_samples=8,
-        max_new_tokens=MAX_NEW_TOKENS, seed=0,
-    )["reward"]  # fmt: skip
+        model,
+        tok,
+        rows,
+        [char_match_reward],
+        greedy=False,
+        num_samples=8,
+        max_new_tokens=MAX_NEW_TOKENS,
+        seed=0,
+    )["reward"]
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +108,15 @@ def _rl(warm_dir, tmp_path, method, steps, heldout, prompts_per_step=8, lr=5e-4)
     model = AutoModelForCausalLM.from_pretrained(warm_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(512, seed=7)]
     config = quiet_config(
-        tmp_path, max_steps=steps, batch_size=prompts_per_step, learning_rate=lr,
-        weight_decay=0.0, disable_dropout=True, logging_steps=10, seed=SEED,
-    )  # fmt: skip
+        tmp_path,
+        max_steps=steps,
+        batch_size=prompts_per_step,
+        learning_rate=lr,
+        weight_decay=0.0,
+        disable_dropout=True,
+        logging_steps=10,
+        seed=SEED,
+    )
     GrimoireTrainer(
         model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
     ).train()

@@ -85,9 +85,17 @@ def _step(method, ctx, rows, tokenizer, n=4):
 def test_grpo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
     torch.manual_seed(0)
     method = GRPOMethod(
-        [length_reward], num_generations=4, max_new_tokens=5, temperature=0.8, beta=0.1,
-        epsilon=0.2, epsilon_high=0.3, num_iterations=2, loss_type="dapo", ref_model="copy",
-    )  # fmt: skip
+        [length_reward],
+        num_generations=4,
+        max_new_tokens=5,
+        temperature=0.8,
+        beta=0.1,
+        epsilon=0.2,
+        epsilon_high=0.3,
+        num_iterations=2,
+        loss_type="dapo",
+        ref_model="copy",
+    )
     trainer = method_context(method, tiny_model, tokenizer, prompt_rows)
     batch, rollout_metrics = _step(method, trainer, prompt_rows, tokenizer, n=2)
     # Move the policy so ratio != 1 and the KL is non-zero (the reference is a frozen copy).
@@ -284,8 +292,11 @@ def test_bad_input_is_rejected_before_training(tiny_model, tokenizer, prompt_row
 
     # prompt + max_new_tokens beyond training.max_length -> named rows
     with pytest.raises(DataError, match=r"train row 0: prompt of \d+ tokens \+ max_new_tokens=60"):
-        train(GRPOMethod([length_reward], num_generations=2, max_new_tokens=60), prompt_rows,
-              max_length=64)  # fmt: skip
+        train(
+            GRPOMethod([length_reward], num_generations=2, max_new_tokens=60),
+            prompt_rows,
+            max_length=64,
+        )
     # the reward needs a column the dataset lacks
     no_answer = [{k: v for k, v in r.items() if k != "answer"} for r in prompt_rows]
     with pytest.raises(DataError, match="'exact_match_reward' needs 'answer'"):
@@ -301,9 +312,15 @@ def test_trainer_runs_grpo_with_clipping_on_second_iteration(tiny_dir, tokenizer
     torch.manual_seed(0)
     rows = [tokenize_grpo(r, tokenizer, max_length=64) for r in reverse_rows(8, seed=2)]
     method = GRPOMethod(
-        ["char_match", length_reward], reward_weights=[1.0, 0.5], num_generations=4,
-        max_new_tokens=6, num_iterations=2, beta=0.04, epsilon_high=0.28, ref_model="copy",
-    )  # fmt: skip
+        ["char_match", length_reward],
+        reward_weights=[1.0, 0.5],
+        num_generations=4,
+        max_new_tokens=6,
+        num_iterations=2,
+        beta=0.04,
+        epsilon_high=0.28,
+        ref_model="copy",
+    )
     record = RecordLosses()
     trainer = GrimoireTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_dir),
@@ -324,8 +341,14 @@ def test_trainer_runs_grpo_with_clipping_on_second_iteration(tiny_dir, tokenizer
         assert second["time/generation"] == 0.0 < first["time/generation"]
         assert second["rewards/mean"] == first["rewards/mean"]  # same cached rollout
     assert recs[0]["kl"] == pytest.approx(0.0, abs=1e-6) and recs[1]["kl"] > 0
-    for key in ("rewards/char_match_reward/mean", "rewards/length_reward/mean", "entropy",
-                "completions/mean_length", "frac_reward_zero_std", "time/rollout"):  # fmt: skip
+    for key in (
+        "rewards/char_match_reward/mean",
+        "rewards/length_reward/mean",
+        "entropy",
+        "completions/mean_length",
+        "frac_reward_zero_std",
+        "time/rollout",
+    ):
         assert key in recs[0]
     assert "time/step" in recs[1]
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -372,9 +395,14 @@ def test_bias_corrected_kl_multiplies_k3_by_the_ratio(
 ):
     torch.manual_seed(6)
     method = GRPOMethod(
-        [length_reward], num_generations=2, max_new_tokens=4, beta=0.3, num_iterations=2,
-        ref_model="copy", use_bias_correction_kl=corrected,
-    )  # fmt: skip
+        [length_reward],
+        num_generations=2,
+        max_new_tokens=4,
+        beta=0.3,
+        num_iterations=2,
+        ref_model="copy",
+        use_bias_correction_kl=corrected,
+    )
     ctx = method_context(method, tiny_model, tokenizer, prompt_rows)
     batch, _ = _step(method, ctx, prompt_rows, tokenizer, n=2)
     _perturb(tiny_model)

@@ -20,8 +20,10 @@ def _launch(tiny_dir, out: Path, staleness: int) -> None:
 
     subprocess.run(
         [*gloo_launch(2), __file__, str(tiny_dir), str(out), str(staleness)],
-        check=True, env=_env(), timeout=400,
-    )  # fmt: skip
+        check=True,
+        env=_env(),
+        timeout=400,
+    )
 
 
 def test_async_staleness_one_on_two_processes_runs_within_the_bound_per_rank(tiny_dir, tmp_path):
@@ -73,19 +75,32 @@ def _worker(model_dir: str, out_dir: str, staleness: int) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(32, seed=5)]
     config = TrainingConfig(
-        output_dir=out_dir, max_steps=4, batch_size=2, learning_rate=1e-2, seed=0,
-        mixed_precision="no", gradient_checkpointing=False, progress_bar=False,
-        save_on_epoch_end=False, logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0,
+        output_dir=out_dir,
+        max_steps=4,
+        batch_size=2,
+        learning_rate=1e-2,
+        seed=0,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
         disable_dropout=True,
-    )  # fmt: skip
+    )
     method = GRPOMethod(
         ["char_match"], num_generations=4, max_new_tokens=6, max_staleness=staleness
     )
     record = Record()
     trainer = GrimoireTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, config=config,
-        loss_fn=method, train_dataset=rows, callbacks=[record],
-    )  # fmt: skip
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        tokenizer=tok,
+        config=config,
+        loss_fn=method,
+        train_dataset=rows,
+        callbacks=[record],
+    )
     trainer.train()
     trainer.close()
 

@@ -57,9 +57,14 @@ def _trainer(
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(64, seed=3)]
     config = quiet_config(
-        tmp_path, max_steps=steps, batch_size=4, learning_rate=1e-2, disable_dropout=True, seed=0,
+        tmp_path,
+        max_steps=steps,
+        batch_size=4,
+        learning_rate=1e-2,
+        disable_dropout=True,
+        seed=0,
         **overrides,
-    )  # fmt: skip
+    )
     method = GRPOMethod(
         [reward],
         num_generations=4,
@@ -70,9 +75,13 @@ def _trainer(
     )
     steps_cb = Steps(sleep)
     trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows,
+        model=model,
+        tokenizer=tok,
+        config=config,
+        loss_fn=method,
+        train_dataset=rows,
         callbacks=[steps_cb],
-    )  # fmt: skip
+    )
     return trainer, steps_cb
 
 
@@ -304,9 +313,14 @@ def test_async_with_num_iterations_resumed_inside_a_batch_samples_at_once(tiny_d
     trainer.close()
     assert trainer.global_step == 3
     resumed, steps = _run(
-        tiny_dir, tmp_path, 1, steps=6, sleep=0.2, num_iterations=2,
+        tiny_dir,
+        tmp_path,
+        1,
+        steps=6,
+        sleep=0.2,
+        num_iterations=2,
         resume_from_checkpoint="latest",
-    )  # fmt: skip
+    )
     assert resumed.global_step == 6
     assert [m["staleness/max"] for m in steps.metrics] == [0.0, 1.0, 2.0]
     sampled = sorted({s for who, s, _, _ in resumed.rollouts.timeline if who == "sampler"})

@@ -96,15 +96,24 @@ def _train(tiny_dir, tmp_path, monkeypatch, method, steps, rows, check=None, **c
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     data = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(rows, seed=3)]
     config = quiet_config(
-        tmp_path, max_steps=steps, batch_size=2, learning_rate=1e-2, disable_dropout=True,
-        seed=0, **config,
-    )  # fmt: skip
+        tmp_path,
+        max_steps=steps,
+        batch_size=2,
+        learning_rate=1e-2,
+        disable_dropout=True,
+        seed=0,
+        **config,
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     versions = Versions(model)
     trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=data,
+        model=model,
+        tokenizer=tok,
+        config=config,
+        loss_fn=method,
+        train_dataset=data,
         callbacks=[versions],
-    )  # fmt: skip
+    )
     try:
         if check is not None:
             check(trainer)
@@ -125,9 +134,12 @@ def test_async_vllm_server_samples_each_step_with_the_weights_at_most_k_old(
 ):
     sampler, url = served
     method = GRPOMethod(
-        [char_match_reward], num_generations=4, max_new_tokens=4, max_staleness=1,
+        [char_match_reward],
+        num_generations=4,
+        max_new_tokens=4,
+        max_staleness=1,
         engine={"type": "vllm-server", "args": {"url": url}},
-    )  # fmt: skip
+    )
 
     def check(trainer) -> None:
         stage = trainer.rollouts
@@ -201,11 +213,18 @@ def test_async_episodes_old_logps_are_the_sampling_weights_over_the_whole_episod
     behind), over the whole episode; the server's log-probs land on the model's tokens only."""
     _, url = turns
     method = GRPOMethod(
-        [answer_length], num_generations=4, max_staleness=1,
-        engine={"type": "vllm-server", "args": {"url": url}}, environment=Narrator,
-        stop_tokens=["<|end|>"], tool_call_parser="tiny", max_turns=3, max_episode_tokens=96,
-        max_new_tokens=8, fused=False,
-    )  # fmt: skip
+        [answer_length],
+        num_generations=4,
+        max_staleness=1,
+        engine={"type": "vllm-server", "args": {"url": url}},
+        environment=Narrator,
+        stop_tokens=["<|end|>"],
+        tool_call_parser="tiny",
+        max_turns=3,
+        max_episode_tokens=96,
+        max_new_tokens=8,
+        fused=False,
+    )
     versions, batches = _train(tiny_dir, tmp_path, monkeypatch, method, 3, 8, padding_free=False)
     assert [m["staleness/max"] for m in versions.metrics] == [0.0, 1.0, 1.0]
     assert all(m["episode/turns_mean"] == 2.0 for m in versions.metrics)

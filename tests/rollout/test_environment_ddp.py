@@ -45,8 +45,15 @@ def one_process(tiny_dir, tmp_path_factory) -> dict:
 
 
 def _two(tiny_dir, out: Path, packed: bool, budget: int, distributed: str = "ddp") -> list[dict]:
-    _launch(str(tiny_dir), str(out), "2", str(int(packed)), str(budget), processes=2,
-            distributed=distributed)  # fmt: skip
+    _launch(
+        str(tiny_dir),
+        str(out),
+        "2",
+        str(int(packed)),
+        str(budget),
+        processes=2,
+        distributed=distributed,
+    )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -81,5 +88,6 @@ def test_environment_tools_two_processes_fsdp2_step_equals_one_process(
     one_process, tiny_dir, tmp_path
 ):
     # FSDP2 shards the model over the two ranks; the worker gathers each whole tensor.
-    _assert_same_step(one_process, _two(tiny_dir, tmp_path, packed=False, budget=0,
-                                        distributed="fsdp2"))  # fmt: skip
+    _assert_same_step(
+        one_process, _two(tiny_dir, tmp_path, packed=False, budget=0, distributed="fsdp2")
+    )

@@ -34,21 +34,44 @@ def grpo_lookup_run(out, seed: int, steps: int, heldout: int = 32) -> list[dict]
     train = [tokenize_grpo(r, tok, max_length=64) for r in read_jsonl("lookup_prompts.jsonl", 512)]
     held = [tokenize_grpo(r, tok, max_length=64) for r in read_jsonl("lookup_eval.jsonl", heldout)]
     method = GRPOMethod(
-        ["exact_match"], num_generations=8, max_new_tokens=40, temperature=1.0, loss_type="dapo",
-        tools=[lookup], tool_call_parser="tiny", stop_tokens=["<|end|>"], max_turns=3,
+        ["exact_match"],
+        num_generations=8,
+        max_new_tokens=40,
+        temperature=1.0,
+        loss_type="dapo",
+        tools=[lookup],
+        tool_call_parser="tiny",
+        stop_tokens=["<|end|>"],
+        max_turns=3,
         max_episode_tokens=192,
-    )  # fmt: skip
+    )
     config = TrainingConfig(
-        output_dir=str(out), max_steps=steps, batch_size=8, learning_rate=3e-4,
-        lr_scheduler="constant", warmup_ratio=0.0, weight_decay=0.0, mixed_precision="no",
-        gradient_checkpointing=False, progress_bar=False, save_on_epoch_end=False,
-        logging_steps=1, eval_steps=steps, eval_on_start=True, seed=seed, disable_dropout=True,
+        output_dir=str(out),
+        max_steps=steps,
+        batch_size=8,
+        learning_rate=3e-4,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
+        weight_decay=0.0,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        eval_steps=steps,
+        eval_on_start=True,
+        seed=seed,
+        disable_dropout=True,
         max_length=256,
-    )  # fmt: skip
+    )
     trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=train,
+        model=model,
+        tokenizer=tok,
+        config=config,
+        loss_fn=method,
+        train_dataset=train,
         eval_dataset=held,
-    )  # fmt: skip
+    )
     try:
         trainer.train()
     finally:

@@ -58,13 +58,23 @@ def _trainer(tiny_dir, tmp_path, padding_free=False, method_cls=GRPOMethod, **me
         method_args["engine"] = ShortTurns(max_new_tokens=8)
         method_args["engine"].end_id = tok.convert_tokens_to_ids("<|end|>")
     config = quiet_config(
-        tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0,
+        tmp_path,
+        max_steps=1,
+        batch_size=2,
+        disable_dropout=True,
+        seed=0,
         padding_free=padding_free,
-    )  # fmt: skip
+    )
     method = method_cls(
-        [length_reward], num_generations=4, stop_tokens=["<|end|>"],
-        tool_call_parser="tiny", max_turns=3, max_episode_tokens=96, fused=False, **method_args,
-    )  # fmt: skip
+        [length_reward],
+        num_generations=4,
+        stop_tokens=["<|end|>"],
+        tool_call_parser="tiny",
+        max_turns=3,
+        max_episode_tokens=96,
+        fused=False,
+        **method_args,
+    )
     trainer = GrimoireTrainer(
         model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
     )
@@ -158,10 +168,12 @@ def undocumented(word: str) -> str:
 def test_tools_bad_specs_are_config_errors_naming_the_key():
     with pytest.raises(ConfigError) as info:
         GRPOMethod(
-            [length_reward], num_generations=2,
+            [length_reward],
+            num_generations=2,
             tools=["grimoire.model.tiny:no_such_tool", undocumented],
-            tool_call_parser="no_such_parser", max_turns=0,
-        )  # fmt: skip
+            tool_call_parser="no_such_parser",
+            max_turns=0,
+        )
     text = str(info.value)
     assert "loss.args.tools[0]" in text and "no_such_tool" in text
     assert "tool_call_parser" in text and "no_such_parser" in text
@@ -199,12 +211,17 @@ def test_tools_yaml_loss_args_mirror_the_method_arguments():
     loss = {
         "type": "grpo",
         "args": {
-            "reward_funcs": ["exact_match"], "num_generations": 4,
-            "tools": ["grimoire.model.tiny:lookup"], "tool_call_parser": "tiny",
-            "stop_tokens": ["<|end|>"], "max_turns": 3, "max_episode_tokens": 128,
-            "env_timeout": 5.0, "failure_reward": -1.0,
+            "reward_funcs": ["exact_match"],
+            "num_generations": 4,
+            "tools": ["grimoire.model.tiny:lookup"],
+            "tool_call_parser": "tiny",
+            "stop_tokens": ["<|end|>"],
+            "max_turns": 3,
+            "max_episode_tokens": 128,
+            "env_timeout": 5.0,
+            "failure_reward": -1.0,
         },
-    }  # fmt: skip
+    }
     raw = {"model": {"pretrained": "tiny:llama"}, "dataset": {"jsonl": "x.jsonl"}, "loss": loss}
     assert not [p for p in validate_config(raw) if "loss" in p]
     typo = {**loss, "args": {**loss["args"], "max_turn": 3}}

@@ -39,15 +39,27 @@ def test_environment_grpo_step_with_the_vllm_server_engine(served, tiny_dir, tmp
     end = tok.convert_tokens_to_ids("<|end|>")
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
     config = quiet_config(
-        tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0, learning_rate=1e-2,
+        tmp_path,
+        max_steps=1,
+        batch_size=2,
+        disable_dropout=True,
+        seed=0,
+        learning_rate=1e-2,
         padding_free=False,
         lr_scheduler="constant",
-    )  # fmt: skip
+    )
     method = GRPOMethod(
-        [answer_length], num_generations=4, engine={"type": "vllm-server", "args": {"url": url}},
-        environment=Narrator, stop_tokens=["<|end|>"], tool_call_parser="tiny", max_turns=3,
-        max_episode_tokens=96, max_new_tokens=8, fused=False,
-    )  # fmt: skip
+        [answer_length],
+        num_generations=4,
+        engine={"type": "vllm-server", "args": {"url": url}},
+        environment=Narrator,
+        stop_tokens=["<|end|>"],
+        tool_call_parser="tiny",
+        max_turns=3,
+        max_episode_tokens=96,
+        max_new_tokens=8,
+        fused=False,
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     trainer = GrimoireTrainer(
         model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows

@@ -30,8 +30,10 @@ def test_two_processes_own_whole_groups_and_log_the_same_keys(tiny_dir, tmp_path
     one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run(
         [sys.executable, __file__, str(tiny_dir), str(one), "4"],
-        check=True, env=_env(), timeout=300,
-    )  # fmt: skip
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
     subprocess.run(
         [*gloo_launch(2), __file__, str(tiny_dir), str(two), "2"],
         check=True,
@@ -85,14 +87,28 @@ def _worker(model_dir: str, out_dir: str, batch: int) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(32, seed=5)]
     config = TrainingConfig(
-        output_dir=out_dir, max_steps=4, batch_size=batch, learning_rate=1e-2,
-        mixed_precision="no", gradient_checkpointing=False, progress_bar=False,
-        save_on_epoch_end=False, logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0,
-    )  # fmt: skip
+        output_dir=out_dir,
+        max_steps=4,
+        batch_size=batch,
+        learning_rate=1e-2,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
+    )
     method = Recording(
-        ["char_match"], num_generations=G, max_new_tokens=6, beta=0.04, num_iterations=2,
-        scale_rewards="batch", dynamic_sampling=True, ref_model="copy",
-    )  # fmt: skip
+        ["char_match"],
+        num_generations=G,
+        max_new_tokens=6,
+        beta=0.04,
+        num_iterations=2,
+        scale_rewards="batch",
+        dynamic_sampling=True,
+        ref_model="copy",
+    )
     method.log: list[list[list[str]]] = []
     trainer = GrimoireTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir),

@@ -47,10 +47,12 @@ def test_one_prefill_samples_what_repeated_prefill_samples(tiny_model, tokenizer
 
 def test_one_prefill_greedy_and_chunked(tiny_model, tokenizer):
     for chunking in ({}, {"generation_batch_size": 4}):
-        once, _ = _sample(tiny_model, tokenizer, PROMPTS, 3, prefill_once=True, greedy=True,
-                          **chunking)  # fmt: skip
-        every, _ = _sample(tiny_model, tokenizer, PROMPTS, 3, prefill_once=False, greedy=True,
-                           **chunking)  # fmt: skip
+        once, _ = _sample(
+            tiny_model, tokenizer, PROMPTS, 3, prefill_once=True, greedy=True, **chunking
+        )
+        every, _ = _sample(
+            tiny_model, tokenizer, PROMPTS, 3, prefill_once=False, greedy=True, **chunking
+        )
         assert once == every
 
 
@@ -79,10 +81,14 @@ def _plain_generate(model, tokenizer, prompts, n, **kw):
 
     ids, mask = pad_sequences(prompts, tokenizer.pad_token_id, left=True, min_width=2)
     config = GenerationConfig(
-        do_sample=True, max_new_tokens=7, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, temperature=kw.get("temperature", 1.0),
-        top_k=kw.get("top_k", 0), top_p=kw.get("top_p", 1.0),
-    )  # fmt: skip
+        do_sample=True,
+        max_new_tokens=7,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        temperature=kw.get("temperature", 1.0),
+        top_k=kw.get("top_k", 0),
+        top_p=kw.get("top_p", 1.0),
+    )
     torch.manual_seed(123)
     with torch.no_grad(), generation_mode(model):
         gen = model.generate(
@@ -102,8 +108,15 @@ def test_static_cache_samples_what_plain_generate_samples(tiny_model, tokenizer,
     plain = _plain_generate(tiny_model, tokenizer, PROMPTS, n, **kw)
     for prefill_once in (True, False):
         for static in (True, False):
-            got, _ = _sample(tiny_model, tokenizer, PROMPTS, n, prefill_once=prefill_once,
-                             static_cache=static, **kw)  # fmt: skip
+            got, _ = _sample(
+                tiny_model,
+                tokenizer,
+                PROMPTS,
+                n,
+                prefill_once=prefill_once,
+                static_cache=static,
+                **kw,
+            )
             pad = tokenizer.pad_token_id
             assert [[t for t in r if t != pad] for r in got] == plain, (prefill_once, static)
 
@@ -146,8 +159,9 @@ def test_sliding_window_layers_with_prompts_past_the_window():
     got = {}
     for prefill_once in (True, False):
         for static in (True, False):
-            engine = HFGenerateEngine(max_new_tokens=12, prefill_once=prefill_once,
-                                      static_cache=static)  # fmt: skip
+            engine = HFGenerateEngine(
+                max_new_tokens=12, prefill_once=prefill_once, static_cache=static
+            )
             engine.bind(model, pad_token_id=0, eos_token_id=None)
             torch.manual_seed(1)
             rollout = engine.generate(prompts, 3, with_old_logps=False)

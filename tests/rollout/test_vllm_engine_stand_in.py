@@ -62,8 +62,11 @@ def fake_vllm(monkeypatch):
     state.destroy_distributed_environment = lambda: None  # type: ignore[attr-defined]
     distributed = ModuleType("vllm.distributed")
     distributed.parallel_state = state  # type: ignore[attr-defined]
-    for name, module in [("vllm", vllm), ("vllm.distributed", distributed),
-                         ("vllm.distributed.parallel_state", state)]:  # fmt: skip
+    for name, module in [
+        ("vllm", vllm),
+        ("vllm.distributed", distributed),
+        ("vllm.distributed.parallel_state", state),
+    ]:
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(vllm_engine, "require_vllm", lambda where: None)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the engine sets it: restored

@@ -69,7 +69,7 @@ def test_adapter_sync_sends_base_once_then_adapter_only_or_refuses_a_server_with
         sent = dict(stand_in.pushed[0])
         assert set(base) <= set(sent)
         assert all(torch.equal(sent[k], v.detach()) for k, v in base.items())
-        (first_id, config, tensors), = stand_in.adapters  # fmt: skip
+        ((first_id, config, tensors),) = stand_in.adapters
         want = get_peft_model_state_dict(policy)
         assert set(tensors) == set(want) and all(torch.equal(tensors[k], want[k]) for k in want)
         assert config["r"] == 4 and config["lora_alpha"] == 8

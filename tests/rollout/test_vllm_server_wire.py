@@ -130,8 +130,9 @@ def test_errors_before_training(served, tiny_model, tokenizer):
     _, url = served
     sampling = SamplerConfig(max_new_tokens=4)
     # No server there: named, with the command that starts one.
-    engine = build_engine({"type": "vllm-server", "args": {"url": "http://127.0.0.1:9", "timeout": 1}},
-                          sampling)  # fmt: skip
+    engine = build_engine(
+        {"type": "vllm-server", "args": {"url": "http://127.0.0.1:9", "timeout": 1}}, sampling
+    )
     with pytest.raises(ConfigError, match="no server answered at http://127.0.0.1:9.*vllm-serve"):
         engine.bind(tiny_model, tokenizer.pad_token_id, tokenizer.eos_token_id)
     # A server of another model: the differing keys named.
@@ -169,8 +170,9 @@ def keyed(tiny_model):
         yield stand_in, url
 
 
-def test_a_keyed_server_answers_only_the_trainer_with_its_key(keyed, tiny_model, tokenizer,
-                                                              monkeypatch):  # fmt: skip
+def test_a_keyed_server_answers_only_the_trainer_with_its_key(
+    keyed, tiny_model, tokenizer, monkeypatch
+):
     stand_in, url = keyed
     ids = (tokenizer.pad_token_id, tokenizer.eos_token_id)
     monkeypatch.delenv(API_KEY_ENV, raising=False)

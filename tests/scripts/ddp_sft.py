@@ -22,9 +22,13 @@ torch.set_num_threads(1)
 tok = AutoTokenizer.from_pretrained(model_dir)
 rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
 config = quiet_config(
-    out_dir, max_steps=3, batch_size=batch, gradient_accumulation_steps=accum, learning_rate=1e-2,
+    out_dir,
+    max_steps=3,
+    batch_size=batch,
+    gradient_accumulation_steps=accum,
+    learning_rate=1e-2,
     **extra,
-)  # fmt: skip
+)
 trainer = GrimoireTrainer(
     model=AutoModelForCausalLM.from_pretrained(model_dir),
     tokenizer=tok,

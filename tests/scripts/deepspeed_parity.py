@@ -76,14 +76,26 @@ def train(tiny_dir: str, out: Path, model: Any, loss: Any, rows: list, resume: b
     # A linear decay: the schedule must too. max_grad_norm 0.2 clips every step, so DeepSpeed's
     # clipping is compared with torch's; 2 micro-batches per step accumulate across backwards.
     config = TrainingConfig(
-        output_dir=str(out / "resumed" if resume else out), max_steps=TOTAL, batch_size=2,
-        gradient_accumulation_steps=2, optimizer="adamw", learning_rate=1e-3, weight_decay=0.01,
+        output_dir=str(out / "resumed" if resume else out),
+        max_steps=TOTAL,
+        batch_size=2,
+        gradient_accumulation_steps=2,
+        optimizer="adamw",
+        learning_rate=1e-3,
+        weight_decay=0.01,
         adam_epsilon=1e-6,
-        max_grad_norm=0.2, lr_scheduler="linear", warmup_ratio=0.0, save_steps=SAVE_AT,
-        progress_bar=False, save_on_epoch_end=False, logging_steps=1, disable_dropout=True,
-        gradient_checkpointing=False, mixed_precision="no",
+        max_grad_norm=0.2,
+        lr_scheduler="linear",
+        warmup_ratio=0.0,
+        save_steps=SAVE_AT,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        disable_dropout=True,
+        gradient_checkpointing=False,
+        mixed_precision="no",
         resume_from_checkpoint=str(out / f"checkpoint-{SAVE_AT}") if resume else None,
-    )  # fmt: skip
+    )
     record = Record()
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     # 7 evaluation rows: the ranks get unequal shares, and ZeRO-3's forwards stay collective.

@@ -69,18 +69,36 @@ def main(model_dir: str, out_dir: str, batch: int, packed: bool, budget: int) ->
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(16, seed=5)]
     config = TrainingConfig(
-        output_dir=out_dir, max_steps=1, batch_size=batch, learning_rate=1.0, optimizer="sgd",
-        mixed_precision="no", gradient_checkpointing=False, progress_bar=False,
-        save_on_epoch_end=False, logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0,
-        disable_dropout=True, seed=0, padding_free=packed, max_tokens_per_device=budget or None,
+        output_dir=out_dir,
+        max_steps=1,
+        batch_size=batch,
+        learning_rate=1.0,
+        optimizer="sgd",
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
+        disable_dropout=True,
+        seed=0,
+        padding_free=packed,
+        max_tokens_per_device=budget or None,
         distributed=os.environ.get("EPISODES_DISTRIBUTED", "ddp"),
-    )  # fmt: skip
+    )
     engine = ScriptedTurns(max_new_tokens=24)
     engine.tokenizer, engine.end_id = tok, tok.convert_tokens_to_ids("<|end|>")
     method = GRPOMethod(
-        [answer_length], num_generations=G, engine=engine, tools=[lookup],
-        tool_call_parser="tiny", stop_tokens=["<|end|>"], max_turns=3, max_episode_tokens=256,
-    )  # fmt: skip
+        [answer_length],
+        num_generations=G,
+        engine=engine,
+        tools=[lookup],
+        tool_call_parser="tiny",
+        stop_tokens=["<|end|>"],
+        max_turns=3,
+        max_episode_tokens=256,
+    )
     played: list[str] = []
     micro: list[dict] = []
     build = method.build_batches

@@ -75,8 +75,16 @@ def _mesh(param) -> dict | None:
     return {"dims": list(mesh.mesh_dim_names or ()), "ranks": mesh.mesh.tolist()}
 
 
-def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, accum: int,
-         stop_after: int | None = None, resume: bool = False) -> GrimoireTrainer:  # fmt: skip
+def main(
+    tiny_dir: str,
+    out: str,
+    family: str,
+    distributed: str,
+    batch: int,
+    accum: int,
+    stop_after: int | None = None,
+    resume: bool = False,
+) -> GrimoireTrainer:
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,8 +92,9 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     if family == "sft_untied":  # the same tiny Llama (seed 0) with its own lm_head
-        model = build_model("llama", seed=0, vocab_size=model.config.vocab_size,
-                            tie_word_embeddings=False)  # fmt: skip
+        model = build_model(
+            "llama", seed=0, vocab_size=model.config.vocab_size, tie_word_embeddings=False
+        )
     if family == "sft_tied":  # one tensor for the input embedding and the LM head
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.get_input_embeddings().weight
@@ -106,8 +115,14 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
 
         rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=9)]
         engine = FixedEngine(max_new_tokens=4, temperature=1.0)
-        loss = GRPOMethod([reward], beta=0.05, ref_model="copy", engine=engine,
-                          num_generations=4, max_new_tokens=4)  # fmt: skip
+        loss = GRPOMethod(
+            [reward],
+            beta=0.05,
+            ref_model="copy",
+            engine=engine,
+            num_generations=4,
+            max_new_tokens=4,
+        )
     else:
         rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
         loss = SFTLoss(**chunk)
@@ -123,17 +138,33 @@ def main(tiny_dir: str, out: str, family: str, distributed: str, batch: int, acc
         extra = {"osft": True, "osft_unfreeze_rank_ratio": 0.5}
     if family == "muon":  # Newton-Schulz on each whole matrix, AdamW on the rest
         extra = {"optimizer": "muon", "learning_rate": 1e-3, "muon_learning_rate": 0.02}
-    extra = {"gradient_checkpointing": False, "mixed_precision": "no", "optimizer": "sgd",
-             "learning_rate": 0.2, **extra}  # fmt: skip
+    extra = {
+        "gradient_checkpointing": False,
+        "mixed_precision": "no",
+        "optimizer": "sgd",
+        "learning_rate": 0.2,
+        **extra,
+    }
     config = TrainingConfig(
-        output_dir=out, max_steps=stop_after or TOTAL, batch_size=batch,
-        gradient_accumulation_steps=accum, weight_decay=0.0,
-        progress_bar=False, save_on_epoch_end=False,
-        logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0, distributed=distributed,
-        max_tokens_per_device=96, save_steps=stop_after, disable_dropout=True, save_total_limit=None,
+        output_dir=out,
+        max_steps=stop_after or TOTAL,
+        batch_size=batch,
+        gradient_accumulation_steps=accum,
+        weight_decay=0.0,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
+        distributed=distributed,
+        max_tokens_per_device=96,
+        save_steps=stop_after,
+        disable_dropout=True,
+        save_total_limit=None,
         checkpoint_signals=["SIGTERM", "SIGUSR1"],
-        resume_from_checkpoint="latest" if resume else None, **extra,
-    )  # fmt: skip
+        resume_from_checkpoint="latest" if resume else None,
+        **extra,
+    )
     # PARITY_CONFIG: JSON overrides of the config (tests/test_hsdp.py: the shard group size).
     config = TrainingConfig(
         **{**config.to_dict(), **json.loads(os.environ.get("PARITY_CONFIG", "{}"))}
@@ -204,7 +235,15 @@ if __name__ == "__main__":
     stop = int(args[6]) if len(args) > 6 and args[6] != "resume" else None
     trainer = None
     for fam in args[2].split(","):  # several families in one launch: one process-group start-up
-        trainer = main(args[0], str(Path(args[1]) / fam), fam, args[3], int(args[4]),
-                       int(args[5]), stop, resume=len(args) > 6 and args[6] == "resume")  # fmt: skip
+        trainer = main(
+            args[0],
+            str(Path(args[1]) / fam),
+            fam,
+            args[3],
+            int(args[4]),
+            int(args[5]),
+            stop,
+            resume=len(args) > 6 and args[6] == "resume",
+        )
     if trainer is not None:
         trainer.close()

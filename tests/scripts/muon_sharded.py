@@ -35,8 +35,14 @@ def main(tiny_dir: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    config = TrainingConfig(output_dir=out, optimizer="muon", distributed="fsdp2",
-                            mixed_precision="no", weight_decay=0.1, learning_rate=1e-3)  # fmt: skip
+    config = TrainingConfig(
+        output_dir=out,
+        optimizer="muon",
+        distributed="fsdp2",
+        mixed_precision="no",
+        weight_decay=0.1,
+        learning_rate=1e-3,
+    )
     whole = AutoModelForCausalLM.from_pretrained(tiny_dir)
     sharded = shard_model(copy.deepcopy(whole), config)
     opt_whole, opt_sharded = build_optimizer(whole, config), build_optimizer(sharded, config)

@@ -68,14 +68,22 @@ torch.set_num_threads(1)
 tok = AutoTokenizer.from_pretrained(model_dir)
 rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
 config = quiet_config(
-    out_dir, max_steps=4, batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
-    lr_scheduler="linear", **extra,
-)  # fmt: skip
+    out_dir,
+    max_steps=4,
+    batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-2,
+    lr_scheduler="linear",
+    **extra,
+)
 loss_fn = NaNLoss(bad, bad_rank, 2)
 trainer = GrimoireTrainer(
-    model=AutoModelForCausalLM.from_pretrained(model_dir), tokenizer=tok, config=config,
-    loss_fn=loss_fn, train_dataset=rows,
-)  # fmt: skip
+    model=AutoModelForCausalLM.from_pretrained(model_dir),
+    tokenizer=tok,
+    config=config,
+    loss_fn=loss_fn,
+    train_dataset=rows,
+)
 rank = trainer.accelerator.process_index
 loss_fn.here = rank == bad_rank
 snaps = Snapshots(out_dir, rank)

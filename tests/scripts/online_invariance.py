@@ -61,9 +61,14 @@ def methods() -> dict[str, Any]:
         ("dr_grpo", "batch"),
     ]:
         out[f"grpo-{loss_type}-{scale}"] = lambda lt=loss_type, sc=scale: GRPOMethod(
-            [reward], loss_type=lt, scale_rewards=sc, beta=0.05, ref_model="copy",
-            engine=engine(), **common,
-        )  # fmt: skip
+            [reward],
+            loss_type=lt,
+            scale_rewards=sc,
+            beta=0.05,
+            ref_model="copy",
+            engine=engine(),
+            **common,
+        )
     for norm in (False, True):
         out[f"rloo-norm{int(norm)}"] = lambda n=norm: RLOOMethod(
             [reward], normalize_advantages=n, ref_model="copy", engine=engine(), **common
@@ -113,13 +118,23 @@ def run(tiny_dir: str, out_dir: str, batch: int, accum: int, names: list[str]) -
         record = Loss()
 
         config = TrainingConfig(
-            output_dir=str(out / name), max_steps=1, batch_size=batch,
-            gradient_accumulation_steps=accum, optimizer="sgd", learning_rate=0.5,
-            weight_decay=0.0, max_grad_norm=None, mixed_precision="no",
-            gradient_checkpointing=False, progress_bar=False, save_on_epoch_end=False,
-            disable_dropout=True, lr_scheduler="constant", warmup_ratio=0.0,
+            output_dir=str(out / name),
+            max_steps=1,
+            batch_size=batch,
+            gradient_accumulation_steps=accum,
+            optimizer="sgd",
+            learning_rate=0.5,
+            weight_decay=0.0,
+            max_grad_norm=None,
+            mixed_precision="no",
+            gradient_checkpointing=False,
+            progress_bar=False,
+            save_on_epoch_end=False,
+            disable_dropout=True,
+            lr_scheduler="constant",
+            warmup_ratio=0.0,
             distributed=os.environ.get("INVARIANCE_DISTRIBUTED", "ddp"),
-        )  # fmt: skip
+        )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_pretrained(tiny_dir)
         trainer = GrimoireTrainer(model, tok, config, method, rows, callbacks=[record])

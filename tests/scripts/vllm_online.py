@@ -26,11 +26,20 @@ def main(model_dir: str, out_dir: str, batch: int, engine_spec: str = '"vllm"') 
     tok = AutoTokenizer.from_pretrained(model_dir)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(32, seed=5)]
     config = TrainingConfig(
-        output_dir=out_dir, max_steps=STEPS, batch_size=batch, learning_rate=3e-3,
-        mixed_precision="no", gradient_checkpointing=False, progress_bar=False,
-        save_on_epoch_end=False, logging_steps=1, lr_scheduler="constant", warmup_ratio=0.0,
-        disable_dropout=True, seed=0,
-    )  # fmt: skip
+        output_dir=out_dir,
+        max_steps=STEPS,
+        batch_size=batch,
+        learning_rate=3e-3,
+        mixed_precision="no",
+        gradient_checkpointing=False,
+        progress_bar=False,
+        save_on_epoch_end=False,
+        logging_steps=1,
+        lr_scheduler="constant",
+        warmup_ratio=0.0,
+        disable_dropout=True,
+        seed=0,
+    )
     method = GRPOMethod(
         ["char_match"], num_generations=G, max_new_tokens=6, engine=json.loads(engine_spec)
     )

@@ -15,10 +15,24 @@ TINY = dict(hidden_size=128, num_layers=2, num_attention_heads=2, num_key_value_
 def start_server(model, env: dict[str, str], *extra: str):
     """``grimoire vllm-serve --model MODEL --port 0 ...`` started; ``(process, url)`` once it
     prints the address it serves at (fails the test with its output if it does not start)."""
-    cmd = [sys.executable, "-m", "grimoire", "vllm-serve", "--model", str(model),
-           "--port", "0", "--max-model-len", "128", "--max-num-seqs", "64", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "grimoire",
+        "vllm-serve",
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "64",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     lines, deadline = [], time.monotonic() + 300
     while time.monotonic() < deadline:
         line = proc.stdout.readline()

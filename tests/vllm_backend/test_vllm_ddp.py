@@ -35,10 +35,21 @@ def test_two_processes_each_with_an_engine_match_one_process(vllm_tiny, tmp_path
     run = dict(check=True, env=_env(), timeout=600)
     subprocess.run([sys.executable, str(WORKER), str(vllm_tiny), str(one), "4"], **run)
     launch = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]
     subprocess.run([*launch, str(WORKER), str(vllm_tiny), str(two), "2"], **run)
 
     single = json.loads((one / "rank0.json").read_text())

@@ -80,17 +80,29 @@ def test_environment_grpo_step_with_vllm_through_the_stage(vllm_tiny, tmp_path, 
     tok = AutoTokenizer.from_pretrained(vllm_tiny)
     rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
     config = quiet_config(
-        tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0, learning_rate=1e-2,
+        tmp_path,
+        max_steps=1,
+        batch_size=2,
+        disable_dropout=True,
+        seed=0,
+        learning_rate=1e-2,
         padding_free=False,
         lr_scheduler="constant",
-    )  # fmt: skip
+    )
     method = GRPOMethod(
-        [answer_length], num_generations=4, engine=engine_spec, environment=Narrator,
+        [answer_length],
+        num_generations=4,
+        engine=engine_spec,
+        environment=Narrator,
         # Any letter ends a turn too: a random model then ends its turns within a few tokens
         # (27 of 64 tokens end a turn: 16 tokens without one are a chance of 2e-4).
-        stop_tokens=["<|end|>", *"abcdefghijklmnopqrstuvwxyz"], tool_call_parser="tiny",
-        max_turns=3, max_episode_tokens=128, max_new_tokens=16, fused=False,
-    )  # fmt: skip
+        stop_tokens=["<|end|>", *"abcdefghijklmnopqrstuvwxyz"],
+        tool_call_parser="tiny",
+        max_turns=3,
+        max_episode_tokens=128,
+        max_new_tokens=16,
+        fused=False,
+    )
     model = AutoModelForCausalLM.from_pretrained(vllm_tiny, dtype=torch.float32)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = GrimoireTrainer(

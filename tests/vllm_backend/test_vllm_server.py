@@ -46,8 +46,15 @@ def test_server_adapter_only_lora_sync_loads_base_once_and_one_adapter_per_step(
     engine = VLLMServerEngine(max_new_tokens=8, url=server)
     gap, syncs, records, _ = _run(vllm_tiny, tmp_path, False, peft=True, engine=engine)
     after = _pushes(server), _pushes(server, "adapter_pushes")
-    print(json.dumps({"server_lora_sync": "adapter", "gap": gap,
-                      "bytes_per_step": [r["weight_sync/bytes"] for r in records]}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "server_lora_sync": "adapter",
+                "gap": gap,
+                "bytes_per_step": [r["weight_sync/bytes"] for r in records],
+            }
+        )
+    )
     assert gap <= 1e-3
     assert (after[0] - before[0], after[1] - before[1]) == (1, syncs) == (1, K + 1)
     assert engine.base_loads == 1
@@ -63,10 +70,21 @@ def test_two_processes_sharing_one_server_match_one_process(vllm_tiny, tmp_path,
     subprocess.run([sys.executable, str(WORKER), str(vllm_tiny), str(one), "4", spec], **run)
     pushes.append(_pushes(server))
     launch = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+    ]
     subprocess.run([*launch, str(WORKER), str(vllm_tiny), str(two), "2", spec], **run)
     pushes.append(_pushes(server))
     single = json.loads((one / "rank0.json").read_text())
@@ -130,15 +148,22 @@ def test_async_server_samples_with_the_version_whose_log_probs_are_the_old_ones(
     slow = Slow()
     slow.versions[0] = {k: v.clone() for k, v in model.state_dict().items()}
     method = GRPOMethod(
-        ["char_match"], num_generations=4, max_staleness=1, max_new_tokens=8,
+        ["char_match"],
+        num_generations=4,
+        max_staleness=1,
+        max_new_tokens=8,
         engine={"type": "vllm-server", "args": {"url": server}},
-    )  # fmt: skip
+    )
     config = quiet_config(tmp_path, max_steps=4, learning_rate=1e-2, disable_dropout=True)
     before = _pushes(server)
     trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows,
+        model=model,
+        tokenizer=tok,
+        config=config,
+        loss_fn=method,
+        train_dataset=rows,
         callbacks=[slow],
-    )  # fmt: skip
+    )
     try:
         trainer.train()
     finally:

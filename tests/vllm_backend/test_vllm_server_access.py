@@ -76,8 +76,11 @@ def test_a_request_without_the_key_is_refused_401_and_the_trainer_says_so(
     # One real frame: small enough to sit in the socket's buffers when the 401 closes it.
     norm = load_file(vllm_tiny / "model.safetensors")["model.norm.weight"]
     frames = b"".join(weight_frames([("model.norm.weight", norm * 2)]))
-    for method, path, body in [("GET", "/health", b""), ("POST", "/weights", frames),
-                               ("POST", "/generate", b"{}")]:  # fmt: skip
+    for method, path, body in [
+        ("GET", "/health", b""),
+        ("POST", "/weights", frames),
+        ("POST", "/generate", b"{}"),
+    ]:
         status, answer = _raw(keyed, method, path, key, body)
         assert status == 401 and "API key" in answer["error"], (method, path, status, answer)
     assert _raw(keyed, "GET", "/health", KEY)[0] == 200

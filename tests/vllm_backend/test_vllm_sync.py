@@ -102,9 +102,18 @@ def test_vllm_adapter_only_lora_sync_logps_equal_the_policys_and_base_loaded_onc
     for mode, engine in engines.items():
         gap, syncs, records, _ = _run(vllm_tiny, tmp_path / mode, False, peft=True, engine=engine)
         sent[mode] = [r["weight_sync/bytes"] for r in records]
-        print(json.dumps({"lora_sync": mode, "gap": gap, "syncs": syncs,
-                          "base_loads": engine.base_loads, "bytes_per_step": sent[mode],
-                          "merged_bytes": records[-1]["weight_sync/merged_bytes"]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "lora_sync": mode,
+                    "gap": gap,
+                    "syncs": syncs,
+                    "base_loads": engine.base_loads,
+                    "bytes_per_step": sent[mode],
+                    "merged_bytes": records[-1]["weight_sync/merged_bytes"],
+                }
+            )
+        )
         assert gap <= 1e-3
         assert syncs == K + 1
         assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1.0) < 1e-3 for r in records)
