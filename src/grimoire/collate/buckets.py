@@ -72,8 +72,10 @@ def bucket_widths(
         unknown = isinstance(value, Tensor) and value.dim() >= 2 and key not in known
         if unknown and value.shape[1] in widths:
             return out  # a per-token column we cannot extend: leave the batch as it is
-    total = sum(batch[f"{p}input_ids"].shape[0] * round_up(
-        batch[f"{p}input_ids"].shape[1], multiple) for p in groups)  # fmt: skip
+    total = sum(
+        batch[f"{p}input_ids"].shape[0] * round_up(batch[f"{p}input_ids"].shape[1], multiple)
+        for p in groups
+    )
     if max_tokens is not None and total > max_tokens:
         return out
     for p in groups:

@@ -276,8 +276,18 @@ def fused_token_logps(
         if not _checked(parts, transforms, autocast, hidden, out):
             return None
         del out  # the [B, 1, V] logits: only needed for the self-check
-        logps = _apply_head(parts, transforms, autocast, hidden, targets, mask, chunk_size,
-                            return_entropy, uniform_grad, num_targets)  # fmt: skip
+        logps = _apply_head(
+            parts,
+            transforms,
+            autocast,
+            hidden,
+            targets,
+            mask,
+            chunk_size,
+            return_entropy,
+            uniform_grad,
+            num_targets,
+        )
     return logps
 
 

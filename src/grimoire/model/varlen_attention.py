@@ -147,17 +147,35 @@ def varlen_forward(
 
         # window_size must be this TUPLE: varlen_attn derives is_causal from == (-1, 0).
         # Without return_aux it returns the output alone (its annotation also admits the pair).
-        out = cast(Tensor, varlen_attn(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1],
-        ))  # fmt: skip
+        out = cast(
+            Tensor,
+            varlen_attn(
+                q,
+                k,
+                v,
+                cu_seqlens,
+                cu_seqlens,
+                max_seqlen,
+                max_seqlen,
+                scale=scaling,
+                window_size=(-1, 0),
+                enable_gqa=q.shape[1] != k.shape[1],
+            ),
+        )
     elif route == "flash_attn":
         from flash_attn import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-            softmax_scale=scaling, causal=True,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            softmax_scale=scaling,
+            causal=True,
+        )
     else:
         raise ValueError(f"varlen_forward: unknown route {route!r}")
     return out.unsqueeze(0)

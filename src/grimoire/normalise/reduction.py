@@ -112,8 +112,9 @@ class StepReduction:
         if acc.num_processes == 1:
             self.keys = local
         new_keys = float(any(k not in self.keys for k in local))
-        head = [scalars[k] if isinstance(scalars[k], torch.Tensor) else float(scalars[k])
-                for k in names]  # fmt: skip
+        head = [
+            scalars[k] if isinstance(scalars[k], torch.Tensor) else float(scalars[k]) for k in names
+        ]
         packed = torch.cat(
             [packed_vector([*head, new_keys], acc.device), means.vector(self.keys, acc.device)]
         )

@@ -178,9 +178,13 @@ class AsyncRolloutStage(RolloutStage):
         engine = self.engine
         self._autocast = autocast_factory(ctx.config.mixed_precision, engine.device)
         self.sampler_engine.bind(
-            self.sampler_model, self.pad_token_id, engine.eos_token_ids, engine.autocast,
-            max_tokens=engine.max_tokens, max_length=engine.max_length,
-        )  # fmt: skip
+            self.sampler_model,
+            self.pad_token_id,
+            engine.eos_token_ids,
+            engine.autocast,
+            max_tokens=engine.max_tokens,
+            max_length=engine.max_length,
+        )
 
     # ------------------------------------------------------------------ the learner's side
 
@@ -261,9 +265,12 @@ class AsyncRolloutStage(RolloutStage):
         self.sampler_model.train(self._policy.training)  # old log-probs as the training forward
         if _sampler_process(self.engine):
             self.sampler_process = SamplerProcess(
-                self.sampler_model, self.sampler_engine, self._autocast,
-                threads=self.sampler_threads or 1, cpu=self.sampler_cpu,
-            )  # fmt: skip
+                self.sampler_model,
+                self.sampler_engine,
+                self._autocast,
+                threads=self.sampler_threads or 1,
+                cpu=self.sampler_cpu,
+            )
         self._thread = threading.Thread(
             target=self._produce,
             args=(batches, first_step, in_epoch),

@@ -135,9 +135,12 @@ class SamplerProcess:
         unbound = copy.copy(engine)
         unbound.model, unbound.agree, unbound.autocast = None, None, nullcontext
         bind = dict(
-            pad_token_id=engine.pad_token_id, eos_token_id=list(engine.eos_token_ids),
-            autocast=autocast, max_tokens=engine.max_tokens, max_length=engine.max_length,
-        )  # fmt: skip
+            pad_token_id=engine.pad_token_id,
+            eos_token_id=list(engine.eos_token_ids),
+            autocast=autocast,
+            max_tokens=engine.max_tokens,
+            max_length=engine.max_length,
+        )
         context = mp.get_context("spawn")
         self.requests = context.Queue()
         self.replies = context.Queue()

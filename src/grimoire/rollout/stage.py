@@ -290,9 +290,13 @@ class RolloutStage:
         total, per_func = score_episodes(self.reward_funcs, episodes, repeated, self.tokenizer)
         texts = [final_answer(e) for e in episodes]
         return ScoredGroup(
-            prompts, rollout, total.to(device), {k: v.to(device) for k, v in per_func.items()},
-            texts, episode_metrics=sum_metrics(episodes),
-        )  # fmt: skip
+            prompts,
+            rollout,
+            total.to(device),
+            {k: v.to(device) for k, v in per_func.items()},
+            texts,
+            episode_metrics=sum_metrics(episodes),
+        )
 
     def score(self, prompts: dict[str, Any], rollout: Rollout) -> ScoredGroup:
         """Decode the completions and run the reward functions on them."""

@@ -71,9 +71,10 @@ def authorized(header: str | None, api_key: str | None) -> bool:
 
 
 def frame_problems(
-    frames: Iterable[tuple[str, Tensor]], expected: dict[str, tuple[tuple[int, ...], str]],
+    frames: Iterable[tuple[str, Tensor]],
+    expected: dict[str, tuple[tuple[int, ...], str]],
     tied: Iterable[str] = (),
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """What in pushed weight ``frames`` does not fit the served model's ``expected``
     ``{name: (shape, dtype)}`` (its checkpoint's): unknown names (``tied`` ones allowed), other
     shapes, a non-floating tensor for a floating weight or the reverse (a floating dtype may

@@ -83,8 +83,10 @@ def resolve_resume_path(spec: str, output_dir: str | Path, rank: int = 0) -> Pat
                 if skipped and rank == 0:
                     logger.warning(
                         "resume_from_checkpoint='latest': skipped the damaged %s; resuming from "
-                        "the newest complete checkpoint, %s", "; ".join(skipped), path,
-                    )  # fmt: skip
+                        "the newest complete checkpoint, %s",
+                        "; ".join(skipped),
+                        path,
+                    )
                 return path
             skipped.append(f"{path.name} ({why})")
         if skipped:

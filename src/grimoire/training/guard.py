@@ -84,9 +84,14 @@ class NonFiniteGuard:
         else:
             taken = "no optimizer or scheduler step was taken"
         logger.warning(
-            "step %d %s: %s; %s (%d in a row, the run stops at %d)", step,
-            "skipped" if not applied else "not finite", what, taken, self.consecutive, self.limit,
-        )  # fmt: skip
+            "step %d %s: %s; %s (%d in a row, the run stops at %d)",
+            step,
+            "skipped" if not applied else "not finite",
+            what,
+            taken,
+            self.consecutive,
+            self.limit,
+        )
         if self.consecutive >= self.limit:
             self.failure = self._failure(step, what)
         return not applied

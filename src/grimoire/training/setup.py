@@ -312,9 +312,13 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
         )
     staleness = online.max_staleness
     problems = async_problems(
-        "loss.args.max_staleness", staleness, online.engine, context.sharded,
-        context.num_processes, online.agent is not None,
-    )  # fmt: skip
+        "loss.args.max_staleness",
+        staleness,
+        online.engine,
+        context.sharded,
+        context.num_processes,
+        online.agent is not None,
+    )
     if problems:
         raise ConfigError(problems)
     async_args = {"max_staleness": staleness} if staleness > 0 else {}
