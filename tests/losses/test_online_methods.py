@@ -280,6 +280,10 @@ def test_bad_input_is_rejected_before_training(tiny_model, tokenizer, prompt_row
         GRPOMethod([length_reward], loss_type="token_mean")
     with pytest.raises(ValueError, match="beta must be > 0"):
         OnlineDPOMethod([length_reward], beta=0.0)
+    with pytest.raises(ValueError, match="GRPOMethod: beta must be >= 0, got -0.1"):
+        GRPOMethod([length_reward], beta=-0.1)
+    with pytest.raises(ValueError, match="RLOOMethod: fused_chunk_size must be > 0"):
+        RLOOMethod([length_reward], fused_chunk_size=0)
 
     def train(method, rows, **config):
         return GrimoireTrainer(

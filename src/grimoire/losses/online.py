@@ -24,7 +24,6 @@ no communication.
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,12 +31,17 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.prompts import GRPOCollator
-from grimoire.columns import column_values, columns_of, listed
+from grimoire.columns import columns_of
 from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import is_prompt_batch, num_rows
-from grimoire.errors import ConfigError, DataError
+from grimoire.errors import ConfigError
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
+from grimoire.losses.online_checks import (
+    check_online_settings,
+    check_prompt_lengths,
+    warn_on_dropout,
+)
 from grimoire.losses.online_compat import (
     accepts_peer_spelling,
     peer_prompt_rows,
@@ -58,8 +62,6 @@ from grimoire.rollout.reward_calls import (
 )
 from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.stage import RolloutMethod, SamplingConfig, ScoredGroup
-
-logger = logging.getLogger(__name__)
 
 
 class OnlineMethod(GrimoireLoss):
@@ -112,6 +114,10 @@ class OnlineMethod(GrimoireLoss):
     steps_per_batch: int = 1
     #: Base arguments a subclass does not take (left out of its completed signature).
     hidden_args: tuple[str, ...] = ()
+    #: A tokenizer given the grimoire-rl way (checked against the trainer's in setup).
+    peer_tokenizer: Any = None
+    #: The run's context, set by :meth:`setup`.
+    _ctx: TrainingContext | None = None
 
     @accepts_peer_spelling
     def __init__(
@@ -144,36 +150,34 @@ class OnlineMethod(GrimoireLoss):
         #: Optimizer steps a rollout may lag the learner (>= 1: asynchronous rollouts,
         #: :mod:`grimoire.rollout.async_rollouts`); 0 samples each step with its own weights.
         self.max_staleness = checked_staleness(name, max_staleness)
-        if not isinstance(num_generations, int) or num_generations < self.min_generations:
-            raise ValueError(
-                f"{name}: num_generations must be an int >= {self.min_generations} (the method "
-                f"compares completions within a group), got {num_generations!r}"
-            )
-        if beta < 0:
-            raise ValueError(f"{name}: beta must be >= 0, got {beta}")
-        if fused_chunk_size <= 0:
-            raise ValueError(f"{name}: fused_chunk_size must be > 0, got {fused_chunk_size}")
+        check_online_settings(name, num_generations, self.min_generations, beta, fused_chunk_size)
         self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
         requested = SamplerConfig(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
             generation_batch_size=generation_batch_size,
-        )  # fmt: skip
+        )
         self.engine: RolloutEngine = build_engine(engine, requested)
         # An engine object samples with its own settings, so those are the ones held.
         self.sampling = SamplingConfig.of(self.engine.sampler, num_generations)
         self.agent: Agent | None = build_agent(
-            tools, environment, tool_call_parser, max_turns=max_turns,
-            max_episode_tokens=max_episode_tokens, max_new_tokens=self.engine.sampler.max_new_tokens,
-            env_timeout=env_timeout, failure_reward=failure_reward, stop_tokens=stop_tokens,
-        )  # fmt: skip
+            tools,
+            environment,
+            tool_call_parser,
+            max_turns=max_turns,
+            max_episode_tokens=max_episode_tokens,
+            max_new_tokens=self.engine.sampler.max_new_tokens,
+            env_timeout=env_timeout,
+            failure_reward=failure_reward,
+            stop_tokens=stop_tokens,
+        )
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
         self.fused = fused
         self.fused_chunk_size = fused_chunk_size
-        self._ctx: TrainingContext | None = None
-        #: A tokenizer given the grimoire-rl way (checked against the trainer's in setup).
-        self.peer_tokenizer: Any = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Complete a subclass's ``**kwargs`` signature with :class:`OnlineMethod`'s arguments,
@@ -296,41 +300,10 @@ class OnlineMethod(GrimoireLoss):
         problem = tokenizer_problem(type(self).__name__, self.peer_tokenizer, ctx.tokenizer)
         if problem is not None:
             raise ConfigError([problem])
-        self._check_lengths(ctx)
+        check_prompt_lengths(ctx, self.max_new_tokens)
         if self.needs_reference_model:
             self.frozen_reference.setup(ctx)
-        policy = ctx.unwrapped_model
-        dropout = [m.p for m in policy.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-        if dropout and not ctx.config.disable_dropout:
-            logger.warning(
-                "%s: the model has dropout (p=%s); set training.disable_dropout=True so the "
-                "log-probs of sampling and training agree",
-                type(self).__name__,
-                dropout[0],
-            )
-
-    def _check_lengths(self, ctx: TrainingContext) -> None:
-        limit, where = ctx.config.max_length, "training.max_length"
-        max_pos = getattr(
-            getattr(ctx.unwrapped_model, "config", None), "max_position_embeddings", 0
-        )
-        if isinstance(max_pos, int) and 0 < max_pos < limit:
-            limit, where = max_pos, "the model's max_position_embeddings"
-        problems = []
-        for split, ds in (("train", ctx.train_dataset), ("eval", ctx.eval_dataset)):
-            if ds is None:
-                continue
-            for i, row in enumerate(column_values(ds, "prompt_input_ids")):
-                if len(row) + self.max_new_tokens > limit:
-                    problems.append(
-                        f"{split} row {i}: prompt of {len(row)} tokens + max_new_tokens="
-                        f"{self.max_new_tokens} > {limit} ({where}); shorten the prompt, lower "
-                        "max_new_tokens or raise the limit"
-                    )
-        if problems:
-            raise DataError(
-                listed(problems), title="prompts do not fit the context (nothing was trained)"
-            )
+        warn_on_dropout(type(self).__name__, ctx)
 
     # ------------------------------------------------------------------ building training batches
 

@@ -87,9 +87,13 @@ class Sampler:
     def info(self) -> dict[str, Any]:
         config = {k: getattr(self.config, k, None) for k in SHAPE_KEYS}
         config["model_type"] = self.config.model_type
-        return {"ok": True, "config": config, "weight_pushes": self.pushes,
-                "adapter_pushes": self.adapter_pushes,
-                "max_lora_rank": self.max_lora_rank}  # fmt: skip
+        return {
+            "ok": True,
+            "config": config,
+            "weight_pushes": self.pushes,
+            "adapter_pushes": self.adapter_pushes,
+            "max_lora_rank": self.max_lora_rank,
+        }
 
     def generate(self, request: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -112,8 +116,9 @@ class Sampler:
         frames = list(read_frames(stream))
         problems = frame_problems(frames, self.expected, self.tied) if self.expected else []
         if problems:
-            raise ValueError(f"weights not loaded ({len(problems)} problems): " + "; ".join(
-                problems[:20]))  # fmt: skip
+            raise ValueError(
+                f"weights not loaded ({len(problems)} problems): " + "; ".join(problems[:20])
+            )
         self.llm.collective_rpc(
             "reload_weights",
             kwargs={"weights_iterator": iter(frames), "is_checkpoint_format": True},
@@ -179,9 +184,18 @@ def checkpoint_weights(folder: Path) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 #: safetensors' dtype names -> torch's.
-_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                "BOOL": "bool"}  # fmt: skip
+_DTYPE_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 def _load_pushed(sampler: Sampler, path: str, query: str, stream: Any) -> dict[str, Any]:
@@ -255,12 +269,20 @@ def handler(sampler: Sampler, api_key: str | None = None) -> type[BaseHTTPReques
 
 
 #: The command-line options handed on to :class:`Sampler` as they are.
-_SAMPLER_ARGS = ("dtype", "seed", "max_model_len", "gpu_memory_utilization", "enforce_eager",
-                 "kv_cache_memory_bytes", "max_num_seqs", "max_lora_rank")  # fmt: skip
+_SAMPLER_ARGS = (
+    "dtype",
+    "seed",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "kv_cache_memory_bytes",
+    "max_num_seqs",
+    "max_lora_rank",
+)
 
 
-def main(argv: Sequence[str]) -> int:
-    """``grimoire vllm-serve``: returns the exit code (serves until interrupted)."""
+def build_parser() -> ToolParser:
+    """``grimoire vllm-serve``'s options."""
     p = ToolParser(
         prog="grimoire vllm-serve",
         description="Serve a model's sampling with vLLM to trainers whose online method uses "
@@ -273,10 +295,17 @@ def main(argv: Sequence[str]) -> int:
         ),
     )
     p.add_argument("--model", required=True, help="the policy's folder (or hub name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (another than "
-                   "loopback needs --api-key)")  # fmt: skip
-    p.add_argument("--api-key", default=None, help=f"shared secret every request must carry "
-                   f"(default: ${API_KEY_ENV}); trainers pass it as the engine's args.api_key")  # fmt: skip
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (another than loopback needs --api-key)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"shared secret every request must carry "
+        f"(default: ${API_KEY_ENV}); trainers pass it as the engine's args.api_key",
+    )
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="vLLM's weights")
     p.add_argument("--max-model-len", type=int, help="longest prompt + completion")
@@ -285,8 +314,19 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--kv-cache-memory-bytes", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", default=None)
-    p.add_argument("--max-lora-rank", type=int, default=0, help="serve LoRA adapters up to this "
-                   "rank, pushed by trainers with lora_sync: adapter (0: off)")  # fmt: skip
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=0,
+        help="serve LoRA adapters up to this rank, pushed by trainers with lora_sync: "
+        "adapter (0: off)",
+    )
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """``grimoire vllm-serve``: returns the exit code (serves until interrupted)."""
+    p = build_parser()
 
     def body() -> int:
         args = p.parse_args(list(argv))
@@ -313,4 +353,4 @@ def main(argv: Sequence[str]) -> int:
     return run_tool("vllm-serve", body)
 
 
-__all__ = ["Sampler", "handler", "main"]
+__all__ = ["Sampler", "build_parser", "handler", "main"]

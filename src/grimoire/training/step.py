@@ -6,10 +6,10 @@ GPU then idles while the host catches up. The step keeps them to the ones it can
 
 - loss units and token counts are counted on the host, from the collated batches, before they
   move to the device (:func:`host_units`);
-- forwards read nothing back (the collator's host-side counts travel in the batch's layout:
-  :mod:`grimoire.forward.attention_hints`, the fused head's target count), and the LM head's
-  backward checks its uniform-gradient promise on the device
-  (:func:`~grimoire.forward.head.function.deferred_promise_checks`);
+- forwards and backwards (:func:`backward_micro_batches`) read nothing back (the collator's
+  host-side counts travel in the batch's layout: :mod:`grimoire.forward.attention_hints`, the
+  fused head's target count), and the LM head's backward checks its uniform-gradient promise
+  on the device (:func:`~grimoire.forward.head.function.deferred_promise_checks`);
 - :func:`finish_step` reads everything else, the metric sums, the flags, the gradient norm, the
   broken-promise flag, the non-finite flags (which micro-batches' losses, the gradient norm: the
   non-finite guard, :mod:`grimoire.training.guard`) in ONE transfer: on one process after
@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
-from grimoire.forward.head.function import PromiseChecks
+from grimoire.forward.head.function import PromiseChecks, deferred_promise_checks
 from grimoire.losses.base import GrimoireLoss
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
-from grimoire.normalise.units import count_tokens, gradient_scale, loss_units
+from grimoire.normalise.units import backward_scale, count_tokens, gradient_scale, loss_units
 from grimoire.optim.optimizers import clip_gradients, scale_gradients
+from grimoire.parallel.fsdp import gradient_sync
 
 
 def host_units(
@@ -71,6 +72,36 @@ def nonfinite(value: Any, measured: bool = False) -> Any:
     if isinstance(value, torch.Tensor):
         return (~torch.isfinite(value.detach().float())).to(torch.float64).reshape(())
     return float(not math.isfinite(value) if measured else math.isinf(value))
+
+
+def backward_micro_batches(
+    accelerator: Any,
+    model: Any,
+    method: GrimoireLoss,
+    micro: Sequence[tuple[dict[str, Any], float]],
+    weights: Sequence[float],
+    norm: float,
+    means: WeightedMeans,
+) -> tuple[Any, PromiseChecks]:
+    """Forward and back-propagate each of this rank's device micro-batches, its mean loss times
+    its loss units (``weights``) / ``norm``, adding its loss and metrics to ``means``.
+
+    Reads nothing back: returns the non-finite mask (:func:`mark_nonfinite`) and the LM head's
+    deferred promise checks, both for :func:`finish_step`'s one read.
+    """
+    bad: Any = 0.0
+    with deferred_promise_checks() as checks:
+        for i, ((batch, _), weight) in enumerate(zip(micro, weights)):
+            last = i == len(micro) - 1
+            sync = gradient_sync(accelerator, model, last)
+            # DeepSpeed steps its engine inside backward() when gradients sync: on the last.
+            accelerator.gradient_state._set_sync_gradients(last)
+            with sync, accelerator.autocast():
+                loss, metrics = method(model, batch, training=True)
+            accelerator.backward(loss * backward_scale(weight, norm))
+            means.add({"loss": loss, **metrics}, weight)
+            bad = mark_nonfinite(bad, loss, i, weight)
+    return bad, checks
 
 
 class BrokenPromiseError(RuntimeError):
@@ -139,6 +170,7 @@ def _hooks_then_clip(
 
 __all__ = [
     "BrokenPromiseError",
+    "backward_micro_batches",
     "finish_step",
     "host_units",
     "mark_nonfinite",

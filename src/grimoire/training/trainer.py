@@ -24,15 +24,14 @@ from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
 from grimoire.contract.layout import to_device
-from grimoire.forward.head.function import deferred_promise_checks
 from grimoire.forward.logprobs import release_buffers
 from grimoire.losses.base import as_method
 from grimoire.model.compiling import maybe_compile
 from grimoire.model.prepare import resolve_checkpointing
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
-from grimoire.normalise.units import backward_norm, backward_scale, loss_units
+from grimoire.normalise.units import backward_norm, loss_units
 from grimoire.parallel.deepspeed import uses_deepspeed
-from grimoire.parallel.fsdp import gradient_sync, preemption_signals, release_process_group
+from grimoire.parallel.fsdp import preemption_signals, release_process_group
 from grimoire.training import checkpoint as ckpt
 from grimoire.training import setup
 from grimoire.training.callbacks import TrainerCallback
@@ -41,7 +40,7 @@ from grimoire.training.guard import NonFiniteGuard, apply_step
 from grimoire.training.interrupts import on_signal
 from grimoire.training.metrics import RunLog
 from grimoire.training.report import write_run_summary
-from grimoire.training.step import finish_step, host_units, mark_nonfinite
+from grimoire.training.step import backward_micro_batches, finish_step, host_units
 
 
 class GrimoireTrainer:
@@ -289,7 +288,7 @@ class GrimoireTrainer:
 
     def _optimizer_step(self, micro: list[tuple[dict[str, Any], float]]) -> None:
         """One optimizer step over this rank's micro-batches, as collated (on the host)."""
-        acc, loss_fn, means, bad = self.accelerator, self.loss_fn, WeightedMeans(), 0.0
+        acc, loss_fn, means = self.accelerator, self.loss_fn, WeightedMeans()
         ctx = self.context.step
         ctx.epoch, ctx.step_in_epoch = self.state.epoch, self.state.step_in_epoch
         ctx.global_step = self.global_step
@@ -306,25 +305,22 @@ class GrimoireTrainer:
         norm = backward_norm(self.state.loss_units_seen, self.state.global_step, acc.num_processes)
         if self._units_first:
             norm = self.context.all_reduce_sum([local])[0] / acc.num_processes
-        with deferred_promise_checks() as checks:  # the head's backward reads nothing back
-            for i, ((batch, _), weight) in enumerate(zip(micro, weights)):
-                last = i == len(micro) - 1
-                sync = gradient_sync(acc, self.model, last)
-                # DeepSpeed steps its engine inside backward() when gradients sync: on the last.
-                acc.gradient_state._set_sync_gradients(last)
-                with sync, acc.autocast():
-                    loss, metrics = loss_fn(self.model, batch, training=True)
-                acc.backward(loss * backward_scale(weight, norm))
-                means.add({"loss": loss, **metrics}, weight)
-                bad = mark_nonfinite(bad, loss, i, weight)  # on the device: read with the rest
+        bad, checks = backward_micro_batches(acc, self.model, loss_fn, micro, weights, norm, means)
         flags = {"stop": float(self._stop_requested), "signal": float(self._signal is not None)}
         scalars = {"units": local, "tokens": tokens, "bad_loss": bad, **flags}
         # ONE read of the step's numbers (two with several processes): training/step.py.
         totals, self._step_metrics, self._last_grad_norm = finish_step(
-            self.model, acc, self._reduction, scalars, means, norm=norm,
-            rescale=not self._units_first, max_grad_norm=self.config.max_grad_norm,
-            hooks=self.step_hooks, checks=checks,
-        )  # fmt: skip
+            self.model,
+            acc,
+            self._reduction,
+            scalars,
+            means,
+            norm=norm,
+            rescale=not self._units_first,
+            max_grad_norm=self.config.max_grad_norm,
+            hooks=self.step_hooks,
+            checks=checks,
+        )
         if totals["stop"] > 0:
             self._stop = True
         if totals["signal"] > 0:  # some rank was signalled: all checkpoint before stopping

@@ -78,6 +78,19 @@ def deferred_promise_checks() -> Iterator[PromiseChecks]:
         _DEFERRED = outer
 
 
+def _chunk_stats(
+    spec: _HeadSpec, weight: Tensor | None, hidden: Tensor, targets: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk's ``(logps, lse, entropy)`` from its logits, without gradients (the recompute
+    route's forward). The ``[C, V]`` logits are this function's local, so they are freed on
+    return, before the next chunk's exist."""
+    if weight is not None:  # only for a bare Linear head (_plain_weight)
+        logits = _linear_logits(cast(torch.nn.Linear, spec.head), hidden, weight)
+    else:
+        logits = _head_logits(spec.head, spec.transforms, hidden)
+    return _softmax_stats(logits, targets, spec.return_entropy)
+
+
 def _needs_rng_replay(head: torch.nn.Module) -> bool:
     """Does the head draw random numbers (e.g. LoRA dropout on lm_head in training mode)?"""
     return any(
@@ -148,17 +161,21 @@ class _HeadLogps(torch.autograd.Function):
                     return out
 
                 _chunk_gradients(
-                    spec, weight, ctx.autocast, hidden, c, unit_grad, need_h, params, wanted,
-                    grad_h, grad_params,
-                )  # fmt: skip
+                    spec,
+                    weight,
+                    ctx.autocast,
+                    hidden,
+                    c,
+                    unit_grad,
+                    need_h,
+                    params,
+                    wanted,
+                    grad_h,
+                    grad_params,
+                )
                 out = stats[0]
             else:
-                if weight is not None:  # only for a bare Linear head (_plain_weight)
-                    logits = _linear_logits(cast(torch.nn.Linear, spec.head), hidden[c], weight)
-                else:
-                    logits = _head_logits(spec.head, spec.transforms, hidden[c])
-                out = _softmax_stats(logits, targets[c], spec.return_entropy)
-                del logits  # (a non-Linear head's [C, V] output: not alive next to the next one)
+                out = _chunk_stats(spec, weight, hidden[c], targets[c])
             logps[c], lse[c] = out[0], out[1]
             if entropy is not None:
                 chunk_entropy = out[2]
@@ -288,9 +305,18 @@ def _recompute_backward(
                 return _grad_logits(logits, targets[c], lse[c], ent, grad_logps[c], ge, out)
 
             _chunk_gradients(
-                spec, weight, ctx.autocast, hidden, c, grad_of_logits, need_h, params, wanted,
-                grad_hidden, grad_params,
-            )  # fmt: skip
+                spec,
+                weight,
+                ctx.autocast,
+                hidden,
+                c,
+                grad_of_logits,
+                need_h,
+                params,
+                wanted,
+                grad_hidden,
+                grad_params,
+            )
     return [grad_hidden, None, None, *grad_params]
 
 
