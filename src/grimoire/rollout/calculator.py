@@ -47,10 +47,12 @@ def _check_size(value: Fraction) -> Fraction:
 
 def _value(node: ast.AST) -> Fraction:
     # Fractions throughout: "0.1 + 0.2" is 0.3 and "10 / 4 * 2" is 5, as a person expects.
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        if not math.isfinite(node.value):
-            raise CalculatorError(f"{node.value} is not a finite number")
-        return _check_size(Fraction(str(node.value)))
+    # bool is an int subclass: True + 1 is not arithmetic a model should get away with.
+    value = node.value if isinstance(node, ast.Constant) else None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise CalculatorError(f"{value} is not a finite number")
+        return _check_size(Fraction(str(value)))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_value(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
