@@ -90,6 +90,30 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         + ["--set", "training.batch_size=2", "--set", "loss.args.num_generations=2"],
         "output/smollm2_grpo_sums/final/model.safetensors",
     ),
+    "smollm2_grpo_calculator.yaml": (
+        [GRIMOIRE, "train", "--config", "examples/smollm2_grpo_calculator.yaml"],
+        ["--set", "training.max_steps=1", "--set", "training.eval_on_start=false"]
+        + ["--set", "training.eval_steps=null", "--set", "loss.args.max_new_tokens=8"]
+        + ["--set", "training.batch_size=2", "--set", "loss.args.num_generations=2"],
+        "output/smollm2_grpo_calculator/final/model.safetensors",
+    ),
+    "smollm2_distill_sums.yaml": (
+        # Its teacher is the SFT recipe's output; here the base model stands in for it (the
+        # override names the same model), so the example runs without the SFT run first.
+        [GRIMOIRE, "train", "--config", "examples/smollm2_distill_sums.yaml"],
+        ["--set", "loss.args.teacher=grimoire://models/smollm2-135m-instruct"]
+        + ["--set", "training.max_steps=1", "--set", "training.eval_on_start=false"]
+        + ["--set", "training.eval_steps=null", "--set", "loss.args.max_new_tokens=8"]
+        + ["--set", "training.batch_size=2", "--set", "loss.args.num_generations=2"],
+        "output/smollm2_distill_sums/final/model.safetensors",
+    ),
+    "smollm2_continual_sums.yaml": (
+        # The full fine-tune of the three (its header has the OSFT and LoRA commands).
+        [GRIMOIRE, "train", "--config", "examples/smollm2_continual_sums.yaml"],
+        ["--set", "training.max_steps=1", "--set", "training.eval_on_start=false"]
+        + ["--set", "training.eval_steps=null"],
+        "output/continual_full/metrics.jsonl",
+    ),
     "sft_python.py": (
         [PYTHON, "examples/sft_python.py"],  # 300 steps of the tiny model as written
         ["--max-steps", "20"],
