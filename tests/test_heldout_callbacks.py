@@ -31,17 +31,24 @@ def test_normalize_answer_hand_worked():
     assert normalize_answer("Washington, D.C.") == "washington dc"
 
 
-def test_named_exact_match_normalised(monkeypatch):
-    texts = ["Paris.", "the city is Berlin", "rome", " Madrid "]
+def test_named_exact_match_normalised_and_contained(monkeypatch):
+    texts = ["Paris.", "the city is Berlin", "rome", " Madrid ", "Parisian food"]
     monkeypatch.setattr(heldout, "greedy_generate_texts", lambda *a: texts)
-    rows = [{"prompt": "q", "answer": a} for a in ("Paris", "Berlin", "Rome", "Madrid")]
+    answers = ("Paris", "Berlin", "Rome", "Madrid", "Paris")
+    rows = [{"prompt": "q", "answer": a} for a in answers]
     metrics: dict[str, float] = {}
-    ExactMatchCallback(rows, normalize=True, name="capitals").on_evaluate(_trainer(), metrics)
-    # "Paris." and "rome" match once normalised; "Madrid" strips; "the city is Berlin" does not.
-    assert metrics == {"eval/capitals/exact_match": 3 / 4}
+    ExactMatchCallback(rows, match="normalized", name="capitals").on_evaluate(_trainer(), metrics)
+    # "Paris.", "rome" match once normalised; " Madrid " strips; the other two do not.
+    assert metrics == {"eval/capitals/exact_match": 3 / 5}
+    metrics.clear()
+    ExactMatchCallback(rows, match="contains", name="capitals").on_evaluate(_trainer(), metrics)
+    # + "the city is Berlin"; "Parisian" is not the word "Paris".
+    assert metrics == {"eval/capitals/answer_contained": 4 / 5}
     metrics.clear()
     ExactMatchCallback(rows).on_evaluate(_trainer(), metrics)
-    assert metrics == {"eval/exact_match": 1 / 4}  # only " Madrid " once stripped
+    assert metrics == {"eval/exact_match": 1 / 5}  # only " Madrid " once stripped
+    with pytest.raises(ValueError, match="match='fuzzy' is not one of"):
+        ExactMatchCallback(rows, match="fuzzy")
 
 
 def test_text_nll_equals_a_naive_full_logits_reference(tiny_model, tokenizer):

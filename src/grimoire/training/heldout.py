@@ -32,6 +32,8 @@ from grimoire.rollout.reward_answers import (
 from grimoire.training.callbacks import TrainerCallback
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
+#: ``match`` values of :class:`ExactMatchCallback`.
+MATCHES = ("exact", "normalized", "contains")
 
 
 def normalize_answer(text: str) -> str:
@@ -62,9 +64,13 @@ class ExactMatchCallback(TrainerCallback):
     """Held-out accuracy by greedy generation: logs ``eval/exact_match`` on every evaluation.
 
     ``rows`` are raw examples with ``prompt_field`` (a string, or a chat message list rendered
-    with the generation prompt) and ``answer_field``; a prediction counts when its decoded text,
-    stripped, equals the answer (``normalize=True``: after :func:`normalize_answer` on both, so
-    "Paris." matches "paris"). Each rank scores a strided shard; counts are summed over ranks.
+    with the generation prompt) and ``answer_field``. ``match`` says when a prediction counts:
+    ``"exact"`` its decoded text, stripped, equals the answer; ``"normalized"`` the two are equal
+    after :func:`normalize_answer` ("Paris." matches "paris"); ``"contains"`` the normalised
+    answer appears in the normalised text as whole words ("The capital of France is Paris."
+    contains "Paris", "Parisian" does not), for models that answer in a sentence; its metric is
+    ``eval/answer_contained``, the others' ``eval/exact_match``. Each rank scores a strided
+    shard; counts are summed over ranks.
 
     ``extract`` (``auto``, ``last_number``, ``boxed``, ``gsm8k``: the ``answer_match`` reward's
     extractors) also logs ``eval/answer_match``: the extracted answer equals the reference
@@ -84,20 +90,22 @@ class ExactMatchCallback(TrainerCallback):
         max_new_tokens: int = 16,
         batch_size: int = 32,
         extract: str | None = None,
-        normalize: bool = False,
+        match: str = "exact",
         name: str | None = None,
     ):
         if extract is not None and extract not in EXTRACTORS:
             raise ValueError(
                 f"ExactMatchCallback: extract={extract!r} is not one of {list(EXTRACTORS)}"
             )
+        if match not in MATCHES:
+            raise ValueError(f"ExactMatchCallback: match={match!r} is not one of {list(MATCHES)}")
         self.rows = list(rows)
         self.prompt_field = prompt_field
         self.answer_field = answer_field
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
         self.extract = extract
-        self.normalize = normalize
+        self.match = match
         self.name = name
         missing = [
             i for i, r in enumerate(self.rows) if prompt_field not in r or answer_field not in r
@@ -109,15 +117,18 @@ class ExactMatchCallback(TrainerCallback):
 
     def on_evaluate(self, trainer, metrics: dict[str, float]) -> None:
         exact, answer, only, chars = self.scores(trainer)
-        metrics[_metric(self.name, "exact_match")] = exact
+        key = "answer_contained" if self.match == "contains" else "exact_match"
+        metrics[_metric(self.name, key)] = exact
         if self.extract is not None:
             metrics[_metric(self.name, "answer_match")] = answer
             metrics[_metric(self.name, "answer_only")] = only
             metrics[_metric(self.name, "answer_chars")] = chars
 
     def _same(self, text: str, ref: str) -> bool:
-        if self.normalize:
+        if self.match == "normalized":
             return normalize_answer(text) == normalize_answer(ref)
+        if self.match == "contains":  # padded with spaces: whole words only
+            return f" {normalize_answer(ref)} " in f" {normalize_answer(text)} "
         return text.strip() == ref
 
     @torch.no_grad()
@@ -216,4 +227,4 @@ class TextNLLCallback(TrainerCallback):
         return total / max(count, 1.0)
 
 
-__all__ = ["ExactMatchCallback", "TextNLLCallback", "normalize_answer"]
+__all__ = ["MATCHES", "ExactMatchCallback", "TextNLLCallback", "normalize_answer"]
