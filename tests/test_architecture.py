@@ -18,6 +18,8 @@ import sys
 import tokenize
 from pathlib import Path
 
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "grimoire"
 
@@ -270,3 +272,118 @@ def test_no_comment_tells_the_work_history():
         if (hits := history_lines(p.read_text()))
     }
     assert found == {}, f"comments about the work's history, not the code: {found}"
+
+
+# ---------------------------------------------------------------------------- compat at the edge
+
+#: Where grimoire.compat may be imported from: the entry points, the modules at grimoire-rl's
+#: import paths, and compat itself.
+COMPAT_IMPORTERS = ("grimoire.cli", "grimoire.tools", "grimoire.data", "grimoire.compat")
+COMPAT_IMPORTER_MODULES = {"grimoire.registry", "grimoire.train", "grimoire.__main__"}
+
+#: Core modules allowed to import compat, each with why; pyproject.toml's contracts ignore the
+#: same imports.
+CORE_COMPAT_IMPORTS: dict[str, str] = {
+    "grimoire.losses.online -> grimoire.compat.grimoire_rl_methods": (
+        "grimoire-rl's users build the online methods in Python with its constructor spelling; "
+        "no entry point stands between them and the constructor"
+    ),
+}
+
+
+def _in(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_the_core_never_imports_compat():
+    found = {
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        if not _in(name, COMPAT_IMPORTERS) and name not in COMPAT_IMPORTER_MODULES
+        for target in targets
+        if _in(target, ("grimoire.compat",))
+    }
+    assert found == set(CORE_COMPAT_IMPORTS), (
+        "grimoire.compat is for the entry points and grimoire-rl's module paths only; "
+        f"unexpected: {sorted(found - set(CORE_COMPAT_IMPORTS))}, "
+        f"no longer made: {sorted(set(CORE_COMPAT_IMPORTS) - found)}"
+    )
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for contract in config["tool"]["importlinter"]["contracts"]:
+        assert set(contract.get("ignore_imports", [])) == set(CORE_COMPAT_IMPORTS), contract["name"]
+
+
+# ---------------------------------------------------------------------------- short-name tables
+
+#: A ``package.module:Name`` spec, as config/registry.py's tables hold them.
+SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+#: Short-name tables allowed outside config/registry.py, each with why.
+TABLES_ELSEWHERE: dict[str, str] = {
+    "cli/main.py::TOOL_COMMANDS": "the CLI's own subcommands; no config names them",
+}
+
+
+def short_name_tables(source: str) -> list[str]:
+    """Module-level dicts of ``source`` from string keys to ``package.module:Name`` specs or to
+    classes and functions (defined or imported there): the shape of a short-name registry."""
+    tree = ast.parse(source)
+    bound = {n.name for n in tree.body if isinstance(n, ast.ClassDef | ast.FunctionDef)}
+    bound |= {
+        a.asname or a.name
+        for n in tree.body
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        for a in n.names
+    }
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        else:
+            continue
+        if not isinstance(value, ast.Dict) or not value.keys:
+            continue
+        if not all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in value.keys):
+            continue
+        specs = all(
+            isinstance(v, ast.Constant) and isinstance(v.value, str) and SPEC.fullmatch(v.value)
+            for v in value.values
+        )
+        objects = all(isinstance(v, ast.Name) and v.id in bound for v in value.values)
+        if specs or objects:
+            found.append(ast.unparse(target))
+    return found
+
+
+def test_the_table_finder_finds_planted_tables():
+    # A test of the test: both shapes found, other dicts left alone.
+    planted = (
+        "from m import Engine\n"
+        "class Other: ...\n"
+        "A = {'x': 'pkg.mod:Name', 'y': 'pkg:Outer.Inner'}\n"
+        "B: dict = {'hf': Engine, 'other': Other}\n"
+        "C = {'x': 1, 'y': True}\n"
+        "D = {'x': 'no spec here'}\n"
+        "E = {1: Engine}\n"
+    )
+    assert short_name_tables(planted) == ["A", "B"]
+
+
+def test_every_short_name_table_lives_in_config_registry():
+    elsewhere = {
+        f"{path.relative_to(PACKAGE).as_posix()}::{name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "config" / "registry.py"
+        for name in short_name_tables(path.read_text())
+    }
+    assert elsewhere == set(TABLES_ELSEWHERE), (
+        "short-name tables belong in config/registry.py (as 'package.module:Name' specs): "
+        f"{sorted(elsewhere - set(TABLES_ELSEWHERE))}"
+    )
+
+
+def test_the_method_contract_imports_only_the_context():
+    # docs/architecture.md: the protocol sits at the bottom of the layers and knows no layout.
+    assert GRAPH["grimoire.contract.method"] == ["grimoire.config.context"]

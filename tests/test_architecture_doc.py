@@ -1,7 +1,8 @@
 """docs/architecture.md checked against the code it describes: its layer list against
 pyproject.toml's import-linter contract, its set-up order against the trainer's build steps,
-its stage and folder tables against ``src/grimoire`` (every folder listed, every file a row
-names there)."""
+its stage and folder tables against ``src/grimoire`` both ways (every folder listed, every file
+named by its folder's row, every file a row names there), and the claims it makes about where
+the code branches on a batch's layout."""
 
 from __future__ import annotations
 
@@ -146,6 +147,74 @@ def test_every_folder_of_the_package_is_in_the_stage_tables():
     assert documented == folders | {"top level"}
 
 
+def row_of(path: Path) -> str:
+    """The table cell that must name ``path`` (a file under src/grimoire): its top folder's row
+    (`` rows/ ``), or ``top level``."""
+    parts = path.relative_to(PACKAGE).parts
+    return f"{parts[0]}/" if len(parts) > 1 else "top level"
+
+
+def named_by_own_row(rows: list[tuple[str, str]]) -> set[Path]:
+    """The files of src/grimoire that their own folder's row names: a name (`` `sft.py` ``,
+    `` `head/function.py` ``, `` `config/model_shape.py` ``) is looked for in the row's folder,
+    then from the package root, and counts for the row of the folder that holds the file."""
+    named = set()
+    for cell, text in rows:
+        folder = PACKAGE / cell if cell.endswith("/") else PACKAGE
+        for name in re.findall(r"`([\w/]+\.py)`", text):
+            found = next((b / name for b in (folder, PACKAGE) if (b / name).is_file()), None)
+            if found is not None and row_of(found) == cell:
+                named.add(found)
+    return named
+
+
+def only_reexports(path: Path) -> bool:
+    """True for a module that only imports and lists names (docstring, imports, ``__all__``):
+    a package's ``__init__.py`` of that kind is stood for by its folder's row."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if [ast.unparse(t) for t in targets] == ["__all__"]:
+            continue
+        return False
+    return True
+
+
+def files_to_describe() -> set[Path]:
+    """Every .py file under src/grimoire but the packages' re-exporting ``__init__.py``."""
+    return {
+        p
+        for p in PACKAGE.rglob("*.py")
+        if not (p.name == "__init__.py" and p.parent != PACKAGE and only_reexports(p))
+    }
+
+
+def test_only_reexports_tells_a_facade_from_code(tmp_path):
+    # A test of the test: an __init__.py that defines anything must be named by its row.
+    facade = tmp_path / "facade.py"
+    facade.write_text('"""Doc."""\nfrom a import b\n\n__all__ = ["b"]\n')
+    code = tmp_path / "code.py"
+    code.write_text('"""Doc."""\nfrom a import b\n\nLIMIT = 3\n')
+    assert only_reexports(facade) and not only_reexports(code)
+
+
+def test_every_file_of_the_package_is_named_by_its_folders_row():
+    rows = table_rows("The stages and their folders")
+    unnamed = sorted(
+        p.relative_to(PACKAGE).as_posix() for p in files_to_describe() - named_by_own_row(rows)
+    )
+    assert unnamed == [], (
+        "docs/architecture.md names no row for these files: add each to its folder's row "
+        f"(what it holds, in a few words): {unnamed}"
+    )
+    # A test of the test: a row names only what it lists, and only files of its own folder.
+    one_row = named_by_own_row([("losses/", "`sft.py`, `config/context.py`, `gone.py`")])
+    assert one_row == {PACKAGE / "losses" / "sft.py"}
+
+
 def test_every_file_a_table_row_names_exists():
     """A name is looked for in the row's folder, then from the package root, then from the
     repository root (a test the row cites)."""
@@ -160,3 +229,33 @@ def test_every_file_a_table_row_names_exists():
     }
     stale = sorted(p for p in PENDING_OTHER_BRANCHES if (PACKAGE / p).is_file())
     assert stale == [], f"these exist now: drop them from PENDING_OTHER_BRANCHES: {stale}"
+
+
+# ---------------------------------------------------------------------------- layout kinds
+
+
+def asks_layout_kind(source: str) -> bool:
+    """True when ``source`` calls ``isinstance`` with ``Packed`` or ``Padded`` as the type."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance":
+            kinds = node.args[1] if len(node.args) > 1 else None
+            if kinds is not None and {"Packed", "Padded"} & {
+                n.id for n in ast.walk(kinds) if isinstance(n, ast.Name)
+            }:
+                return True
+    return False
+
+
+def test_the_modules_that_ask_a_layouts_kind_are_the_ones_the_page_names():
+    assert asks_layout_kind("if isinstance(layout, Padded | Packed): pass")
+    assert not asks_layout_kind("if isinstance(layout, dict): Packed()")
+    text = re.search(r"Which kind a layout is .*?checks that list", DOC, re.S)
+    assert text, "the collator row no longer says where a layout's kind is asked"
+    names = re.findall(r"`(\w+/\w+\.py)`", text.group(0))
+    documented = {n for n in names if not n.startswith("tests/")}
+    asking = {
+        p.relative_to(PACKAGE).as_posix()
+        for p in PACKAGE.rglob("*.py")
+        if asks_layout_kind(p.read_text())
+    }
+    assert asking == documented

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from grimoire.cli.flags import MINI_TRAINER_FLAGS, markdown_table
 from grimoire.cli.main import check_config, config_from_args, main, parse_args, sparkline, summarize
 from grimoire.cli.schema import (
     DEFAULT_CONFIG,
@@ -18,6 +17,7 @@ from grimoire.cli.schema import (
     parse_yaml,
     validate_config,
 )
+from grimoire.compat.mini_trainer import MINI_TRAINER_FLAGS, markdown_table
 from grimoire.errors import ConfigError
 from grimoire.model.tiny import reverse_rows, write_jsonl
 from grimoire.rows.sources import PACKAGE_ROOT
@@ -330,13 +330,14 @@ def test_global_batch_splits_over_ranks_and_accumulation(data):
 
 
 def test_docs_flag_table_is_the_code_table():
-    # One list of mini_trainer flags (grimoire.cli.flags): the parser is built from it, and the
-    # table in docs/cli.md must be its rendering, row for row.
+    # One list of mini_trainer flags (grimoire.compat.mini_trainer): the parser is built from it,
+    # and the table in docs/cli.md must be its rendering, row for row.
     doc = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     block = doc[doc.index("| flag | becomes |") :].split("\n\n", 1)[0].strip()
     assert block == markdown_table(), (
-        "docs/cli.md's mini_trainer flag table differs from grimoire.cli.flags.MINI_TRAINER_FLAGS; "
-        "replace it with the output of grimoire.cli.flags.markdown_table()"
+        "docs/cli.md's mini_trainer flag table differs from "
+        "grimoire.compat.mini_trainer.MINI_TRAINER_FLAGS; replace it with the output of "
+        "grimoire.compat.mini_trainer.markdown_table()"
     )
 
 

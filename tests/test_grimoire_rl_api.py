@@ -8,6 +8,7 @@ here by hand or by a naive re-implementation inside the test.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 
@@ -16,6 +17,7 @@ import torch
 import yaml
 from tests.helpers.train_utils import params_of, quiet_config
 
+import grimoire.data
 from grimoire import GrimoireTrainer
 from grimoire.collate.kto import KTOCollator
 from grimoire.collate.preference import PreferenceCollator
@@ -53,6 +55,21 @@ def test_unknown_registry_name_is_a_keyerror_and_a_configerror():
     assert "known: " in str(err.value) and not str(err.value).startswith("'")
     with pytest.raises(KeyError, match="unknown tokenize 'prefrence'.*did you mean"):
         registry.get_tokenize_fn("prefrence")
+
+
+def test_grimoire_rls_module_paths_export_its_names():
+    # grimoire.registry and grimoire.data.<module> are thin modules over grimoire.compat; each
+    # exports what grimoire-rl's module of that path held, the same objects as Grimoire's own.
+    from grimoire import registry
+    from grimoire.compat import grimoire_rl_data, grimoire_rl_registry
+
+    assert registry.get_loss_class is grimoire_rl_registry.get_loss_class
+    assert registry.UnknownNameError is grimoire_rl_registry.UnknownNameError
+    for path, names in grimoire_rl_data.MODULES.items():
+        module = importlib.import_module(path)
+        assert sorted(module.__all__) == sorted(names), path
+        for name in names:
+            assert getattr(module, name) is getattr(grimoire.data, name), (path, name)
 
 
 # ------------------------------------------------------------------ ValueError

@@ -25,6 +25,7 @@ from tests.helpers.train_utils import quiet_config
 from grimoire import GrimoireTrainer
 from grimoire.cli.main import main
 from grimoire.cli.schema import validate_config
+from grimoire.compat.trl_names import trl_hint
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError, DataError
@@ -253,7 +254,7 @@ def test_trl_training_argument_names_are_answered_with_ours():
     assert any("num_train_epochs" in p and "write num_epochs: 2" in p for p in problems)
     assert not any("did you mean" in p for p in problems)
     with pytest.raises(ConfigError, match="write batch_size: 4"):
-        TrainingConfig.from_dict({"per_device_train_batch_size": 4})
+        TrainingConfig.from_dict({"per_device_train_batch_size": 4}, hint=trl_hint)
 
 
 # ------------------------------------------------------------------ estimate-memory

@@ -21,12 +21,13 @@ from tests.helpers.train_utils import quiet_config, train
 
 from grimoire.cli.main import summarize
 from grimoire.cli.schema import validate_config
+from grimoire.compat.trl_names import TRL_NAMES, Choose, replacement, trl_hint, written
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig
-from grimoire.config.trl_names import TRL_NAMES, Choose, replacement, trl_hint, written
 from grimoire.errors import ConfigError
 from grimoire.losses import SFTLoss
 from grimoire.model.tiny import preference_rows, write_jsonl
+from grimoire.tools.memory.run_config import plan_from_config
 from grimoire.training import phases
 from grimoire.training.report import folder_bytes, human_size
 
@@ -244,5 +245,10 @@ def test_report_to_none_and_max_completion_length_the_reported_walls():
     assert any(
         "loss.args.max_completion_length" in p and "write max_new_tokens: 64" in p for p in problems
     ), problems
+    # The config knows no TRL names; the entry points hand it the hint (estimate-memory too).
     with pytest.raises(ConfigError, match="write mixed_precision: 'no'"):
+        TrainingConfig.from_dict({"bf16": False}, hint=trl_hint)
+    with pytest.raises(ConfigError, match="write mixed_precision: 'no'"):
+        plan_from_config({"training": {"bf16": False}})
+    with pytest.raises(ConfigError, match="training.bf16: unknown key"):
         TrainingConfig.from_dict({"bf16": False})

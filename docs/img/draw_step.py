@@ -1,6 +1,6 @@
 """Draw docs/img/step.svg (one step's data path and the layers): python docs/img/draw_step.py."""
 from html import escape
-W, H = 1260, 820
+W, H = 1260, 852
 out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="DejaVu Sans, Arial, sans-serif">',
        '<defs><marker id="a" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker></defs>',
        f'<rect width="{W}" height="{H}" fill="#ffffff"/>',
@@ -33,6 +33,7 @@ out.append(f'<text x="20" y="{ly}" font-size="20" font-weight="bold" fill="#222"
 layers = [
     ("train.py · __main__.py  (entry points: python -m grimoire.train / grimoire)", "#f3e8fb"),
     ("cli/ · tools/ · data/ · registry.py  (what users call)", "#f3e8fb"),
+    ("compat/  grimoire-rl's, TRL's and mini_trainer's names (the core never imports it)", "#f3e8fb"),
     ("training/  loop, set-up steps, callbacks, checkpoints, report", "#e8f0fb"),
     ("optim/ · normalise/", "#e8f0fb"),
     ("parallel/  FSDP2, DCP, signals, launcher (torch's own engine)", "#eef7ee"),
@@ -44,7 +45,7 @@ layers = [
     ("batching/", "#e8f0fb"),
     ("rows/", "#e8f0fb"),
     ("contract/  a batch's layout, the method contract", "#f4f4f4"),
-    ("config/  TrainingConfig, registry, TrainingContext, a model's shape", "#f4f4f4"),
+    ("config/  TrainingConfig, every short name, TrainingContext, a model's shape", "#f4f4f4"),
     ("columns.py · errors.py  (leaves)", "#f4f4f4"),
 ]
 lh, lw = 29, 640

@@ -35,13 +35,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from grimoire.cli.flags import MINI_TRAINER_DESTS, add_mini_trainer_flags
 from grimoire.cli.output import command_output
 from grimoire.cli.schema import (
     check_config,
     load_config,
 )
 from grimoire.cli.wording import yaml_wording
+from grimoire.compat.mini_trainer import MINI_TRAINER_DESTS, add_mini_trainer_flags
 from grimoire.errors import GrimoireError
 from grimoire.training.interrupts import SecondInterrupt, exit_code
 from grimoire.training.phases import reporting

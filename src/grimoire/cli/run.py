@@ -23,13 +23,13 @@ from grimoire.cli.schema import (
     tokenize_section,
 )
 from grimoire.columns import columns_of, listed
+from grimoire.compat.grimoire_rl_methods import is_peer_prompt_dataset
 from grimoire.config import registry
 from grimoire.config.training import TrainingConfig
 from grimoire.contract.method import Method
 from grimoire.errors import ConfigError, DataError, raise_if
 from grimoire.forward.precomputed import cache_reference_log_probs
 from grimoire.losses.base import GrimoireLoss, as_method
-from grimoire.losses.online_compat import is_peer_prompt_dataset
 from grimoire.model.gguf import is_gguf_name, materialize_gguf
 from grimoire.model.precision import decide
 from grimoire.model.tiny import build_tokenizer, save_tiny

@@ -3,8 +3,8 @@
 Nothing here loads a model or a dataset: :func:`validate_config` only reads the config (and
 imports the loss/tokenizer/callback classes it names, to check their arguments), so every
 problem in every section is reported in one :class:`ConfigError` before anything expensive runs.
-See ``docs/cli.md`` for the schema; the mini_trainer flags applied by :func:`load_config` are
-:mod:`grimoire.cli.flags`' (re-exported here).
+See ``docs/cli.md`` for the schema; the mini_trainer flags applied by :func:`load_config` come
+from :mod:`grimoire.compat.mini_trainer` (re-exported here).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from grimoire.cli.flags import MINI_TRAINER_BASE, apply_mini_trainer_flags
 from grimoire.cli.model import REF_MODEL_COPY, TINY_PREFIX, canonical_model, model_problems
 from grimoire.cli.paths import reference_problems
 from grimoire.cli.sections import section_problems, unknown_keys
+from grimoire.compat.mini_trainer import MINI_TRAINER_BASE, apply_mini_trainer_flags
+from grimoire.compat.trl_names import TRL_NAMES, trl_hint
 from grimoire.config import registry
 from grimoire.config.loading import (
     ConfigLoader,
@@ -30,7 +31,6 @@ from grimoire.config.loading import (
     read_yaml_file,
 )
 from grimoire.config.training import TrainingConfig, check_type
-from grimoire.config.trl_names import TRL_NAMES, trl_hint
 from grimoire.errors import ConfigError
 from grimoire.rollout.backends import engine_problems
 from grimoire.rollout.rewards import resolve_reward_funcs
@@ -338,4 +338,4 @@ def check_config(raw: Mapping[str, Any]) -> TrainingConfig:
     problems = validate_config(raw)
     if problems:
         raise ConfigError(problems)
-    return TrainingConfig.from_dict(dict(raw.get("training") or {}))
+    return TrainingConfig.from_dict(dict(raw.get("training") or {}), hint=trl_hint)

@@ -1,5 +1,5 @@
-"""Short names for the pluggable pieces the YAML/CLI can pick: losses, tokenizers, rewards,
-callbacks.
+"""Every short name a config can pick, in one place: losses, tokenizers, rollout engines,
+tool-call parsers, reward functions and callbacks.
 
 Each registry maps a short name to a lazy ``"package.module:Name"`` spec string, so importing
 this module imports nothing heavy; the target is imported only when :func:`resolve` is called.
@@ -53,6 +53,14 @@ for _pair_loss in ("dpo", "ipo", "simpo", "cpo", "orpo", "reward"):
 # Prompt-only data, like GRPO; "prompt" is grimoire-rl's name for it.
 for _online in ("rloo", "online_dpo", "raft", "distill", "prompt"):
     TOKENIZERS[_online] = TOKENIZERS["grpo"]
+
+#: ``loss.args.engine`` (a name, or the ``type`` of ``{type, args}``) -> rollout engine class;
+#: see :mod:`grimoire.rollout.backends`. Engines take short names only, not specs.
+ENGINES: dict[str, str] = {
+    "hf": "grimoire.rollout.hf:HFGenerateEngine",
+    "vllm": "grimoire.rollout.vllm_engine:VLLMEngine",
+    "vllm-server": "grimoire.rollout.vllm_server:VLLMServerEngine",
+}
 
 #: A rollout's ``tool_call_parser`` -> ``text -> ParsedTurn`` (see grimoire.rollout.tool_calls).
 TOOL_CALL_PARSERS: dict[str, str] = {
@@ -138,6 +146,7 @@ def resolve(name_or_spec: str, registry: Mapping[str, str], kind: str) -> Any:
 
 __all__ = [
     "CALLBACKS",
+    "ENGINES",
     "LOSSES",
     "REWARD_FUNCS",
     "TOKENIZERS",

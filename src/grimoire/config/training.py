@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from grimoire.config.trl_names import trl_hint
 from grimoire.errors import ConfigError, did_you_mean
 
 OPTIMIZERS = (
@@ -153,11 +153,21 @@ class TrainingConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any], where: str = "training") -> TrainingConfig:
-        """Build from a mapping, rejecting unknown keys with a "did you mean" hint."""
+    def from_dict(
+        cls,
+        values: dict[str, Any],
+        where: str = "training",
+        hint: Callable[[str, Any, str], str | None] | None = None,
+    ) -> TrainingConfig:
+        """Build from a mapping, rejecting unknown keys with a "did you mean" hint.
+
+        ``hint(key, value, where)`` may answer an unknown key first: the entry points pass
+        :func:`grimoire.compat.trl_names.trl_hint`, which answers TRL's keys with ours (the config
+        itself knows no other system's names).
+        """
         names = [f.name for f in dataclasses.fields(cls)]
         unknown = [
-            trl_hint(k, v, where) or f"{where}.{k}: unknown key{did_you_mean(k, names)}"
+            (hint and hint(k, v, where)) or f"{where}.{k}: unknown key{did_you_mean(k, names)}"
             for k, v in values.items()
             if k not in names
         ]

@@ -4,7 +4,7 @@ A facade: each name lives in its stage folder (``grimoire.rows`` tokenizes rows,
 ``grimoire.collate`` turns them into tensors, ``grimoire.forward.precomputed`` caches reference
 log-probs). Grimoire's own code imports from those folders; this package sits on the top layer.
 Its submodules keep grimoire-rl's import paths (``grimoire.data.sft``, ``.preference``, ``.kto``,
-``.grpo``, ``.cache``).
+``.grpo``, ``.cache``): thin modules over :mod:`grimoire.compat.grimoire_rl_data`.
 """
 
 from grimoire.collate.kto import KTOCollator

@@ -1,6 +1,5 @@
-"""Reference log-prob caching under grimoire-rl's module path (``grimoire.data.cache``); a
-facade."""
+"""grimoire-rl's import path ``grimoire.data.cache``: a thin module over grimoire.compat."""
 
-from grimoire.forward.precomputed import cache_reference_log_probs
+from grimoire.compat.grimoire_rl_data import cache_reference_log_probs
 
 __all__ = ["cache_reference_log_probs"]

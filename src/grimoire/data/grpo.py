@@ -1,7 +1,5 @@
-"""Prompt data of the online methods under grimoire-rl's module path (``grimoire.data.grpo``);
-a facade."""
+"""grimoire-rl's import path ``grimoire.data.grpo``: a thin module over grimoire.compat."""
 
-from grimoire.collate.prompts import GRPOCollator
-from grimoire.rows.prompts import tokenize_grpo
+from grimoire.compat.grimoire_rl_data import GRPOCollator, tokenize_grpo
 
 __all__ = ["GRPOCollator", "tokenize_grpo"]

@@ -1,6 +1,5 @@
-"""KTO data under grimoire-rl's module path (``grimoire.data.kto``); a facade."""
+"""grimoire-rl's import path ``grimoire.data.kto``: a thin module over grimoire.compat."""
 
-from grimoire.collate.kto import KTOCollator
-from grimoire.rows.kto import tokenize_kto
+from grimoire.compat.grimoire_rl_data import KTOCollator, tokenize_kto
 
 __all__ = ["KTOCollator", "tokenize_kto"]

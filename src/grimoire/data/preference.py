@@ -1,6 +1,5 @@
-"""Preference data under grimoire-rl's module path (``grimoire.data.preference``); a facade."""
+"""grimoire-rl's import path ``grimoire.data.preference``: a thin module over grimoire.compat."""
 
-from grimoire.collate.preference import PreferenceCollator
-from grimoire.rows.preference import tokenize_preference
+from grimoire.compat.grimoire_rl_data import PreferenceCollator, tokenize_preference
 
 __all__ = ["PreferenceCollator", "tokenize_preference"]

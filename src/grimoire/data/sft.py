@@ -1,8 +1,5 @@
-"""SFT data under grimoire-rl's module path: ``from grimoire.data.sft import PackedSFTCollator``
-(and ``SFTCollator``, ``tokenize_sft``) works as it did there. A facade, like
-:mod:`grimoire.data`."""
+"""grimoire-rl's import path ``grimoire.data.sft``: a thin module over grimoire.compat."""
 
-from grimoire.collate.sft import PackedSFTCollator, SFTCollator
-from grimoire.rows.sft import tokenize_sft
+from grimoire.compat.grimoire_rl_data import PackedSFTCollator, SFTCollator, tokenize_sft
 
 __all__ = ["PackedSFTCollator", "SFTCollator", "tokenize_sft"]

@@ -32,6 +32,14 @@ from torch import Tensor
 
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.columns import columns_of
+
+# The one core import of grimoire.compat: grimoire-rl's users build these methods in Python with
+# its constructor spelling, and no entry point stands between them and the constructor.
+from grimoire.compat.grimoire_rl_methods import (
+    accepts_peer_spelling,
+    peer_prompt_rows,
+    tokenizer_problem,
+)
 from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import is_prompt_batch, num_rows
 from grimoire.errors import ConfigError
@@ -41,11 +49,6 @@ from grimoire.losses.online_checks import (
     check_online_settings,
     check_prompt_lengths,
     warn_on_dropout,
-)
-from grimoire.losses.online_compat import (
-    accepts_peer_spelling,
-    peer_prompt_rows,
-    tokenizer_problem,
 )
 from grimoire.losses.online_functional import truncated_importance_weights
 from grimoire.rollout.agentic import Agent, build_agent
@@ -103,7 +106,7 @@ class OnlineMethod(GrimoireLoss):
     this one's automatically.
 
     grimoire-rl's spelling ``Method(reward_fn, tokenizer, ...)`` is accepted too
-    (:mod:`grimoire.losses.online_compat`; the tokenizer must equal the trainer's).
+    (:mod:`grimoire.compat.grimoire_rl_methods`; the tokenizer must equal the trainer's).
     """
 
     needs_generation = True

@@ -21,25 +21,23 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from grimoire.config.registry import ENGINES, import_spec
 from grimoire.errors import ConfigError, did_you_mean
 from grimoire.rollout.engine import RolloutEngine
-from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.sampler_process import ASYNC_SAMPLERS
 from grimoire.rollout.vllm_common import LORA_SYNCS
-from grimoire.rollout.vllm_engine import VLLMEngine, require_vllm
-from grimoire.rollout.vllm_server import VLLMServerEngine
+from grimoire.rollout.vllm_engine import require_vllm
 
-#: ``engine`` names -> engine classes.
-ENGINES: dict[str, type[RolloutEngine]] = {
-    "hf": HFGenerateEngine,
-    "vllm": VLLMEngine,
-    "vllm-server": VLLMServerEngine,
-}
 #: The method's arguments every engine receives (not to be repeated in a mapping's ``args``).
 SAMPLING_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "generation_batch_size")
 #: What ``engine`` may be.
 EngineSpec = RolloutEngine | str | Mapping[str, Any] | None
+
+
+def engine_class(name: str) -> type[RolloutEngine]:
+    """The engine class of a short name of :data:`~grimoire.config.registry.ENGINES`."""
+    return import_spec(ENGINES[name])
 
 
 def engine_problems(spec: Any, where: str = "engine") -> list[str]:
@@ -64,7 +62,7 @@ def engine_problems(spec: Any, where: str = "engine") -> list[str]:
         return [
             f"{where}: unknown engine {name!r}{did_you_mean(name, ENGINES)}; known: {', '.join(ENGINES)}"
         ]
-    params = inspect.signature(ENGINES[name].__init__).parameters
+    params = inspect.signature(engine_class(name).__init__).parameters
     problems = [
         f"{where}.args.{k}: a sampling setting; give it as the method's own argument (loss.args.{k})"
         for k in args
@@ -103,7 +101,7 @@ def build_engine(spec: EngineSpec, sampling: SamplerConfig) -> RolloutEngine:
     name = spec if isinstance(spec, str) else spec["type"]
     args = {} if isinstance(spec, str) else dict(spec.get("args") or {})
     settings = {k: getattr(sampling, k) for k in SAMPLING_ARGS}
-    return ENGINES[name](**settings, **args)
+    return engine_class(name)(**settings, **args)
 
 
-__all__ = ["ENGINES", "SAMPLING_ARGS", "EngineSpec", "build_engine", "engine_problems"]
+__all__ = ["SAMPLING_ARGS", "EngineSpec", "build_engine", "engine_class", "engine_problems"]

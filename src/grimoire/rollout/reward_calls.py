@@ -13,10 +13,10 @@ grimoire-rl's ``fn(prompts, completions, metadata)`` gets ``metadata[i]``, the d
 ``i``'s columns. Because the call is by keyword, a function's parameters must carry these names:
 :meth:`RewardFunction.signature_problems` says which one the call would not supply, before training.
 
-From a config, an entry is a callable, a short name of :data:`REWARD_FUNCS`, a
-``package.module:function`` spec, or ``{"type": name_or_spec, "args": {...}}``: a class is
-instantiated with ``args`` (the built-ins with options are classes), a function gets them bound
-with :func:`functools.partial`. **Resolving a spec imports that module, which runs its code**.
+From a config, an entry is a callable, a short name of
+:data:`grimoire.config.registry.REWARD_FUNCS`, a ``package.module:function`` spec, or
+``{"type": name_or_spec, "args": {...}}``: a class is instantiated with ``args`` (the built-ins
+with options are classes), a function gets them bound with :func:`functools.partial`. **Resolving a spec imports that module, which runs its code**.
 """
 
 from __future__ import annotations
@@ -230,7 +230,6 @@ def resolve_reward_funcs(
 __all__ = [
     "CALL_KEYWORDS",
     "NOT_COLUMNS",
-    "REWARD_FUNCS",
     "RewardFn",
     "RewardFunction",
     "RewardSpec",

@@ -7,8 +7,9 @@ A reward function is any callable called with keyword arguments only, as TRL's G
 
 once per rollout batch with one entry per *completion* (a prompt sampled G times appears G
 times); ``columns`` are the dataset's other fields (e.g. ``answer``), repeated the same way. How
-the call is made, checked and resolved from YAML (short names of :data:`REWARD_FUNCS`,
-``package.module:function`` specs, ``{type, args}`` entries) is :mod:`grimoire.rollout.reward_calls`.
+the call is made, checked and resolved from YAML (the short names of
+:data:`grimoire.config.registry.REWARD_FUNCS`, ``package.module:function`` specs, ``{type, args}``
+entries) is :mod:`grimoire.rollout.reward_calls`.
 Several functions may be combined with weights; the method trains on ``sum_k w_k * r_k`` and logs
 each ``r_k`` as ``rewards/<name>/mean``.
 
@@ -30,7 +31,6 @@ from torch import Tensor
 from grimoire.columns import pad_token_id_of
 from grimoire.rollout.hf import HFGenerateEngine
 from grimoire.rollout.reward_calls import (
-    REWARD_FUNCS,
     RewardFn,
     RewardFunction,
     RewardSpec,
@@ -199,7 +199,6 @@ def _as_rewards(values: Any, n: int, name: str) -> Tensor:
 
 
 __all__ = [
-    "REWARD_FUNCS",
     "RewardFn",
     "RewardFunction",
     "RewardFunctionError",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from grimoire.columns import sequence_prefixes
+from grimoire.compat.trl_names import trl_hint
 from grimoire.config import registry
 from grimoire.config.model_shape import ModelShape, dtype_name
 from grimoire.config.training import TrainingConfig
@@ -122,7 +123,7 @@ def plan_from_config(
     if not isinstance(raw, Mapping):
         raise ConfigError([f"the config must be a mapping, got {type(raw).__name__}"])
     training = _section(raw, "training")
-    config = TrainingConfig.from_dict(training)
+    config = TrainingConfig.from_dict(training, hint=trl_hint)
     section = _section(raw, "model")
     if model:
         section["pretrained"] = model

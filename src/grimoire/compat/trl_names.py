@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from grimoire.config.training import LR_SCHEDULERS, TRACKERS
+
 
 class Choose(NamedTuple):
     """A replacement TRL's value does not determine: the hint shows ``text`` where the value goes
@@ -51,10 +53,8 @@ class TrlName:
     loss: str = "sft"
 
 
-# Allowed values, written here rather than imported: this module sits below the config and the
-# methods (TrainingConfig imports it), and tests/test_trl_user_walls.py checks every
-# replacement against the real validation, so a list that drifts fails there.
-_SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+# TRL's optimizer names -> ours (several of TRL's are one of ours); tests/test_trl_user_walls.py
+# checks every replacement against the real validation, so an entry that drifts fails there.
 _OPTIMIZERS = {
     "adamw": "adamw",
     "adamw_torch": "adamw_torch",
@@ -67,7 +67,6 @@ _OPTIMIZERS = {
     "adafactor": "adafactor",
     "sgd": "sgd",
 }
-_TRACKERS = ("wandb", "tensorboard", "mlflow")
 
 
 def _one_of(choices: tuple[str, ...] | Mapping[str, str]) -> Callable[[Any], Any]:
@@ -89,9 +88,9 @@ def _trackers(value: Any) -> Any:
     names = [value] if isinstance(value, str) or value is None else list(value)
     if all(n in (None, "none") for n in names):
         return None
-    kept = [n for n in names if n in _TRACKERS]
+    kept = [n for n in names if n in TRACKERS]
     if not kept or len(kept) < len(names):  # "all", or a tracker grimoire does not log to
-        return Choose(f"one of {', '.join(_TRACKERS)}, a list of them, or null", "wandb")
+        return Choose(f"one of {', '.join(TRACKERS)}, a list of them, or null", "wandb")
     return kept[0] if len(kept) == 1 else kept
 
 
@@ -119,7 +118,7 @@ TRL_NAMES: dict[str, TrlName] = {
     "bf16": TrlName("training.mixed_precision", _mixed_precision("bf16"), examples=(True, False)),
     "fp16": TrlName("training.mixed_precision", _mixed_precision("fp16"), examples=(True, False)),
     "lr_scheduler_type": TrlName(
-        "training.lr_scheduler", _one_of(_SCHEDULERS), examples=("cosine", "polynomial")
+        "training.lr_scheduler", _one_of(LR_SCHEDULERS), examples=("cosine", "polynomial")
     ),
     "optim": TrlName(
         "training.optimizer",

@@ -1,4 +1,4 @@
-"""mini_trainer-compatible flags of ``grimoire train``: one table, the parser and the mapping.
+"""mini_trainer's command-line flags on ``grimoire train``: one table, the parser and the mapping.
 
 Stage: between reading the YAML and applying ``--set``. :data:`MINI_TRAINER_FLAGS` is the one
 list of these flags; :func:`add_mini_trainer_flags` builds the argparse group from it,
