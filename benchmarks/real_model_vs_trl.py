@@ -19,7 +19,8 @@ Every column runs in a fresh subprocess (``torch.set_num_threads(--threads)``, 2
 the columns interleaved across ``--repeats`` (a slow spell of the shared machine hits every
 column alike) and the median shown. The first ``--warmup`` optimizer steps are not timed.
 Activation checkpointing is the same on both sides (``--ckpt``, off by default; TRL's own
-default is on, ours ``auto`` is off on a CPU), learning rate 1e-5 constant, no evaluation,
+default is on, ours ``auto`` is off on a CPU; ``--ckpt defaults`` leaves each side at its own
+default: the run a user of each library gets without setting it), learning rate 1e-5 constant, no evaluation,
 no checkpoint saving.
 
 Columns (``trained tokens`` are always the tokens a loss is taken on):
@@ -193,9 +194,9 @@ def _ours(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) ->
     from grimoire.losses import DPOLoss, GRPOMethod, SFTLoss
 
     method, folder = spec["method"], spec["folder"]
-    common: dict[str, Any] = dict(
-        gradient_checkpointing=spec["ckpt"], max_length=MAX_LENGTH, logging_steps=10**6
-    )
+    common: dict[str, Any] = dict(max_length=MAX_LENGTH, logging_steps=10**6)
+    if spec["ckpt"] is not None:  # None: the library's own default (--ckpt defaults)
+        common["gradient_checkpointing"] = spec["ckpt"]
     if method == "sft":
         rows, loss = data["sft"], SFTLoss()
         config = bench.training_config(spec["out"], batch_size=BATCH, num_epochs=1, **common)
@@ -237,12 +238,13 @@ def _trl(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) -> 
         learning_rate=1e-5,
         lr_scheduler_type="constant",
         use_cpu=True,
-        gradient_checkpointing=spec["ckpt"],
         report_to="none",
         save_strategy="no",
         logging_steps=10**6,
         disable_tqdm=True,
     )
+    if spec["ckpt"] is not None:  # None: TRL's own default (on, in its 1.x configs)
+        common["gradient_checkpointing"] = spec["ckpt"]
     if method == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -364,7 +366,7 @@ def run_column(column: str, args: argparse.Namespace, folder: str, data_path: st
         "threads": args.threads,
         "warmup": args.warmup,
         "steps": steps,
-        "ckpt": args.ckpt == "on",
+        "ckpt": None if args.ckpt == "defaults" else args.ckpt == "on",
         "prompts": args.prompts,
         "generations": args.generations,
         "new_tokens": args.new_tokens,
@@ -431,7 +433,8 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace, data: dict
         f"# SmolLM2-135M-Instruct fp32; warm-up {args.warmup} steps; timed steps sft "
         f"{args.sft_steps}, dpo {args.dpo_steps}, grpo {args.grpo_steps}; batch {BATCH} "
         f"(grpo {args.prompts} prompts x {args.generations}, {args.new_tokens} new tokens); "
-        f"checkpointing {args.ckpt} on both; median of {args.repeats}"
+        f"checkpointing {args.ckpt}{'' if args.ckpt == 'defaults' else ' on both'}; "
+        f"median of {args.repeats}"
     )
     print(f"# grpo: TRL's rendered prompt ids == ours: {data['grpo_same_prompt_ids']}")
     head = f"{'column':<16} {'tok/s':>8} {'peak RSS GiB':>13} {'speed ours/TRL':>15} "
@@ -475,9 +478,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads in every run")
     p.add_argument(
         "--ckpt",
-        choices=["off", "on"],
+        choices=["off", "on", "defaults"],
         default="off",
-        help="activation checkpointing, the same on both sides",
+        help="activation checkpointing, the same on both sides; defaults: each library's own",
     )
     p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS)
     p.add_argument("--trl-python", help="run the TRL columns with this interpreter (a venv)")
