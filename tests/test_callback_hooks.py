@@ -94,35 +94,3 @@ def test_yaml_callback_with_a_misspelt_hook_is_a_config_problem():
     problems = [p for p in validate_config(raw) if p.startswith("callbacks[0]")]
     assert len(problems) == 1, problems
     assert problems[0].startswith("callbacks[0].type: callback Misspelt defines on_step_ended")
-
-
-def test_exact_match_with_extract_tells_the_asked_form_from_a_right_answer(monkeypatch):
-    """Hand-worked: 4 answers to 4 sums; exact needs the bare number, extract finds the last one."""
-    from types import SimpleNamespace
-
-    from grimoire.training import heldout as cb
-
-    texts = ["68", "The answer is 1,000.", "12 + 30 = 41", " 7 "]
-    monkeypatch.setattr(cb, "greedy_generate_texts", lambda *a: texts)
-    acc = SimpleNamespace(
-        process_index=0,
-        num_processes=1,
-        device="cpu",
-        unwrap_model=lambda m: m,
-        reduce=lambda t, reduction: t,
-    )
-    trainer = SimpleNamespace(accelerator=acc, model=None, tokenizer=None)
-    rows = [{"prompt": "q", "answer": a} for a in ("68", "1000", "42", "7")]
-    metrics: dict[str, float] = {}
-    ExactMatchCallback(rows, extract="last_number").on_evaluate(trainer, metrics)
-    assert metrics == {
-        "eval/exact_match": 2 / 4,  # "68" and "7" (stripped)
-        "eval/answer_match": 3 / 4,  # + "1,000" == 1000; 41 != 42
-        "eval/answer_only": 2 / 4,  # "68", " 7 ": nothing but the number
-        "eval/answer_chars": (2 + 20 + 12 + 1) / 4,
-    }
-    metrics.clear()
-    ExactMatchCallback(rows).on_evaluate(trainer, metrics)
-    assert metrics == {"eval/exact_match": 0.5}
-    with pytest.raises(ValueError, match="extract='last'"):
-        ExactMatchCallback(rows, extract="last")

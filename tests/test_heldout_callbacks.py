@@ -31,6 +31,27 @@ def test_normalize_answer_hand_worked():
     assert normalize_answer("Washington, D.C.") == "washington dc"
 
 
+def test_exact_match_with_extract_tells_the_asked_form_from_a_right_answer(monkeypatch):
+    """Hand-worked: 4 answers to 4 sums; exact needs the bare number, extract finds the last one."""
+    texts = ["68", "The answer is 1,000.", "12 + 30 = 41", " 7 "]
+    monkeypatch.setattr(heldout, "greedy_generate_texts", lambda *a: texts)
+    trainer = _trainer()
+    rows = [{"prompt": "q", "answer": a} for a in ("68", "1000", "42", "7")]
+    metrics: dict[str, float] = {}
+    ExactMatchCallback(rows, extract="last_number").on_evaluate(trainer, metrics)
+    assert metrics == {
+        "eval/exact_match": 2 / 4,  # "68" and "7" (stripped)
+        "eval/answer_match": 3 / 4,  # + "1,000" == 1000; 41 != 42
+        "eval/answer_only": 2 / 4,  # "68", " 7 ": nothing but the number
+        "eval/answer_chars": (2 + 20 + 12 + 1) / 4,
+    }
+    metrics.clear()
+    ExactMatchCallback(rows).on_evaluate(trainer, metrics)
+    assert metrics == {"eval/exact_match": 0.5}
+    with pytest.raises(ValueError, match="extract='last'"):
+        ExactMatchCallback(rows, extract="last")
+
+
 def test_named_exact_match_normalised_and_contained(monkeypatch):
     texts = ["Paris.", "the city is Berlin", "rome", " Madrid ", "Parisian food"]
     monkeypatch.setattr(heldout, "greedy_generate_texts", lambda *a: texts)
