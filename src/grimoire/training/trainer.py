@@ -25,7 +25,7 @@ from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
 from grimoire.contract.layout import to_device
 from grimoire.forward.logprobs import release_buffers
-from grimoire.losses.base import as_method
+from grimoire.losses.adapter import as_method
 from grimoire.model.compiling import maybe_compile
 from grimoire.model.prepare import resolve_checkpointing
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
