@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import ast
 import itertools
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from tests.helpers.doc_methods import doc_class_blocks, docs_minimal_loss
 from tests.helpers.train_utils import params_of, quiet_config, train
 from tests.test_distributed import assert_two_processes_match_one
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
+from grimoire.cli.main import main
+from grimoire.losses import GrimoireLoss
+from grimoire.model.tiny import reverse_rows, write_jsonl
 
 #: Rows of very different lengths (every token trained): how micro-batches are split decides
 #: how many tokens each holds, so a per-micro-batch mean would weigh them differently.
@@ -123,6 +128,48 @@ def test_a_custom_loss_without_loss_weight_is_refused_before_training(
             loss_fn=NoWeight(),
             train_dataset=_rows(),
         )
+
+    class Subclass(GrimoireLoss):  # the same method on the base class: Python refuses it
+        __call__ = minimal_loss.__call__
+        create_collator = minimal_loss.create_collator
+
+    with pytest.raises(
+        TypeError, match="abstract method 'loss_weight'|abstract method loss_weight"
+    ):
+        Subclass()  # type: ignore[abstract]
+
+
+NO_WEIGHT_MODULE = """
+from grimoire.losses import SFTCollator
+
+
+class NoWeight:
+    def __call__(self, model, batch, training=True):
+        out = model(input_ids=batch["input_ids"], labels=batch["labels"])
+        return out.loss, {}
+
+    def create_collator(self, pad_token_id):
+        return SFTCollator(pad_token_id=pad_token_id)
+"""
+
+
+def test_grimoire_validate_refuses_a_custom_loss_without_loss_weight(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() adds the config's folder
+    (tmp_path / "noweight_losses.py").write_text(NO_WEIGHT_MODULE)
+    raw = {
+        "model": {"pretrained": "tiny:llama"},
+        "dataset": {
+            "jsonl": str(write_jsonl(reverse_rows(4, seed=0), tmp_path / "data.jsonl")),
+            "tokenize": {"type": "sft"},
+        },
+        "training": {"output_dir": str(tmp_path / "out"), "max_steps": 1},
+        "loss": {"type": "noweight_losses:NoWeight"},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["validate", "--config", str(tmp_path / "run.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "loss: noweight_losses:NoWeight: NoWeight is not a training method: it has no " in err
+    assert "loss_weight. Define loss_weight(batch)" in err
 
 
 def test_the_custom_loss_docs_import_from_one_public_module():
