@@ -2,12 +2,12 @@
 
 A method need not subclass :class:`~grimoire.losses.base.GrimoireLoss`: an object that defines
 the core (:class:`~grimoire.contract.method.MethodCore`: ``__call__``, ``create_collator`` and
-``loss_weight``) is one. :func:`as_method`, which the trainer and the CLI call once before
-anything else is built, refuses an object without the core, naming each missing member (no
-default can know the loss units its loss is a mean over, so none is guessed), and wraps one with
-it in a :class:`MethodAdapter`: each capability the object defines is its own (read live, so
-what its ``setup`` sets is seen), each one it leaves out gets :class:`GrimoireLoss`'s default.
-That adapter is the one place a method is probed.
+``loss_weight``) is one. :func:`as_method`, which the trainer (first in its set-up) and
+the CLI (before any weights load) call once, refuses an object without the core, naming each
+missing member (no default can know the loss units a loss is a mean over, so none is guessed),
+and wraps one with it in a :class:`MethodAdapter`: each capability the object defines is its
+own (read live, so what its ``setup`` sets is seen), each one it leaves out gets
+:class:`GrimoireLoss`'s default. That adapter is the one place a method is probed.
 """
 
 from __future__ import annotations

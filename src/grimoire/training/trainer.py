@@ -70,10 +70,12 @@ class GrimoireTrainer:
         peft_config: Any = None,
         callbacks: Sequence[TrainerCallback] | None = None,
     ):
+        # The method's core checked first (a duck type without loss_weight is refused by name);
+        # duck-typed methods get the capabilities' defaults.
+        self.loss_fn = loss_fn = as_method(loss_fn)
         # The build steps of training/setup.py, in order; each names what it makes.
         self.config = config = setup.check_config(config)
         self.accelerator = acc = setup.build_accelerator(config)
-        self.loss_fn = loss_fn = as_method(loss_fn)  # duck-typed methods get the defaults
         self.tokenizer = tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset = tuple(
             loss_fn.adapt_rows(d, tokenizer) for d in (train_dataset, eval_dataset)
