@@ -27,7 +27,7 @@ Why Protocols (structural types) and not an abstract base class:
 ``GrimoireLoss`` (and ``OnlineMethod`` for :class:`GeneratingMethod`) conform structurally; each
 states it in one line the type checker checks (``_IMPLEMENTS: type[Method] = GrimoireLoss``), so
 a member whose signature drifts from the contract is a type error, not a surprise at run time.
-A duck-typed object goes through :func:`grimoire.losses.base.as_method`, which refuses it when it
+A duck-typed object goes through :func:`grimoire.losses.adapter.as_method`, which refuses it when it
 lacks a member of :class:`MethodCore` (naming it) and gives it the capabilities' defaults.
 
 The rollout's own types (its engine, reward functions, sampling settings and scored groups) live
@@ -314,7 +314,7 @@ class GeneratingMethod(Method, ScoresReference, Protocol[EngineT, RewardT, Sampl
         ...
 
 
-#: The members a :class:`GeneratingMethod` adds to :class:`Method` (its own and ``reference_logps``).
+#: The members a :class:`GeneratingMethod` adds to :class:`Method` (with ``reference_logps``).
 GENERATING_MEMBERS: tuple[str, ...] = (
     "engine",
     "reward_funcs",
