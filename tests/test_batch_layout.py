@@ -16,7 +16,7 @@ from grimoire.collate.packing import PackedCollator, pack_row_sides, pack_sample
 from grimoire.collate.preference import PAIR_SIDES, PackedPairCollator, PreferenceCollator
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.collate.sft import SFTCollator
-from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of
+from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of, num_rows
 from grimoire.forward.batch import (
     rows_per_side,
     sample_token_logps,
@@ -270,7 +270,7 @@ def test_trainer_moves_tensors_and_passes_the_layout_through():
 
 
 class _RowMean(GrimoireLoss):
-    """A user method on the default ``loss_weight`` (one unit per sample)."""
+    """A user method whose loss is a mean over samples: ``loss_weight`` is ``num_rows``."""
 
     def __call__(self, model, batch, training=True):
         raise NotImplementedError
@@ -278,11 +278,14 @@ class _RowMean(GrimoireLoss):
     def create_collator(self, pad_token_id):
         return SFTCollator(pad_token_id)
 
+    def loss_weight(self, batch):
+        return float(num_rows(batch))
+
     def create_packed_collator(self, pad_token_id):
         return PackedCollator(pad_token_id)
 
 
-def test_default_loss_units_count_packed_samples_not_rows():
+def test_row_mean_loss_units_count_packed_samples_not_rows():
     method = _RowMean()
     assert method.loss_weight(SFTCollator(PAD)(sft_samples())) == len(LENS)
     assert method.loss_weight(pack_samples(sft_samples(), PAD)) == len(LENS)

@@ -55,6 +55,12 @@ def _losses(folder: Path) -> list[float]:
     ids=["padded", "token-budget", "osft"],
 )
 def test_two_processes_match_one_process(tiny_dir, tmp_path, extra):
+    assert_two_processes_match_one(tiny_dir, tmp_path, extra)
+
+
+def assert_two_processes_match_one(tiny_dir, tmp_path, extra: dict) -> None:
+    """``scripts/ddp_sft.py`` with ``extra``: 2 processes x 2 rows x 2 accumulation end where 1
+    process x 4 rows x 2 accumulation does, step by step in the logged loss."""
     one, two = tmp_path / "one", tmp_path / "two"
     args = [str(SCRIPT), str(tiny_dir)]
     subprocess.run(

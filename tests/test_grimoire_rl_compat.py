@@ -124,7 +124,8 @@ def test_readme_python_examples_run(tiny_dir, raw_sft_dataset, tmp_path, monkeyp
     assert "Step 1/12:" in out and "Eval loss:" in out
 
     # The two loss sketches are pseudo-code (comments where the math goes): they must at least
-    # be valid Python, and the protocol they describe is the one GrimoireTrainer calls.
+    # be valid Python. The protocol they describe lacks loss_weight, which GrimoireTrainer
+    # requires (docs/migrating-from-grimoire-rl.md lists the difference).
     for name in ("loss_interface", "dpo_sketch"):
         ast.parse(blocks[name])
 

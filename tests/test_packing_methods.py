@@ -152,14 +152,14 @@ def test_packed_grpo_pass_matches_padded(tiny_model, tokenizer, temperature):
         end = c - i % 4
         padded["completion_mask"][i, end:] = 0
         padded["attention_mask"][i, padded["attention_mask"].shape[1] - c + end :] = 0
-    padded["ref_logps"] = method.reference_logps(padded)
+    (padded["ref_logps"],) = method.reference_logps(tiny_model, padded)
     lens = padded["completion_mask"].sum(-1)
     assert lens.min() < lens.max() and (padded["attention_mask"][:, 0] == 0).any()
     packed = pack_rollout_batch(padded)
     assert packed["input_ids"].shape[0] == 1 and "attention_mask" not in packed
     # The reference pass on the packed layout reproduces the padded one's.
     torch.testing.assert_close(
-        method.reference_logps(packed), padded["ref_logps"], atol=1e-5, rtol=0
+        method.reference_logps(tiny_model, packed)[0], padded["ref_logps"], atol=1e-5, rtol=0
     )
     # Move the policy so ratio != 1 and the KL term is non-zero.
     with torch.no_grad():

@@ -1,5 +1,6 @@
-"""The method contract (grimoire.contract.method): GrimoireLoss implements it with defaults,
-online methods add the GeneratingMethod parts, as_method adapts duck types."""
+"""The method contract (grimoire.contract.method): a core of three members every method defines,
+opt-in capabilities with GrimoireLoss's defaults, the GeneratingMethod parts of online methods,
+and as_method, which refuses a duck type without the core and adapts one with it."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import pytest
 import torch
 
 from grimoire.contract.method import (
+    CAPABILITIES,
+    CORE_MEMBERS,
     GENERATING_MEMBERS,
     GeneratingMethod,
     Method,
+    MethodCore,
     PrecomputableMethod,
+    ScoresReference,
     generating,
 )
 from grimoire.forward.precomputed import check_precomputable
@@ -35,8 +40,7 @@ from grimoire.losses import (
     SFTLoss,
     SimPOLoss,
 )
-from grimoire.losses.base import (
-    FORWARDED,
+from grimoire.losses.adapter import (
     GeneratingAdapter,
     MethodAdapter,
     PrecomputableAdapter,
@@ -61,26 +65,50 @@ def protocol_members(protocol: type) -> set[str]:
     }
 
 
-class Minimal:  # the documented duck-typed protocol
+class Minimal:  # a duck-typed method: the core and nothing else
     def __call__(self, model, batch, training=True):
         return torch.tensor(float(training)), {}
 
     def create_collator(self, pad_token_id):
         return ("collator", pad_token_id)
 
+    def loss_weight(self, batch):
+        return 2.0
 
-def test_the_contract_is_abstract_and_declares_every_capability():
+
+def test_the_contract_is_a_core_of_three_and_opt_in_capabilities():
     with pytest.raises(TypeError, match="abstract"):
         GrimoireLoss()  # type: ignore[abstract]
-    for name in FORWARDED:
-        assert hasattr(GrimoireLoss, name), name
-    # Every member of the contract has a default in GrimoireLoss, and an adapter forwards all
-    # of them but the four it answers itself.
-    members = protocol_members(Method)
-    assert len(members) == 23
-    assert all(hasattr(GrimoireLoss, name) for name in members), members
-    own = {"__call__", "create_collator", "method_name", "implementation"}
-    assert set(FORWARDED) == members - own
+    assert (
+        protocol_members(MethodCore)
+        == set(CORE_MEMBERS)
+        == {
+            "__call__",
+            "create_collator",
+            "loss_weight",
+        }
+    )
+    # Every other member of Method is a capability (or the identity the run answers itself),
+    # each with its default in GrimoireLoss, which leaves exactly the core abstract.
+    identity = {"method_name", "implementation"}
+    assert protocol_members(Method) == set(CAPABILITIES) | identity
+    assert len(CAPABILITIES) == len(set(CAPABILITIES))
+    assert all(hasattr(GrimoireLoss, name) for name in CAPABILITIES)
+    assert GrimoireLoss.__abstractmethods__ == frozenset(CORE_MEMBERS)
+    # The adapter answers every member of the contract itself: none reaches __getattr__.
+    for name in (*CORE_MEMBERS, *CAPABILITIES, *identity):
+        assert name in vars(MethodAdapter), name
+
+
+def test_reference_logps_has_one_signature():
+    """Declared once (ScoresReference), the same for the reference cache and the rollout."""
+    assert protocol_members(ScoresReference) == {"reference_logps"}
+    assert "reference_logps" not in vars(PrecomputableMethod)
+    assert "reference_logps" not in vars(GeneratingMethod)
+    expected = ["self", "model", "batch"]
+    for cls in (DPOLoss, KTOLoss, GRPOMethod, PrecomputableAdapter, GeneratingAdapter):
+        params = list(inspect.signature(cls.reference_logps).parameters)
+        assert params == expected, cls.__name__
 
 
 def test_as_method_keeps_a_method_and_adapts_a_duck_type():
@@ -91,29 +119,44 @@ def test_as_method_keeps_a_method_and_adapts_a_duck_type():
     assert method.method_name == "Minimal"
     assert float(method(None, {}, training=False)[0]) == 0.0
     assert method.create_collator(3) == ("collator", 3)
-    # The defaults the trainer always gave such objects.
     batch = {"input_ids": torch.zeros(4, 2, dtype=torch.long)}
-    assert method.loss_weight(batch) == 1.0
-    assert GrimoireLoss.loss_weight(sft, batch) == 4.0  # the contract's default: rows
+    assert method.loss_weight(batch) == 2.0  # its own: the core is never defaulted
+    # GrimoireLoss's defaults for every capability it leaves out.
     assert method.validate_dataset([{"x": 1}], "train") == []
     assert method.create_packed_collator(0) is None and not hasattr(method, "engine")
     assert not method.needs_generation and not method.needs_reference_model
-    assert not method.holds_reference and method.fused_chunk_size == 1024
+    assert not method.holds_reference and method.fused_chunk_size == 1024 and method.fused
     assert generating(method) is None and not isinstance(method, PrecomputableMethod)
     assert method.steps_per_batch == 1 and method.budget_hint == "" and method.reference is None
+    assert method.model_kind == "causal_lm" and method.logp_reduction == "sum"
+    assert method.required_columns == ()
     assert method.budget_tokens({"": 3, "kl_": 5}, True) == 8
     assert method.fit_to_budget({"input_ids": [1, 2, 3]}, 2) == {"input_ids": [1, 2]}
-    assert method.cache_rows("rows") == "rows"
+    assert method.cache_rows("rows") == "rows" and method.adapt_rows("rows", None) == "rows"
+    assert method.setup(None) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("drop", "named"),
+    [
+        ("loss_weight", r"Minimal is not a training method: it has no loss_weight\. "),
+        ("create_collator", "it has no create_collator. Define create_collator"),
+    ],
+)
+def test_a_duck_type_without_the_core_is_refused_naming_the_member(drop, named):
+    cls = type("Minimal", (), {k: v for k, v in vars(Minimal).items() if k != drop})
+    with pytest.raises(TypeError, match=named) as err:
+        as_method(cls())
+    if drop == "loss_weight":  # says what to return, and why no default is guessed
+        assert "num_targets(batch)" in str(err.value) and "no default" in str(err.value)
 
 
 def test_an_adapter_forwards_what_the_object_defines_live():
     class Rich(Minimal):
         steps_per_batch = 3
         budget_hint = ", and more"
+        required_columns = ("input_ids", "labels")
         beta = 0.5
-
-        def loss_weight(self, batch):
-            return 7.0
 
         def budget_tokens(self, lengths, packed):
             return 99
@@ -121,10 +164,13 @@ def test_an_adapter_forwards_what_the_object_defines_live():
     obj = Rich()
     method = as_method(obj)
     assert method.steps_per_batch == 3 and method.budget_hint == ", and more"
-    assert method.loss_weight({}) == 7.0 and method.budget_tokens({}, False) == 99
+    assert method.loss_weight({}) == 2.0 and method.budget_tokens({}, False) == 99
     assert method.beta == 0.5  # a method's own setting, read through
     obj.steps_per_batch = 5
     assert method.steps_per_batch == 5
+    # The default data check reads the object's required_columns, as GrimoireLoss's does.
+    (problem,) = method.validate_dataset([{"input_ids": [1]}], "train")
+    assert "missing column(s) ['labels'] needed by Rich" in problem
 
 
 def test_the_trainer_builds_the_rollout_stage_from_the_methods_parts():
@@ -172,7 +218,7 @@ def test_offline_losses_carry_no_generating_members_and_online_methods_all_of_th
         method = cls(["exact_match"])
         assert isinstance(method, GeneratingMethod) and generating(method) is method
         assert all(hasattr(method, m) for m in GENERATING_MEMBERS), cls.__name__
-    assert set(GENERATING_MEMBERS) == protocol_members(GeneratingMethod)
+    assert set(GENERATING_MEMBERS) == protocol_members(GeneratingMethod) | {"reference_logps"}
 
 
 def test_a_method_that_says_it_generates_without_the_parts_is_refused_by_name():
@@ -203,10 +249,9 @@ def test_a_duck_typed_method_that_generates_is_adapted_as_a_generating_method():
     assert generating(method) is method
     assert method.engine == "an engine" and method.sampling == "sampling"
     assert method.build_batches(None, [1, 2]) == ([], {"n": 2.0}) and obj.calls == [[1, 2]]
-    # Defaults: no reward functions, no old log-probs, no reference log-probs.
+    # Defaults: no reward functions, no old log-probs, synchronous, single completions.
     assert tuple(method.reward_funcs) == () and method.needs_old_logps is False
-    with pytest.raises(NotImplementedError, match="DuckOnline needs a reference model"):
-        method.reference_logps({})
+    assert method.max_staleness == 0 and method.agent is None
     obj.engine = "another"  # read live, like every forwarded member
     assert method.engine == "another"
 
@@ -218,6 +263,12 @@ def test_a_duck_typed_method_that_generates_without_an_engine_is_refused_at_once
 
     with pytest.raises(TypeError, match="NoEngine sets needs_generation but has no engine, "):
         as_method(NoEngine())
+
+    class NoReference(DuckOnline):
+        needs_reference_model = True
+
+    with pytest.raises(TypeError, match="NoReference sets needs_generation but has no "):
+        as_method(NoReference())
 
 
 def test_a_duck_typed_method_with_reference_logps_can_precompute_its_reference():
@@ -279,8 +330,8 @@ def _method_probes() -> list[str]:
 def test_no_code_probes_a_method_but_the_adapter():
     # Everything else calls the contract. The adapter reads a duck type's contract members in one
     # place (_defined) and passes its other attributes through (__getattr__).
-    source = (SRC / "losses" / "base.py").read_text().splitlines()
+    source = (SRC / "losses" / "adapter.py").read_text().splitlines()
     lines = [i for i, line in enumerate(source, 1) if "getattr(method, name" in line]
     lines += [i for i, line in enumerate(source, 1) if "getattr(self.wrapped, name)" in line]
     assert len(lines) == 2
-    assert _method_probes() == [f"losses/base.py:{i}" for i in sorted(lines)]
+    assert _method_probes() == [f"losses/adapter.py:{i}" for i in sorted(lines)]

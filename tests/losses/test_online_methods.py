@@ -262,7 +262,7 @@ def test_lora_reference_is_the_base_model(tiny_model, tokenizer, prompt_rows):
             if "lora_B" in name:
                 p.add_(0.5)
     policy.train()
-    ref_again = method.reference_logps(batch)
+    (ref_again,) = method.reference_logps(policy, batch)
     torch.testing.assert_close(ref_again, batch["ref_logps"])  # adapters off: unchanged
     assert policy.training  # the reference pass restored train mode
     _, metrics = method(policy.eval(), batch)

@@ -1,13 +1,15 @@
 """Run a short SFT job; launched with 1 process or under `accelerate launch --num_processes 2`.
 
 Usage: ddp_sft.py MODEL_DIR OUT_DIR PER_DEVICE_BATCH GRAD_ACCUM [EXTRA_CONFIG_JSON]
-Writes OUT_DIR/params.pt (rank 0) and OUT_DIR/metrics.jsonl.
+Writes OUT_DIR/params.pt (rank 0) and OUT_DIR/metrics.jsonl. EXTRA_CONFIG_JSON's "loss":
+"docs_minimal" trains docs/custom-loss.md's MinimalLoss instead of SFTLoss.
 """
 
 import json
 import sys
 
 import torch
+from tests.helpers.doc_methods import docs_minimal_loss
 from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -18,6 +20,7 @@ from grimoire.model.tiny import reverse_rows
 
 model_dir, out_dir, batch, accum = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 extra = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+loss_fn = docs_minimal_loss()() if extra.pop("loss", "sft") == "docs_minimal" else SFTLoss()
 torch.set_num_threads(1)
 tok = AutoTokenizer.from_pretrained(model_dir)
 rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(48, seed=5, max_len=9)]
@@ -33,7 +36,7 @@ trainer = GrimoireTrainer(
     model=AutoModelForCausalLM.from_pretrained(model_dir),
     tokenizer=tok,
     config=config,
-    loss_fn=SFTLoss(),
+    loss_fn=loss_fn,
     train_dataset=rows,
 )
 trainer.train()

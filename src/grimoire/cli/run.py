@@ -29,7 +29,8 @@ from grimoire.config.training import TrainingConfig
 from grimoire.contract.method import Method
 from grimoire.errors import ConfigError, DataError, raise_if
 from grimoire.forward.precomputed import cache_reference_log_probs
-from grimoire.losses.base import GrimoireLoss, as_method
+from grimoire.losses.adapter import as_method
+from grimoire.losses.base import GrimoireLoss
 from grimoire.model.gguf import is_gguf_name, materialize_gguf
 from grimoire.model.precision import decide
 from grimoire.model.tiny import build_tokenizer, save_tiny
@@ -129,10 +130,14 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
 
 
 def make_loss(loss_cls: Any, name: str, args: dict[str, Any]) -> Any:
+    """The loss, built and checked against the contract (a custom loss without ``loss_weight``
+    is named here, before any weights load)."""
     try:
-        return loss_cls(**args)
+        loss_fn = loss_cls(**args)
+        as_method(loss_fn)
     except (TypeError, ValueError) as exc:
         raise ConfigError([f"loss: {name}: {exc}"]) from exc
+    return loss_fn
 
 
 def dataset_problems(method: Method, datasets: dict[str, Any], tokenizer: Any) -> list[str]:

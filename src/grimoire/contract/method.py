@@ -1,11 +1,17 @@
 """The method contract: everything the run reads from a training method, declared once, here.
 
-:class:`Method` is what the loop, the loader, the token budget, the data checks, the reference
-cache, the memory estimate and the CLI call on a method. :class:`GeneratingMethod` adds the parts
-the rollout stage is built from, for methods that sample their own data (online RL), and
-:class:`PrecomputableMethod` what scoring a reference before training needs. Every stage between
-(``batching/``, ``forward/``, ``rollout/``) types its method with these, from below, instead of
-describing it again.
+The contract is small at its core and opt-in beyond it. :class:`MethodCore` is what every method
+writes: the loss of a micro-batch (``__call__``), its collator (``create_collator``) and the loss
+units that loss is a mean over (``loss_weight``), without which the trainer cannot weight
+micro-batches exactly across gradient accumulation and processes. :class:`Method` adds the opt-in
+capabilities (:data:`CAPABILITIES`), each with one meaning, one signature and a default in
+:class:`grimoire.losses.base.GrimoireLoss`: it is what the loop, the loader, the token budget,
+the data checks, the reference cache, the memory estimate and the CLI call on a method.
+:class:`GeneratingMethod` adds the parts the rollout stage is built from, for methods that sample
+their own data (online RL), and :class:`PrecomputableMethod` marks a method whose reference can be
+scored before training; both score their reference with the one
+:meth:`ScoresReference.reference_logps`. Every stage between (``batching/``, ``forward/``,
+``rollout/``) types its method with these, from below, instead of describing it again.
 
 Why Protocols (structural types) and not an abstract base class:
 
@@ -21,8 +27,8 @@ Why Protocols (structural types) and not an abstract base class:
 ``GrimoireLoss`` (and ``OnlineMethod`` for :class:`GeneratingMethod`) conform structurally; each
 states it in one line the type checker checks (``_IMPLEMENTS: type[Method] = GrimoireLoss``), so
 a member whose signature drifts from the contract is a type error, not a surprise at run time.
-A duck-typed object goes through :func:`grimoire.losses.base.as_method`, which gives it the
-defaults.
+A duck-typed object goes through :func:`grimoire.losses.adapter.as_method`, which refuses it when it
+lacks a member of :class:`MethodCore` (naming it) and gives it the capabilities' defaults.
 
 The rollout's own types (its engine, reward functions, sampling settings and scored groups) live
 in ``rollout/``, above this layer. :class:`GeneratingMethod` is generic over them rather than
@@ -70,14 +76,15 @@ class MethodReference(Protocol):
         ...
 
 
-class Method(Protocol):
-    """A training method: the loss of a micro-batch, its collators, and its capabilities.
+@runtime_checkable
+class MethodCore(Protocol):
+    """What every training method defines: its loss, its collator, and its loss units.
 
     The weighting contract (:meth:`loss_weight`): the loss returned by :meth:`__call__` is a mean
     over the batch's loss units (tokens, pairs, ...); the trainer rescales each micro-batch by
     ``weight / total_weight_of_the_optimizer_step`` (summed over ranks), so gradient
     accumulation, token-budget micro-batches and N ranks optimise the same objective as one big
-    batch.
+    batch. No default can be right for every loss, so a method without it is refused.
     """
 
     def __call__(
@@ -86,6 +93,21 @@ class Method(Protocol):
         """``(loss, metrics)`` of one micro-batch: a scalar mean over its loss units, and
         detached scalars (the same keys on every call and every rank)."""
         ...
+
+    def create_collator(self, pad_token_id: int) -> Collator:
+        """The padded collator: a micro-batch's rows -> one batch dict of tensors."""
+        ...
+
+    def loss_weight(self, batch: dict[str, Any]) -> float:
+        """The loss units in ``batch``, what its loss is a mean over: trained tokens for a token
+        mean (``num_targets(batch)``), rows for a row mean (``num_rows(batch)``), pairs, ..."""
+        ...
+
+
+class Method(MethodCore, Protocol):
+    """A training method as the run reads it: :class:`MethodCore` and the opt-in capabilities
+    (:data:`CAPABILITIES`), each with its default in :class:`grimoire.losses.base.GrimoireLoss`;
+    ``method_name`` and ``implementation`` are answered for every method."""
 
     # ------------------------------------------------------------------ what it is
 
@@ -154,16 +176,8 @@ class Method(Protocol):
 
     # ------------------------------------------------------------------ batches
 
-    def create_collator(self, pad_token_id: int) -> Collator:
-        """The padded collator."""
-        ...
-
     def create_packed_collator(self, pad_token_id: int) -> Collator | None:
         """The padding-free collator (one packed row per micro-batch); None: cannot pack."""
-        ...
-
-    def loss_weight(self, batch: dict[str, Any]) -> float:
-        """The loss units in ``batch`` (what its loss is a mean over)."""
         ...
 
     # ------------------------------------------------------------------ the token budget
@@ -201,6 +215,47 @@ class Method(Protocol):
         ...
 
 
+#: The members of :class:`MethodCore`, which every method defines.
+CORE_MEMBERS: tuple[str, ...] = ("__call__", "create_collator", "loss_weight")
+#: The opt-in capabilities of :class:`Method`: a method defines the ones it needs, and
+#: :class:`grimoire.losses.base.GrimoireLoss` (or, for a duck type, ``as_method``) gives the others
+#: their defaults.
+CAPABILITIES: tuple[str, ...] = (
+    "required_columns",
+    "model_kind",
+    "steps_per_batch",
+    "needs_generation",
+    "fused",
+    "fused_chunk_size",
+    "logp_reduction",
+    "needs_reference_model",
+    "reference",
+    "holds_reference",
+    "create_packed_collator",
+    "budget_hint",
+    "budget_tokens",
+    "fit_to_budget",
+    "adapt_rows",
+    "validate_dataset",
+    "setup",
+    "cache_rows",
+)
+
+
+class ScoresReference(Protocol):
+    """A method that scores its frozen reference itself: one signature, whether the scores are
+    cached before training (:class:`PrecomputableMethod`) or taken during it by the rollout stage
+    (:class:`GeneratingMethod`)."""
+
+    def reference_logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> Sequence[Tensor]:
+        """The reference's log-probs of ``batch``, one tensor per column the loss reads them
+        from: ``reference.cache_columns`` when cacheable (DPO: chosen and rejected, ``[rows]``
+        each), a generating method's one ``ref_logps`` (``[N, C]``, its completions' tokens,
+        masked). ``model`` is the policy being trained (a LoRA reference is it with the
+        adapters off). Called only when :attr:`Method.needs_reference_model`."""
+        ...
+
+
 #: What a generating method's engine, reward functions and sampling settings are, and the
 #: groups it builds batches from: fixed by the rollout stage (see the module docstring).
 EngineT = TypeVar("EngineT", covariant=True)
@@ -210,12 +265,13 @@ GroupT = TypeVar("GroupT")
 
 
 @runtime_checkable
-class GeneratingMethod(Method, Protocol[EngineT, RewardT, SamplingT, GroupT]):
+class GeneratingMethod(Method, ScoresReference, Protocol[EngineT, RewardT, SamplingT, GroupT]):
     """A method that samples its own data: the parts its rollout stage is built from.
 
     The trainer owns the stage (``grimoire.training.setup.build_rollouts``); the stage samples
     with :attr:`engine`, scores with :attr:`reward_funcs`, and hands the step's scored groups to
-    :meth:`build_batches`. The stage never holds the method.
+    :meth:`build_batches`; with a reference, it scores each group's completions with
+    :meth:`~ScoresReference.reference_logps`. The stage never holds the method.
     """
 
     @property
@@ -257,13 +313,8 @@ class GeneratingMethod(Method, Protocol[EngineT, RewardT, SamplingT, GroupT]):
         method's rollout metrics. Every rank calls it at the same point of the step."""
         ...
 
-    def reference_logps(self, batch: dict[str, Any]) -> Tensor:
-        """``[N, C]`` reference log-probs of a training batch's completions (masked); called
-        only when :attr:`needs_reference_model`."""
-        ...
 
-
-#: The members a :class:`GeneratingMethod` adds to :class:`Method`.
+#: The members a :class:`GeneratingMethod` adds to :class:`Method` (with ``reference_logps``).
 GENERATING_MEMBERS: tuple[str, ...] = (
     "engine",
     "reward_funcs",
@@ -277,13 +328,10 @@ GENERATING_MEMBERS: tuple[str, ...] = (
 
 
 @runtime_checkable
-class PrecomputableMethod(Method, Protocol):
+class PrecomputableMethod(Method, ScoresReference, Protocol):
     """A method whose reference log-probs can be scored before training (DPO, IPO, KTO):
-    :attr:`reference` names the cached columns (``reference.cache_columns``)."""
-
-    def reference_logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> Sequence[Tensor]:
-        """One ``[rows]`` tensor per ``reference.cache_columns`` entry, in that order."""
-        ...
+    :attr:`reference` names the cached columns (``reference.cache_columns``), and
+    :meth:`~ScoresReference.reference_logps` returns one tensor per column, in that order."""
 
 
 def generating(method: Method) -> GeneratingMethod[Any, Any, Any, Any] | None:
@@ -305,11 +353,15 @@ def generating(method: Method) -> GeneratingMethod[Any, Any, Any, Any] | None:
 
 
 __all__ = [
+    "CAPABILITIES",
+    "CORE_MEMBERS",
     "GENERATING_MEMBERS",
     "Collator",
     "GeneratingMethod",
     "Method",
+    "MethodCore",
     "MethodReference",
     "PrecomputableMethod",
+    "ScoresReference",
     "generating",
 ]

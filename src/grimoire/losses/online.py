@@ -352,14 +352,14 @@ class OnlineMethod(GrimoireLoss):
     # ------------------------------------------------------------------ forwards
 
     @torch.no_grad()
-    def reference_logps(self, batch: dict[str, Any]) -> Tensor:
-        """``[N, C]`` reference log-probs of a training batch's completions (masked)."""
-        ctx = self.context
-        with self.frozen_reference.model(ctx.unwrapped_model) as ref, ctx.accelerator.autocast():
+    def reference_logps(self, model: torch.nn.Module, batch: dict[str, Any]) -> tuple[Tensor]:
+        """``(ref_logps,)``: ``[N, C]`` reference log-probs of a training batch's completions
+        (masked); ``model`` is the policy (a LoRA reference is it with the adapters off)."""
+        with self.frozen_reference.model(model) as ref, self.context.accelerator.autocast():
             logps, _ = batch_completion_logps(
                 ref, batch, self.logp_temperature, **self._fused_args()
             )
-        return logps
+        return (logps,)
 
     def importance_weights(
         self, batch: dict[str, Any], old_logps: Tensor

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from grimoire.contract.layout import num_tokens
-from grimoire.losses.base import GrimoireLoss
+from grimoire.contract.method import Method
 
 
 def count_tokens(batch: Mapping[str, Any]) -> float:
@@ -22,7 +22,7 @@ def count_tokens(batch: Mapping[str, Any]) -> float:
     return float(num_tokens(batch))
 
 
-def loss_units(method: GrimoireLoss, batch: dict[str, Any]) -> float:
+def loss_units(method: Method, batch: dict[str, Any]) -> float:
     """The method's loss units in ``batch`` (its ``loss_weight``)."""
     return float(method.loss_weight(batch))
 

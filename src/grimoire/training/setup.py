@@ -24,7 +24,7 @@ from grimoire.collate.buckets import WidthBuckets, bucket_multiple
 from grimoire.config.context import TrainingContext
 from grimoire.config.model_shape import shape_from_config
 from grimoire.config.training import TrainingConfig
-from grimoire.contract.method import Method, generating
+from grimoire.contract.method import GeneratingMethod, Method, generating
 from grimoire.errors import ConfigError
 from grimoire.forward.precomputed import precompute_reference
 from grimoire.forward.reference import is_quantized
@@ -51,7 +51,7 @@ from grimoire.parallel.deepspeed import (
 )
 from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
 from grimoire.rollout.async_rollouts import AsyncRolloutStage, async_problems
-from grimoire.rollout.stage import RolloutStage
+from grimoire.rollout.stage import ReferenceLogps, RolloutStage
 from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
 from grimoire.training.phases import phase
 
@@ -329,12 +329,22 @@ def build_rollouts(method: Method, context: TrainingContext) -> RolloutStage | N
         online.build_batches,
         steps_per_batch=online.steps_per_batch,
         needs_old_logps=online.needs_old_logps,
-        reference_logps=online.reference_logps if online.needs_reference_model else None,
+        reference_logps=_completion_reference(online, context),
         agent=online.agent,
         **async_args,
     )
     stage.bind(context)
     return stage
+
+
+def _completion_reference(
+    online: GeneratingMethod[Any, Any, Any, Any], context: TrainingContext
+) -> ReferenceLogps | None:
+    """What the rollout stage scores each group's completions with when the method has a
+    reference: its ``reference_logps`` on the run's policy (``[N, C]``); else None."""
+    if not online.needs_reference_model:
+        return None
+    return lambda batch: online.reference_logps(context.unwrapped_model, batch)[0]
 
 
 def log_reference(method: Method) -> None:

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from grimoire.contract.method import Method
 from grimoire.forward.head.function import PromiseChecks, deferred_promise_checks
-from grimoire.losses.base import GrimoireLoss
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
 from grimoire.normalise.units import backward_scale, count_tokens, gradient_scale, loss_units
 from grimoire.optim.optimizers import clip_gradients, scale_gradients
@@ -37,7 +37,7 @@ from grimoire.parallel.fsdp import gradient_sync
 
 
 def host_units(
-    method: GrimoireLoss, micro: Sequence[tuple[dict[str, Any], float]]
+    method: Method, micro: Sequence[tuple[dict[str, Any], float]]
 ) -> tuple[list[float], float]:
     """Each micro-batch's loss units (times its keep flag) and the step's real input tokens,
     from batches still on the host (on device batches they would be host syncs)."""
@@ -77,7 +77,7 @@ def nonfinite(value: Any, measured: bool = False) -> Any:
 def backward_micro_batches(
     accelerator: Any,
     model: Any,
-    method: GrimoireLoss,
+    method: Method,
     micro: Sequence[tuple[dict[str, Any], float]],
     weights: Sequence[float],
     norm: float,

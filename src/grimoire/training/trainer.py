@@ -25,7 +25,7 @@ from grimoire.config.context import TrainingContext
 from grimoire.config.training import TrainingConfig
 from grimoire.contract.layout import to_device
 from grimoire.forward.logprobs import release_buffers
-from grimoire.losses.base import as_method
+from grimoire.losses.adapter import as_method
 from grimoire.model.compiling import maybe_compile
 from grimoire.model.prepare import resolve_checkpointing
 from grimoire.normalise.reduction import StepReduction, WeightedMeans
@@ -70,10 +70,12 @@ class GrimoireTrainer:
         peft_config: Any = None,
         callbacks: Sequence[TrainerCallback] | None = None,
     ):
+        # The method's core checked first (a duck type without loss_weight is refused by name);
+        # duck-typed methods get the capabilities' defaults.
+        self.loss_fn = loss_fn = as_method(loss_fn)
         # The build steps of training/setup.py, in order; each names what it makes.
         self.config = config = setup.check_config(config)
         self.accelerator = acc = setup.build_accelerator(config)
-        self.loss_fn = loss_fn = as_method(loss_fn)  # duck-typed methods get the defaults
         self.tokenizer = tokenizer
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset = tuple(
             loss_fn.adapt_rows(d, tokenizer) for d in (train_dataset, eval_dataset)

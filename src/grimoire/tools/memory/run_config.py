@@ -21,7 +21,7 @@ from grimoire.config.model_shape import ModelShape, dtype_name
 from grimoire.config.training import TrainingConfig
 from grimoire.contract.method import Method, generating
 from grimoire.errors import ConfigError
-from grimoire.losses.base import as_method
+from grimoire.losses.adapter import as_method
 from grimoire.tools.memory.estimate import Rollout, Setup
 from grimoire.tools.memory.shape import load_shape, lora_from_section
 
