@@ -19,7 +19,7 @@ from grimoire import GrimoireTrainer
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.async_rollouts import AsyncRolloutStage
-from grimoire.rollout.rewards import char_match_reward
+from grimoire.rollout.rewards.scoring import char_match_reward
 from grimoire.rollout.stage import RolloutStage
 from grimoire.rows.prompts import tokenize_grpo
 from grimoire.training.callbacks import TrainerCallback

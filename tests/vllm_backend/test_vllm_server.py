@@ -14,7 +14,7 @@ from tests.vllm_backend.common import start_server
 from tests.vllm_backend.test_vllm_ddp import WORKER, _env, _records
 from tests.vllm_backend.test_vllm_sync import K, _run, check_sync
 
-from grimoire.rollout.vllm_server import VLLMServerEngine
+from grimoire.rollout.engines.vllm_server import VLLMServerEngine
 
 
 def _pushes(url: str, kind: str = "weight_pushes") -> int:

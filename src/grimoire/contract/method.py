@@ -246,7 +246,7 @@ class GeneratingMethod(Method, Protocol[EngineT, RewardT, SamplingT, GroupT]):
 
     @property
     def agent(self) -> Any:
-        """How to play multi-turn episodes (``grimoire.rollout.agentic.Agent``), or None:
+        """How to play multi-turn episodes (``grimoire.rollout.agents.agent.Agent``), or None:
         one completion per sample."""
         ...
 

@@ -45,7 +45,7 @@ from grimoire.forward.reference import Reference, unwrap
 from grimoire.losses.distill_functional import chunked_generalized_jsd, sampled_reverse_kl_loss
 from grimoire.losses.online import OnlineMethod
 from grimoire.rollout.batches import completion_rows
-from grimoire.rollout.reward_calls import RewardSpec
+from grimoire.rollout.rewards.calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 from grimoire.rows.sources import resolve_path
 

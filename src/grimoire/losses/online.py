@@ -51,19 +51,19 @@ from grimoire.losses.online_checks import (
     warn_on_dropout,
 )
 from grimoire.losses.online_functional import truncated_importance_weights
-from grimoire.rollout.agentic import Agent, build_agent
+from grimoire.rollout.agents.agent import Agent, build_agent
+from grimoire.rollout.agents.episode_batches import EPISODE_COLUMNS
 from grimoire.rollout.async_rollouts import checked_staleness
-from grimoire.rollout.backends import EngineSpec, build_engine
 from grimoire.rollout.batches import batch_completion_logps, training_batch
-from grimoire.rollout.engine import RolloutEngine
-from grimoire.rollout.episode_batches import EPISODE_COLUMNS
-from grimoire.rollout.reward_calls import (
+from grimoire.rollout.engines.backends import EngineSpec, build_engine
+from grimoire.rollout.engines.base import RolloutEngine
+from grimoire.rollout.engines.sampler import SamplerConfig
+from grimoire.rollout.rewards.calls import (
     RewardFunction,
     RewardSpec,
     resolve_reward_funcs,
     reward_signature_problems,
 )
-from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.stage import RolloutMethod, SamplingConfig, ScoredGroup
 
 
@@ -75,7 +75,7 @@ class OnlineMethod(GrimoireLoss):
         reward_funcs: reward callables, built-in short names (``"exact_match"``,
             ``"answer_match"``, ...), ``package.module:function`` specs (importing a spec runs its
             module's code) or ``{"type": name, "args": {...}}`` entries
-            (:mod:`grimoire.rollout.reward_calls`); called with keywords, as in TRL.
+            (:mod:`grimoire.rollout.rewards.calls`); called with keywords, as in TRL.
         reward_weights: one weight per reward function (default 1.0 each).
         num_generations: completions sampled per prompt (``G``).
         temperature, top_p, top_k, max_new_tokens: sampling (``top_k=0``, ``top_p=1``: off).
@@ -84,9 +84,9 @@ class OnlineMethod(GrimoireLoss):
             ``"copy"`` (a frozen copy of the starting policy: twice the memory), or None (then
             only a LoRA policy has one: its base with adapters disabled).
         generation_batch_size: max sequences per sampling / scoring call (memory only).
-        engine: what samples (:func:`grimoire.rollout.backends.build_engine`): ``"hf"`` (the
+        engine: what samples (:func:`grimoire.rollout.engines.backends.build_engine`): ``"hf"`` (the
             default, ``model.generate`` on the policy), ``"vllm"`` (colocated,
-            :class:`~grimoire.rollout.vllm_engine.VLLMEngine`), ``"vllm-server"`` (a ``grimoire
+            :class:`~grimoire.rollout.engines.vllm_engine.VLLMEngine`), ``"vllm-server"`` (a ``grimoire
             vllm-serve`` process), a mapping ``{"type": "vllm", "args": {...}}`` (the sampling
             arguments above are passed to it), or an engine object, whose own sampler settings
             (``engine.sampler``) then override the arguments above.
@@ -99,7 +99,7 @@ class OnlineMethod(GrimoireLoss):
             optimizer steps old, while the learner trains
             (:mod:`grimoire.rollout.async_rollouts`; the hf engine, or vllm-server).
         tools, environment, tool_call_parser, max_turns, max_episode_tokens, env_timeout,
-            failure_reward, stop_tokens: multi-turn episodes (:func:`~grimoire.rollout.agentic.build_agent`).
+            failure_reward, stop_tokens: multi-turn episodes (:func:`~grimoire.rollout.agents.agent.build_agent`).
 
     Subclasses list only their own arguments and end with ``**kwargs`` passed on to this
     constructor; their signature (for the YAML CLI's checks and ``help()``) is completed with
@@ -287,7 +287,7 @@ class OnlineMethod(GrimoireLoss):
 
     def reward_problems(self, columns: Sequence[str], split: str = "train") -> list[str]:
         """Reward functions whose signature a call with these dataset columns would not fit
-        (:func:`~grimoire.rollout.reward_calls.reward_signature_problems`); episodes add their
+        (:func:`~grimoire.rollout.rewards.calls.reward_signature_problems`); episodes add their
         own columns (``messages``, ``tool_calls``, ...)."""
         passed = [*columns, *(EPISODE_COLUMNS if self.agent is not None else ())]
         return reward_signature_problems(self.reward_funcs, passed, f"{split} dataset")

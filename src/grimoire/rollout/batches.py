@@ -35,7 +35,7 @@ from grimoire.forward.logprobs import (
     logps_from_logits,
     token_entropy,
 )
-from grimoire.rollout.engine import Rollout, position_ids_from_mask
+from grimoire.rollout.engines.base import Rollout, position_ids_from_mask
 
 
 def training_batch(rollout: Rollout, rows: Sequence[int], pack: bool) -> dict[str, Any]:

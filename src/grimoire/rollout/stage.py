@@ -4,7 +4,7 @@ For methods that generate (``needs_generation``), the trainer calls :meth:`Rollo
 on the step's prompt micro-batches BEFORE any loss runs:
 
 1. every REAL prompt micro-batch is sampled (``G = num_generations`` completions per prompt, by
-   the :class:`~grimoire.rollout.engine.RolloutEngine`) and scored by the reward functions;
+   the :class:`~grimoire.rollout.engines.base.RolloutEngine`) and scored by the reward functions;
    rank-sync dummies (keep 0) are not sampled at all;
 2. the step's scored groups become training micro-batches through the ``build_batches(ctx,
    groups)`` callable the stage was given (the method's), so statistics over "the batch" see
@@ -37,20 +37,20 @@ from grimoire.collate.prompts import prompt_token_lists
 from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.contract.method import GeneratingMethod
-from grimoire.rollout.agentic import Agent, episode_rollout
-from grimoire.rollout.batches import placeholder_batch, training_batch
-from grimoire.rollout.engine import Rollout, RolloutEngine
-from grimoire.rollout.episode_batches import (
+from grimoire.rollout.agents.agent import Agent, episode_rollout
+from grimoire.rollout.agents.episode_batches import (
     engine_generate_batch,
     final_answer,
     play_groups,
     score_episodes,
 )
-from grimoire.rollout.episodes import sum_metrics
-from grimoire.rollout.reward_calls import NOT_COLUMNS, RewardFunction
-from grimoire.rollout.rewards import score_completions
-from grimoire.rollout.sampler import SamplerConfig
-from grimoire.rollout.statistics import equal_reward_groups, reward_std
+from grimoire.rollout.agents.episodes import sum_metrics
+from grimoire.rollout.batches import placeholder_batch, training_batch
+from grimoire.rollout.engines.base import Rollout, RolloutEngine
+from grimoire.rollout.engines.sampler import SamplerConfig
+from grimoire.rollout.rewards.calls import NOT_COLUMNS, RewardFunction
+from grimoire.rollout.rewards.scoring import score_completions
+from grimoire.rollout.rewards.statistics import equal_reward_groups, reward_std
 
 
 def completion_token_lists(rollout: Rollout) -> list[list[int]]:
@@ -64,7 +64,7 @@ def completion_token_lists(rollout: Rollout) -> list[list[int]]:
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig(SamplerConfig):
     """How a method's completions are sampled: ``num_generations`` (``G``, read by the stage)
-    and the engine's sampler settings (:class:`~grimoire.rollout.sampler.SamplerConfig`;
+    and the engine's sampler settings (:class:`~grimoire.rollout.engines.sampler.SamplerConfig`;
     ``top_k=0`` and ``top_p=1`` switch those filters off). Keyword arguments only."""
 
     num_generations: int = 8
@@ -125,7 +125,7 @@ class RolloutStage:
 
     Args:
         engine: samples the completions (bound to the policy by :meth:`bind`).
-        reward_funcs: score them (:func:`~grimoire.rollout.rewards.resolve_reward_funcs`).
+        reward_funcs: score them (:func:`~grimoire.rollout.rewards.scoring.resolve_reward_funcs`).
         sampling: ``num_generations`` (``G``) is read here; the engine holds the rest.
         build_batches: turns the step's scored groups into training micro-batches.
         steps_per_batch: optimizer steps per rollout batch (the batches are reused that often).
@@ -133,7 +133,7 @@ class RolloutStage:
         reference_logps: when given, every group's reference log-probs are computed before
             ``build_batches`` (:attr:`ScoredGroup.ref_logps`).
         agent: when given, each prompt's ``G`` samples are multi-turn episodes
-            (:mod:`grimoire.rollout.agentic`) played with the engine, scored as whole episodes.
+            (:mod:`grimoire.rollout.agents.agent`) played with the engine, scored as whole episodes.
     """
 
     def __init__(

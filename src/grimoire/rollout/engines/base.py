@@ -44,7 +44,7 @@ from torch import Tensor
 from grimoire.collate.common import pad_sequences
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
-from grimoire.rollout.sampler import SamplerConfig
+from grimoire.rollout.engines.sampler import SamplerConfig
 
 
 @dataclass
@@ -237,7 +237,7 @@ class RolloutEngine(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass ``__init__`` ending in ``**settings`` (passed on up) gets its base's
         arguments in its signature, so ``help()`` and the YAML check of ``engine.args``
-        (:func:`~grimoire.rollout.backends.engine_problems`) see every argument it takes."""
+        (:func:`~grimoire.rollout.engines.backends.engine_problems`) see every argument it takes."""
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is None:
