@@ -20,9 +20,10 @@ from grimoire.contract.layout import (
     num_tokens,
     shift_labels,
 )
+from grimoire.forward.completions import batch_completion_logps
 from grimoire.losses import GRPOMethod
 from grimoire.model.tiny import build_model
-from grimoire.rollout.batches import batch_completion_logps, training_batch
+from grimoire.rollout.batches import training_batch
 from grimoire.rollout.engines.base import Rollout
 
 PAD = 0

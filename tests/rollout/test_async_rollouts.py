@@ -163,7 +163,7 @@ def test_async_old_logps_are_the_sampling_weights_not_the_learners(tiny_dir, tmp
     each trained batch's log-probs under every version's weights, independently."""
     import copy
 
-    from grimoire.rollout.batches import batch_completion_logps
+    from grimoire.forward.completions import batch_completion_logps
 
     batches: list[tuple[int, dict]] = []
     compute = GRPOMethod.compute_loss

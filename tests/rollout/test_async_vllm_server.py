@@ -21,10 +21,10 @@ from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grimoire import GrimoireTrainer
+from grimoire.forward.completions import batch_completion_logps
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.async_rollouts import AsyncRolloutStage, async_problems
-from grimoire.rollout.batches import batch_completion_logps
 from grimoire.rollout.engines.vllm_server import VLLMServerEngine, read_frames
 from grimoire.rollout.rewards.scoring import char_match_reward
 from grimoire.rows.prompts import tokenize_grpo

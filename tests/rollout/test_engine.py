@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grimoire.rollout.engines.base import RolloutEngine, completion_logps, position_ids_from_mask
+from grimoire.forward.completions import completion_logps, position_ids_from_mask
+from grimoire.rollout.engines.base import RolloutEngine
 from grimoire.rollout.engines.generation import generation_mode
 from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rollout.stage import RolloutStage, SamplingConfig

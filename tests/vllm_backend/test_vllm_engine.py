@@ -9,8 +9,8 @@ import torch
 from tests.vllm_backend.common import TINY
 
 from grimoire.errors import ConfigError
+from grimoire.forward.completions import completion_logps
 from grimoire.model.tiny import build_model
-from grimoire.rollout.engines.base import completion_logps
 from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rollout.engines.vllm_engine import VLLMEngine
 

@@ -118,9 +118,9 @@ def test_async_server_samples_with_the_version_whose_log_probs_are_the_old_ones(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grimoire import GrimoireTrainer
+    from grimoire.forward.completions import batch_completion_logps
     from grimoire.losses.grpo import GRPOMethod
     from grimoire.model.tiny import reverse_rows
-    from grimoire.rollout.batches import batch_completion_logps
     from grimoire.rows.prompts import tokenize_grpo
     from grimoire.training.callbacks import TrainerCallback
 

@@ -43,6 +43,7 @@ from grimoire.compat.grimoire_rl_methods import (
 from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import is_prompt_batch, num_rows
 from grimoire.errors import ConfigError
+from grimoire.forward.completions import batch_completion_logps, select_rows
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
 from grimoire.losses.online_checks import (
@@ -54,7 +55,6 @@ from grimoire.losses.online_functional import truncated_importance_weights
 from grimoire.rollout.agents.agent import Agent
 from grimoire.rollout.agents.episode_batches import EPISODE_COLUMNS
 from grimoire.rollout.assembly import RolloutSettings
-from grimoire.rollout.batches import batch_completion_logps, training_batch
 from grimoire.rollout.engines.base import RolloutEngine
 from grimoire.rollout.rewards.calls import (
     RewardFunction,
@@ -290,16 +290,12 @@ class OnlineMethod(GrimoireLoss):
     def build_batch(self, group: ScoredGroup) -> tuple[dict[str, Any], dict[str, float]]:
         raise NotImplementedError
 
-    @property
-    def pack_training(self) -> bool:
-        """Whether TRAINING micro-batches are packed rows: the run's decision, as the context
-        holds it (padding-free run or token budget); False before ``setup``."""
-        return bool(self._ctx is not None and self._ctx.packed)
-
     def training_batch(self, group: ScoredGroup, rows: Sequence[int]) -> dict[str, Any]:
-        """The training batch of ``rows`` of ``group`` (see :func:`training_batch`), with those
-        rows' reference log-probs as ``ref_logps [rows, C]`` when the stage computed them."""
-        batch = training_batch(group.rollout, rows, self.pack_training)
+        """The padded training batch of ``rows`` of ``group`` (selected from the batch the stage
+        built, :func:`~grimoire.forward.completions.select_rows`; the stage packs it when the
+        run is padding-free), with those rows' reference log-probs as ``ref_logps [rows, C]``
+        when the stage computed them."""
+        batch = select_rows(group.batch, rows)
         if group.ref_logps is not None:
             mask = batch["completion_mask"]
             idx = torch.tensor(list(rows) or [0], device=group.ref_logps.device)

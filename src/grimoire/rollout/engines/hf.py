@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.common import pad_sequences
-from grimoire.rollout.engines.base import RolloutEngine, Samples, position_ids_from_mask
+from grimoire.forward.completions import position_ids_from_mask
+from grimoire.rollout.engines.base import RolloutEngine, Samples
 from grimoire.rollout.engines.generation import DrawnTokenLogps, generation_mode
 from grimoire.rollout.engines.sampler_process import ASYNC_SAMPLERS
 
