@@ -372,8 +372,7 @@ def full_signature() -> inspect.Signature:
     """:class:`OnlineMethod`'s arguments with its ``**rollout`` spelled out: the rollout's
     settings (:class:`~grimoire.rollout.assembly.RolloutSettings`), keyword-only, after the
     reward functions and before the method's own."""
-    init = OnlineMethod.__init__.__wrapped__  # type: ignore[attr-defined]
-    own = list(inspect.signature(init).parameters.values())[1:]
+    own = list(inspect.signature(inspect.unwrap(OnlineMethod.__init__)).parameters.values())[1:]
     head, tail = own[:2], [p for p in own[2:] if p.kind is not p.VAR_KEYWORD]
     settings = [
         p.replace(kind=p.KEYWORD_ONLY)
@@ -383,10 +382,15 @@ def full_signature() -> inspect.Signature:
     return inspect.Signature([*head, *settings, *tail])
 
 
-_SELF = next(iter(inspect.signature(OnlineMethod.__init__.__wrapped__).parameters.values()))
-OnlineMethod.__init__.__signature__ = full_signature().replace(  # type: ignore[attr-defined]
-    parameters=[_SELF, *full_signature().parameters.values()]
-)
+def _spell_out_the_rollout_settings() -> None:
+    """``help(OnlineMethod)`` and the YAML checks of ``loss.args`` see every setting."""
+    init = OnlineMethod.__init__
+    first = next(iter(inspect.signature(inspect.unwrap(init)).parameters.values()))  # self
+    params = [first, *full_signature().parameters.values()]
+    init.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+
+
+_spell_out_the_rollout_settings()
 
 # The contract OnlineMethod implements, with the rollout's own types; checked by the type checker.
 _IMPLEMENTS: type[RolloutMethod] = OnlineMethod
