@@ -434,7 +434,7 @@ def test_the_rollout_is_assembled_on_the_rollout_side_from_the_methods_settings(
     parts = RolloutSettings(["exact_match"], num_generations=3, temperature=0.5).assemble("X")
     assert isinstance(parts.engine, HFGenerateEngine) and parts.agent is None
     assert parts.sampling.num_generations == 3 and parts.engine.sampler.temperature == 0.5
-    assert [f.name for f in parts.reward_funcs] == ["exact_match"]
+    assert [f.name for f in parts.reward_funcs] == ["exact_match_reward"]
     # A method hands the same settings over whole and holds the parts it gets back.
     method = GRPOMethod(["exact_match"], num_generations=3, temperature=0.5, max_new_tokens=7)
     assert (method.num_generations, method.temperature, method.max_new_tokens) == (3, 0.5, 7)
