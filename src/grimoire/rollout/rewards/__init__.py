@@ -6,24 +6,4 @@ The names of :mod:`grimoire.rollout.rewards.scoring` are re-exported here, so th
 reads them as before.
 """
 
-from grimoire.rollout.rewards.scoring import (
-    RewardFn,
-    RewardFunction,
-    RewardFunctionError,
-    char_match_reward,
-    evaluate_rewards,
-    exact_match_reward,
-    resolve_reward_funcs,
-    score_completions,
-)
-
-__all__ = [
-    "RewardFn",
-    "RewardFunction",
-    "RewardFunctionError",
-    "char_match_reward",
-    "evaluate_rewards",
-    "exact_match_reward",
-    "resolve_reward_funcs",
-    "score_completions",
-]
+from grimoire.rollout.rewards.scoring import *  # noqa: F403 (scoring's names, listed once there)
