@@ -51,7 +51,7 @@ def test_spec_resolves_including_dotted_attribute():
         ),
         (
             "grimoire.rollout.reward_model:RewardModelReward",
-            "grimoire.rollout.rewards.model:RewardModelReward",
+            "grimoire.rollout.rewards.reward_model:RewardModelReward",
         ),
         (
             "grimoire.rollout.rewards:exact_match_reward",

@@ -81,7 +81,7 @@ REWARD_FUNCS: dict[str, str] = {
     "answer_match": "grimoire.rollout.rewards.answers:AnswerMatch",
     "think_format": "grimoire.rollout.rewards.shaping:ThinkFormat",
     "overlong_penalty": "grimoire.rollout.rewards.shaping:OverlongPenalty",
-    "reward_model": "grimoire.rollout.rewards.model:RewardModelReward",
+    "reward_model": "grimoire.rollout.rewards.reward_model:RewardModelReward",
 }
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).
@@ -100,7 +100,7 @@ MOVED_MODULES: dict[str, str] = {
     "grimoire.rollout.tool_calls": "grimoire.rollout.agents.tool_parsers",
     "grimoire.rollout.reward_answers": "grimoire.rollout.rewards.answers",
     "grimoire.rollout.reward_shaping": "grimoire.rollout.rewards.shaping",
-    "grimoire.rollout.reward_model": "grimoire.rollout.rewards.model",
+    "grimoire.rollout.reward_model": "grimoire.rollout.rewards.reward_model",
 }
 
 

@@ -16,7 +16,7 @@ each ``r_k`` as ``rewards/<name>/mean``.
 The built-ins for real tasks live beside this module: answer extraction with numeric equivalence
 (:mod:`~grimoire.rollout.rewards.answers`), format and overlong shaping
 (:mod:`~grimoire.rollout.rewards.shaping`) and a trained reward model
-(:mod:`~grimoire.rollout.rewards.model`).
+(:mod:`~grimoire.rollout.rewards.reward_model`).
 """
 
 from __future__ import annotations
