@@ -9,10 +9,14 @@ How an online method plugs into the one training loop (:class:`grimoire.Grimoire
    :class:`~grimoire.contract.method.GeneratingMethod`: ``engine``, ``reward_funcs``,
    ``sampling`` and :meth:`build_batches`; the stage never holds the method): it samples
    ``G = num_generations`` completions per prompt of every real
-   micro-batch, scores them, and hands the step's scored groups to :meth:`build_batches`, which
-   returns one training micro-batch per group (advantages, old / reference log-probs,
-   selections). Statistics over the step ("batch" reward scaling, advantage normalisation) are
-   taken there, over the real groups of every rank.
+   micro-batch, scores them, lays each group out as one padded batch, and hands the step's
+   scored groups to :meth:`build_batches`, which returns one training micro-batch per group
+   (rows selected from that batch, advantages, reference log-probs; the stage packs them in a
+   padding-free run). Statistics over the step ("batch" reward scaling, advantage
+   normalisation) are taken there, over the real groups of every rank. Those parts are built
+   on the rollout side from this method's rollout settings
+   (:class:`~grimoire.rollout.assembly.RolloutSettings`), and the method's log-probs come from
+   :mod:`grimoire.forward.completions`: nothing here calls back into the stage's code.
 3. The trainer weights each training micro-batch by :meth:`loss_weight` and back-propagates
    :meth:`__call__`'s loss.
 
