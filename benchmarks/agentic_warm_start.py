@@ -22,12 +22,12 @@ import torch
 from grimoire import GrimoireTrainer, TrainingConfig
 from grimoire.losses import SFTLoss
 from grimoire.model.tiny import build_model, build_tokenizer, lookup, lookup_chat_rows, reverse_rows
-from grimoire.rollout.environment import ToolEnvironment
-from grimoire.rollout.episode_batches import engine_generate_batch, score_episodes
-from grimoire.rollout.episodes import EpisodeLimits, run_episodes, sum_metrics
-from grimoire.rollout.hf import HFGenerateEngine
-from grimoire.rollout.rewards import resolve_reward_funcs
-from grimoire.rollout.tool_calls import parse_tiny
+from grimoire.rollout.agents.environment import ToolEnvironment
+from grimoire.rollout.agents.episode_batches import engine_generate_batch, score_episodes
+from grimoire.rollout.agents.episodes import EpisodeLimits, run_episodes, sum_metrics
+from grimoire.rollout.agents.tool_parsers import parse_tiny
+from grimoire.rollout.engines.hf import HFGenerateEngine
+from grimoire.rollout.rewards.scoring import resolve_reward_funcs
 from grimoire.rows.sft import tokenize_sft
 
 

@@ -37,7 +37,7 @@ ALL_LETTERS = A_TO_L + B_LETTERS
 
 
 def accuracy(model, tokenizer, rows) -> float:
-    from grimoire.rollout.generation import greedy_generate_texts
+    from grimoire.rollout.engines.generation import greedy_generate_texts
 
     texts = greedy_generate_texts(model, tokenizer, [r["prompt"] for r in rows], 8, 64)
     return sum(t.strip() == r["answer"] for t, r in zip(texts, rows)) / len(rows)

@@ -16,7 +16,7 @@ long as the completions: HF ``generate`` as it runs by itself (``hf``: each comp
 its prompt prefilled, a ``DynamicCache`` concatenated at every step) against a static KV cache
 (``hf-static``), one prefill per prompt (``hf-prefill``) and both (``hf-prefill-static``, the
 engine's default). With one seed all sample the same tokens (checked here too).
-Where ``vllm`` is importable a third row times :class:`~grimoire.rollout.vllm_engine.VLLMEngine`
+Where ``vllm`` is importable a third row times :class:`~grimoire.rollout.engines.vllm_engine.VLLMEngine`
 (colocated, its weights synced from the same model; its samples come from its own RNG, so they
 are not compared), and a line gives the time of one weight sync of that model.
 
@@ -66,8 +66,8 @@ ENGINES = {
 
 
 def _engine(name: str, new: int) -> Any:
-    from grimoire.rollout.hf import HFGenerateEngine
-    from grimoire.rollout.vllm_engine import VLLMEngine
+    from grimoire.rollout.engines.hf import HFGenerateEngine
+    from grimoire.rollout.engines.vllm_engine import VLLMEngine
 
     if name == "vllm":  # sampler log-probs on, as in training (the correction needs them)
         return VLLMEngine(max_new_tokens=new)
@@ -81,7 +81,7 @@ def engines(size: str, repeats: int = 1, device: str = "cpu") -> list[dict[str, 
 
     import torch
 
-    from grimoire.rollout.vllm_engine import vllm_available
+    from grimoire.rollout.engines.vllm_engine import vllm_available
 
     s = ENGINE_SIZES[size]
     positions = s["prompt_len"] + s["new"]

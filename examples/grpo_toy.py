@@ -36,7 +36,7 @@ from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import reverse_rows, save_tiny
-from grimoire.rollout.rewards import (
+from grimoire.rollout.rewards.scoring import (
     char_match_reward,
     evaluate_rewards,
     exact_match_reward,

@@ -27,7 +27,7 @@ from grimoire.losses.base import GrimoireLoss
 from grimoire.losses.preference import pair_forward, policy_compute
 from grimoire.model.tiny import build_model
 from grimoire.rollout.batches import placeholder_batch, training_batch
-from grimoire.rollout.engine import Rollout
+from grimoire.rollout.engines.base import Rollout
 from grimoire.training.trainer import GrimoireTrainer
 
 PAD = 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from grimoire.rollout.calculator import calculator
-from grimoire.rollout.tools import build_tools, run_tool, tool_schema
+from grimoire.rollout.agents.calculator import calculator
+from grimoire.rollout.agents.toolbox import build_tools, run_tool, tool_schema
 
 
 @pytest.mark.parametrize(

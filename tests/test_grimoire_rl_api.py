@@ -99,20 +99,20 @@ def _naive_completion_logps(model, prompt, completion):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_online_methods_take_fused_and_use_it_for_training_logps(monkeypatch, fused):
-    from grimoire.rollout import batches
+    from grimoire.forward import completions
 
     for cls in (GRPOMethod, RLOOMethod, RAFTMethod):
         method = cls([length_reward], fused=fused, fused_chunk_size=7, num_generations=2)
         assert (method.fused, method.fused_chunk_size) == (fused, 7)
     method = GRPOMethod([length_reward], fused=fused, fused_chunk_size=7, num_generations=2)
     seen = []
-    real = batches.compute_token_logps
+    real = completions.compute_token_logps
 
     def spy(*args, **kwargs):
         seen.append((kwargs["fused"], kwargs["chunk_size"]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(batches, "compute_token_logps", spy)
+    monkeypatch.setattr(completions, "compute_token_logps", spy)
     model = build_model(seed=0).eval()
     # Two rows: [left-padded prompt | right-padded completion], as a rollout lays them out.
     prompts, completions = [[5, 6, 7], [8, 9]], [[10, 11, 12], [13]]

@@ -338,7 +338,7 @@ def test_grimoire_rl_tokenize_arguments(tokenizer):
 
 
 def test_grimoire_rl_reward_functions_get_metadata():
-    from grimoire.rollout.rewards import resolve_reward_funcs, score_completions
+    from grimoire.rollout.rewards.scoring import resolve_reward_funcs, score_completions
 
     seen = {}
 

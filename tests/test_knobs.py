@@ -304,7 +304,7 @@ def test_neftune_off_in_eval_no_grad_and_generation():
         (out,) = _embedding_outputs(model, input_ids=ids, attention_mask=mask)
     assert torch.equal(out, clean)
 
-    from grimoire.rollout.generation import generation_mode
+    from grimoire.rollout.engines.generation import generation_mode
 
     prompt = torch.tensor([[1, 5, 9, 13]])
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)

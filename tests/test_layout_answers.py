@@ -20,10 +20,11 @@ from grimoire.contract.layout import (
     num_tokens,
     shift_labels,
 )
+from grimoire.forward.completions import batch_completion_logps
 from grimoire.losses import GRPOMethod
 from grimoire.model.tiny import build_model
-from grimoire.rollout.batches import batch_completion_logps, training_batch
-from grimoire.rollout.engine import Rollout
+from grimoire.rollout.batches import training_batch
+from grimoire.rollout.engines.base import Rollout
 
 PAD = 0
 #: (input_ids, labels) of three SFT rows of different lengths; -100 = prompt, not trained.

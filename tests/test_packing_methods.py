@@ -142,7 +142,7 @@ def test_packed_grpo_pass_matches_padded(tiny_model, tokenizer, temperature):
         ref_model="copy",
     )
     ctx = method_context(method, tiny_model, tokenizer, rows)
-    assert not method.pack_training
+    assert not ctx.packed  # the stage hands the method padded rows and keeps them padded
     prompts = GRPOCollator(tokenizer.pad_token_id)(rows[:2])
     padded = build_rollouts(method, ctx).step(ctx, [(prompts, 1.0)])[0][0][0]
     # The tiny model rarely samples EOS: end some completions early (as EOS would) so the
@@ -183,14 +183,13 @@ def test_grpo_trains_padding_free(tiny_dir, tokenizer, tmp_path):
         ref_model="copy",
     )
     seen: list[dict] = []
-    build = method.build_batches
+    compute = method.compute_loss
 
-    def recording_build(ctx, groups):
-        out, metrics = build(ctx, groups)
-        seen.extend(out)
-        return out, metrics
+    def recording_loss(model, batch):  # the training batches the loss is given
+        seen.append(batch)
+        return compute(model, batch)
 
-    method.build_batches = recording_build
+    method.compute_loss = recording_loss
     trainer = GrimoireTrainer(
         model=AutoModelForCausalLM.from_pretrained(tiny_dir),
         tokenizer=tokenizer,

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from grimoire.data import tokenize_preference, tokenize_sft
 from grimoire.losses import DPOLoss, GRPOMethod, SFTLoss
-from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rows.prompts import tokenize_grpo
 
 SUMS = [(23, 45), (61, 17), (38, 29), (54, 33)]

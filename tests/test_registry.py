@@ -33,6 +33,37 @@ def test_spec_resolves_including_dotted_attribute():
     assert resolve("collections:OrderedDict.fromkeys", {}, "x").__name__ == "fromkeys"
 
 
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("grimoire.rollout.calculator:calculator", "grimoire.rollout.agents.calculator:calculator"),
+        (
+            "grimoire.rollout.tool_calls:parse_tiny",
+            "grimoire.rollout.agents.tool_parsers:parse_tiny",
+        ),
+        (
+            "grimoire.rollout.reward_answers:AnswerMatch",
+            "grimoire.rollout.rewards.answers:AnswerMatch",
+        ),
+        (
+            "grimoire.rollout.reward_shaping:ThinkFormat",
+            "grimoire.rollout.rewards.shaping:ThinkFormat",
+        ),
+        (
+            "grimoire.rollout.reward_model:RewardModelReward",
+            "grimoire.rollout.rewards.reward_model:RewardModelReward",
+        ),
+        (
+            "grimoire.rollout.rewards:exact_match_reward",
+            "grimoire.rollout.rewards.scoring:exact_match_reward",
+        ),
+    ],
+)
+def test_a_spec_of_a_built_ins_former_module_still_resolves(old, new):
+    # A YAML file written with the module paths rollout/ had before its split keeps working.
+    assert resolve(old, {}, "loss.args.tools[0]") is resolve(new, {}, "loss.args.tools[0]")
+
+
 def test_unknown_name_suggests_and_lists_known_names():
     with pytest.raises(ConfigError) as info:
         resolve("sfft", LOSSES, "loss.type")

@@ -15,7 +15,7 @@ from grimoire import TrainerCallback, TrainingConfig
 from grimoire.losses import DPOLoss, SFTLoss
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import preference_rows, reverse_rows
-from grimoire.rollout.rewards import char_match_reward
+from grimoire.rollout.rewards.scoring import char_match_reward
 from grimoire.rows.preference import tokenize_preference
 from grimoire.rows.prompts import tokenize_grpo
 from grimoire.training.callbacks import ProgressCallback

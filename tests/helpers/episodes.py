@@ -6,8 +6,8 @@ from collections import Counter
 
 import torch
 
-from grimoire.rollout.environment import Step
-from grimoire.rollout.vllm_server import read_frames
+from grimoire.rollout.agents.environment import Step
+from grimoire.rollout.engines.vllm_server import read_frames
 
 
 class Chatty:

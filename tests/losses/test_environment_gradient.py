@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grimoire.forward.completions import completion_logps
 from grimoire.losses.online_functional import clipped_surrogate, reduce_token_loss
 from grimoire.model.tiny import build_model, build_tokenizer
-from grimoire.rollout.engine import completion_logps
-from grimoire.rollout.environment import ToolEnvironment
-from grimoire.rollout.episode_batches import pad_episodes
-from grimoire.rollout.episodes import run_episode
-from grimoire.rollout.tool_calls import parse_tiny
+from grimoire.rollout.agents.environment import ToolEnvironment
+from grimoire.rollout.agents.episode_batches import pad_episodes
+from grimoire.rollout.agents.episodes import run_episode
+from grimoire.rollout.agents.tool_parsers import parse_tiny
 
 TOK = build_tokenizer()
 END = TOK.convert_tokens_to_ids("<|end|>")

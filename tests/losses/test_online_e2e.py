@@ -23,7 +23,7 @@ from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import reverse_rows, save_tiny
-from grimoire.rollout.rewards import char_match_reward, evaluate_rewards
+from grimoire.rollout.rewards.scoring import char_match_reward, evaluate_rewards
 from grimoire.rows.prompts import tokenize_grpo
 
 pytestmark = pytest.mark.slow

@@ -4,6 +4,8 @@ reference policies, dynamic sampling, rollout reuse over num_iterations, and the
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import json
 import math
 import weakref
@@ -20,6 +22,8 @@ from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import reverse_rows
+from grimoire.rollout.assembly import RolloutSettings
+from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rows.prompts import tokenize_grpo
 from grimoire.training.setup import build_rollouts
 
@@ -424,3 +428,19 @@ def test_bias_corrected_kl_multiplies_k3_by_the_ratio(
             num += -surrogate + 0.3 * kl * (ratio if corrected else 1.0)
             den += 1
     assert float(loss.detach()) == pytest.approx(num / den, rel=1e-4, abs=1e-6)
+
+
+def test_the_rollout_is_assembled_on_the_rollout_side_from_the_methods_settings():
+    parts = RolloutSettings(["exact_match"], num_generations=3, temperature=0.5).assemble("X")
+    assert isinstance(parts.engine, HFGenerateEngine) and parts.agent is None
+    assert parts.sampling.num_generations == 3 and parts.engine.sampler.temperature == 0.5
+    assert [f.name for f in parts.reward_funcs] == ["exact_match_reward"]
+    # A method hands the same settings over whole and holds the parts it gets back.
+    method = GRPOMethod(["exact_match"], num_generations=3, temperature=0.5, max_new_tokens=7)
+    assert (method.num_generations, method.temperature, method.max_new_tokens) == (3, 0.5, 7)
+    assert method.engine.sampler.temperature == 0.5 and method.max_staleness == 0
+    # Its signature lists every setting, so the YAML checks and help() see them.
+    settings = {f.name for f in dataclasses.fields(RolloutSettings)}
+    assert settings <= set(inspect.signature(GRPOMethod).parameters)
+    with pytest.raises(TypeError, match=r"GRPOMethod.__init__\(\) got an unexpected keyword "):
+        GRPOMethod(["exact_match"], tempurature=0.5)

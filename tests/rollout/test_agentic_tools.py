@@ -14,8 +14,8 @@ pytest.importorskip("trl")
 from tests.helpers.chat_templates import char_tokenizer, template_dir
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.environment import ToolEnvironment
-from grimoire.rollout.tools import TOOL_OUTCOMES, build_tools, run_tool, tool_schema
+from grimoire.rollout.agents.environment import ToolEnvironment
+from grimoire.rollout.agents.toolbox import TOOL_OUTCOMES, build_tools, run_tool, tool_schema
 
 NEVER = threading.Event()  # never set: a tool waiting on it never finishes
 

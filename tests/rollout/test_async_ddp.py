@@ -39,7 +39,7 @@ def test_async_staleness_one_on_two_processes_runs_within_the_bound_per_rank(tin
 
 def test_async_with_a_sharded_policy_is_refused_naming_the_key():
     from grimoire.rollout.async_rollouts import async_problems
-    from grimoire.rollout.hf import HFGenerateEngine
+    from grimoire.rollout.engines.hf import HFGenerateEngine
 
     key = "loss.args.max_staleness"
     assert async_problems(key, 1, HFGenerateEngine(), sharded=False) == []

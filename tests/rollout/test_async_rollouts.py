@@ -19,7 +19,7 @@ from grimoire import GrimoireTrainer
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.async_rollouts import AsyncRolloutStage
-from grimoire.rollout.rewards import char_match_reward
+from grimoire.rollout.rewards.scoring import char_match_reward
 from grimoire.rollout.stage import RolloutStage
 from grimoire.rows.prompts import tokenize_grpo
 from grimoire.training.callbacks import TrainerCallback
@@ -163,7 +163,7 @@ def test_async_old_logps_are_the_sampling_weights_not_the_learners(tiny_dir, tmp
     each trained batch's log-probs under every version's weights, independently."""
     import copy
 
-    from grimoire.rollout.batches import batch_completion_logps
+    from grimoire.forward.completions import batch_completion_logps
 
     batches: list[tuple[int, dict]] = []
     compute = GRPOMethod.compute_loss

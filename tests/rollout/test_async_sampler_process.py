@@ -17,10 +17,10 @@ import torch
 from tests.rollout.test_async_rollouts import _run, _trainer
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.backends import build_engine, engine_problems
-from grimoire.rollout.hf import HFGenerateEngine
-from grimoire.rollout.sampler import SamplerConfig
-from grimoire.rollout.sampler_process import SamplerProcess
+from grimoire.rollout.engines.backends import build_engine, engine_problems
+from grimoire.rollout.engines.hf import HFGenerateEngine
+from grimoire.rollout.engines.sampler import SamplerConfig
+from grimoire.rollout.engines.sampler_process import SamplerProcess
 from grimoire.training.callbacks import TrainerCallback
 
 

@@ -21,12 +21,12 @@ from tests.helpers.train_utils import quiet_config
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grimoire import GrimoireTrainer
+from grimoire.forward.completions import batch_completion_logps
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.async_rollouts import AsyncRolloutStage, async_problems
-from grimoire.rollout.batches import batch_completion_logps
-from grimoire.rollout.rewards import char_match_reward
-from grimoire.rollout.vllm_server import VLLMServerEngine, read_frames
+from grimoire.rollout.engines.vllm_server import VLLMServerEngine, read_frames
+from grimoire.rollout.rewards.scoring import char_match_reward
 from grimoire.rows.prompts import tokenize_grpo
 from grimoire.training.callbacks import TrainerCallback
 
@@ -246,7 +246,7 @@ def test_async_episodes_old_logps_are_the_sampling_weights_over_the_whole_episod
 
 
 def test_async_episodes_with_the_sampler_process_are_refused_naming_the_setting():
-    from grimoire.rollout.hf import HFGenerateEngine
+    from grimoire.rollout.engines.hf import HFGenerateEngine
 
     problems = async_problems("loss.args.max_staleness", 1, HFGenerateEngine(), episodes=True)
     assert len(problems) == 1 and "engine.args.async_sampler: thread" in problems[0]

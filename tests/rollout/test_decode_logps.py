@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grimoire.rollout.engine import position_ids_from_mask
-from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.forward.completions import position_ids_from_mask
+from grimoire.rollout.engines.hf import HFGenerateEngine
 
 PROMPTS = [[5, 9, 11, 7, 20, 21, 22, 8, 6], [12, 13], [30, 31, 32, 33, 34], [40]]
 

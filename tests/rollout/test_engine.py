@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grimoire.rollout.engine import RolloutEngine, completion_logps, position_ids_from_mask
-from grimoire.rollout.generation import generation_mode
-from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.forward.completions import completion_logps, position_ids_from_mask
+from grimoire.rollout.engines.base import RolloutEngine
+from grimoire.rollout.engines.generation import generation_mode
+from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rollout.stage import RolloutStage, SamplingConfig
 
 

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import grimoire.rollout.vllm_engine as vllm_engine
+import grimoire.rollout.engines.vllm_engine as vllm_engine
 from grimoire.cli.schema import check_config
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
@@ -20,11 +20,11 @@ from grimoire.losses.online_dpo import OnlineDPOMethod
 from grimoire.losses.online_functional import truncated_importance_weights
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
-from grimoire.rollout.backends import build_engine, engine_problems
-from grimoire.rollout.engine import RolloutEngine, SamplerConfig
-from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.engines.backends import build_engine, engine_problems
+from grimoire.rollout.engines.base import RolloutEngine, SamplerConfig
+from grimoire.rollout.engines.hf import HFGenerateEngine
+from grimoire.rollout.engines.vllm_server import VLLMServerEngine
 from grimoire.rollout.stage import SamplingConfig
-from grimoire.rollout.vllm_server import VLLMServerEngine
 
 INSTALL = "pip install 'grimoire[vllm]'"
 

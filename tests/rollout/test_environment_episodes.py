@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from grimoire.model.tiny import build_tokenizer
-from grimoire.rollout.environment import Step, ToolEnvironment
-from grimoire.rollout.episodes import EpisodeLimits, run_episode, run_episodes, sum_metrics
-from grimoire.rollout.tool_calls import parse_tiny
+from grimoire.rollout.agents.environment import Step, ToolEnvironment
+from grimoire.rollout.agents.episodes import EpisodeLimits, run_episode, run_episodes, sum_metrics
+from grimoire.rollout.agents.tool_parsers import parse_tiny
 
 TOK = build_tokenizer()
 END = TOK.convert_tokens_to_ids("<|end|>")
@@ -198,7 +198,7 @@ class ResetRaises(ToolEnvironment):
 def test_environment_failure_is_named_in_the_log_counted_and_ends_with_the_failure_reward(
     env_class, failure, caplog
 ):
-    caplog.set_level(logging.WARNING, logger="grimoire.rollout.episodes")
+    caplog.set_level(logging.WARNING, logger="grimoire.rollout.agents.episodes")
     ep = run_episode(
         {"prompt": "reverse abc="},
         env_class([lookup]),

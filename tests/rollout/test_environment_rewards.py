@@ -4,16 +4,16 @@ environment's reward; a failed episode keeps its failure reward."""
 from __future__ import annotations
 
 from grimoire.model.tiny import build_tokenizer
-from grimoire.rollout.environment import Step, ToolEnvironment
-from grimoire.rollout.episode_batches import (
+from grimoire.rollout.agents.environment import Step, ToolEnvironment
+from grimoire.rollout.agents.episode_batches import (
     episode_reward_inputs,
     final_answer,
     play_groups,
     score_episodes,
 )
-from grimoire.rollout.episodes import EpisodeLimits, run_episodes
-from grimoire.rollout.rewards import resolve_reward_funcs
-from grimoire.rollout.tool_calls import parse_tiny
+from grimoire.rollout.agents.episodes import EpisodeLimits, run_episodes
+from grimoire.rollout.agents.tool_parsers import parse_tiny
+from grimoire.rollout.rewards.scoring import resolve_reward_funcs
 
 TOK = build_tokenizer()
 END = TOK.convert_tokens_to_ids("<|end|>")

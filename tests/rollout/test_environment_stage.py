@@ -16,14 +16,15 @@ from grimoire import GrimoireTrainer
 from grimoire.cli.schema import validate_config
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.errors import ConfigError
+from grimoire.forward.completions import position_ids_from_mask
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import lookup, reverse_rows
+from grimoire.rollout.agents.environment import Step
 from grimoire.rollout.batches import pack_rollout_batch
-from grimoire.rollout.engine import Samples, position_ids_from_mask
-from grimoire.rollout.environment import Step
-from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.engines.base import Samples
+from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rows.prompts import tokenize_grpo
 
 

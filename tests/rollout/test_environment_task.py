@@ -13,12 +13,12 @@ from grimoire.model.tiny import (
     lookup_chat_rows,
     reverse_rows,
 )
-from grimoire.rollout.environment import ToolEnvironment
-from grimoire.rollout.episode_batches import score_episodes
-from grimoire.rollout.episodes import run_episodes
-from grimoire.rollout.rewards import resolve_reward_funcs
-from grimoire.rollout.tool_calls import parse_tiny
-from grimoire.rollout.tools import tool_schema
+from grimoire.rollout.agents.environment import ToolEnvironment
+from grimoire.rollout.agents.episode_batches import score_episodes
+from grimoire.rollout.agents.episodes import run_episodes
+from grimoire.rollout.agents.tool_parsers import parse_tiny
+from grimoire.rollout.agents.toolbox import tool_schema
+from grimoire.rollout.rewards.scoring import resolve_reward_funcs
 from grimoire.rows.sft import tokenize_sft
 
 TOK = build_tokenizer()

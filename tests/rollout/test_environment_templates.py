@@ -14,13 +14,13 @@ from tests.helpers.chat_templates import char_tokenizer as _char_tokenizer
 from tests.helpers.episodes import Chatty
 from tokenizers import decoders
 
+from grimoire.forward.completions import completion_logps
 from grimoire.model.tiny import build_model
-from grimoire.rollout.engine import completion_logps
-from grimoire.rollout.environment import ToolEnvironment
-from grimoire.rollout.episode_batches import engine_generate, pad_episodes
-from grimoire.rollout.episodes import EpisodeLimits, run_episode
-from grimoire.rollout.hf import HFGenerateEngine
-from grimoire.rollout.tool_calls import ToolCall, resolve_tool_call_parser
+from grimoire.rollout.agents.environment import ToolEnvironment
+from grimoire.rollout.agents.episode_batches import engine_generate, pad_episodes
+from grimoire.rollout.agents.episodes import EpisodeLimits, run_episode
+from grimoire.rollout.agents.tool_parsers import ToolCall, resolve_tool_call_parser
+from grimoire.rollout.engines.hf import HFGenerateEngine
 
 # template -> (parser, the token closing an assistant turn)
 TEMPLATES = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.engines.hf import HFGenerateEngine
 
 # Lengths 1 .. 9: left padding inside a chunk, and a chunk of one-token prompts.
 PROMPTS = [[5, 9, 11, 7, 20, 21, 22, 8, 6], [12, 13], [30, 31, 32, 33, 34], [40]]
@@ -77,7 +77,7 @@ def _plain_generate(model, tokenizer, prompts, n, **kw):
     from transformers import GenerationConfig
 
     from grimoire.collate.common import pad_sequences
-    from grimoire.rollout.generation import generation_mode
+    from grimoire.rollout.engines.generation import generation_mode
 
     ids, mask = pad_sequences(prompts, tokenizer.pad_token_id, left=True, min_width=2)
     config = GenerationConfig(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from grimoire.rollout.reward_answers import (
+from grimoire.rollout.rewards.answers import (
     AnswerMatch,
     answers_match,
     boxed,
@@ -14,9 +14,9 @@ from grimoire.rollout.reward_answers import (
     last_number,
     parse_number,
 )
-from grimoire.rollout.reward_calls import resolve_reward_funcs
-from grimoire.rollout.reward_shaping import OverlongPenalty, ThinkFormat
-from grimoire.rollout.rewards import score_completions
+from grimoire.rollout.rewards.calls import resolve_reward_funcs
+from grimoire.rollout.rewards.scoring import score_completions
+from grimoire.rollout.rewards.shaping import OverlongPenalty, ThinkFormat
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
 

@@ -14,12 +14,12 @@ from grimoire import GrimoireTrainer
 from grimoire.cli.main import main
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
-from grimoire.rollout.reward_answers import AnswerMatch
-from grimoire.rollout.reward_calls import (
+from grimoire.rollout.rewards.answers import AnswerMatch
+from grimoire.rollout.rewards.calls import (
     resolve_reward_funcs,
     reward_signature_problems,
 )
-from grimoire.rollout.rewards import score_completions
+from grimoire.rollout.rewards.scoring import score_completions
 from grimoire.rows.prompts import tokenize_grpo
 
 CALLS: list[dict] = []

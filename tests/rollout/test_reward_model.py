@@ -8,9 +8,13 @@ import torch
 
 from grimoire.errors import ConfigError
 from grimoire.model.tiny import build_tokenizer, tiny_config
-from grimoire.rollout.reward_calls import resolve_reward_funcs
-from grimoire.rollout.reward_model import RewardModelReward, pooling_mismatches, right_padded
-from grimoire.rollout.rewards import score_completions
+from grimoire.rollout.rewards.calls import resolve_reward_funcs
+from grimoire.rollout.rewards.reward_model import (
+    RewardModelReward,
+    pooling_mismatches,
+    right_padded,
+)
+from grimoire.rollout.rewards.scoring import score_completions
 
 
 @pytest.fixture(scope="module")

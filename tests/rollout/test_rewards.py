@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.rewards import (
+from grimoire.rollout.rewards.scoring import (
     RewardFunctionError,
     char_match_reward,
     evaluate_rewards,
@@ -31,7 +31,12 @@ def test_builtin_rewards():
 
 def test_resolve_names_specs_callables_and_weights():
     funcs = resolve_reward_funcs(
-        ["exact_match", "grimoire.rollout.rewards:char_match_reward", length_reward, length_reward],
+        [
+            "exact_match",
+            "grimoire.rollout.rewards.scoring:char_match_reward",
+            length_reward,
+            length_reward,
+        ],
         [2.0, 1.0, 0.5, 0.25],
     )
     assert [f.name for f in funcs] == [
@@ -54,7 +59,7 @@ def test_resolve_names_specs_callables_and_weights():
 def test_resolution_errors_are_collected_before_training():
     with pytest.raises(ConfigError) as err:
         resolve_reward_funcs(
-            ["no_such_module_xyz:fn", "exact_mach", "grimoire.rollout.rewards:nope", 3],
+            ["no_such_module_xyz:fn", "exact_mach", "grimoire.rollout.rewards.scoring:nope", 3],
             [1.0, 1.0, 1.0, float("nan")],
         )
     text = str(err.value)

@@ -12,7 +12,7 @@ from tests.helpers.chat_templates import TOOLS, char_tokenizer, template_dir
 
 from grimoire.errors import ConfigError
 from grimoire.model.tiny import build_tokenizer
-from grimoire.rollout.tool_calls import (
+from grimoire.rollout.agents.tool_parsers import (
     ParsedTurn,
     ToolCall,
     parse_hermes,
@@ -169,7 +169,7 @@ class UpperParser:
 def test_tool_call_parser_resolves_short_names_specs_classes_and_callables():
     assert resolve_tool_call_parser("hermes") is parse_hermes
     assert resolve_tool_call_parser("qwen") is parse_hermes
-    assert resolve_tool_call_parser("grimoire.rollout.tool_calls:parse_tiny") is parse_tiny
+    assert resolve_tool_call_parser("grimoire.rollout.agents.tool_parsers:parse_tiny") is parse_tiny
     spec = resolve_tool_call_parser("tests.rollout.test_tool_calls:UpperParser")
     assert spec("LOOKUP abc").tool_calls == [ToolCall("lookup", {"x": "abc"})]
     assert resolve_tool_call_parser(parse_llama3_json) is parse_llama3_json

@@ -12,8 +12,8 @@ from typing import ClassVar
 import pytest
 import torch
 
-import grimoire.rollout.vllm_engine as vllm_engine
-from grimoire.rollout.vllm_engine import VLLMEngine
+import grimoire.rollout.engines.vllm_engine as vllm_engine
+from grimoire.rollout.engines.vllm_engine import VLLMEngine
 
 
 class _LLM:

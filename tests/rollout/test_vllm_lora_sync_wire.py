@@ -14,9 +14,9 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from tests.rollout.test_vllm_server_wire import StandIn
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.vllm_common import lora_args
-from grimoire.rollout.vllm_server import VLLMServerEngine, read_frames
-from grimoire.rollout.vllm_weights import checkpoint_name, merged_bytes
+from grimoire.rollout.engines.vllm_common import lora_args
+from grimoire.rollout.engines.vllm_server import VLLMServerEngine, read_frames
+from grimoire.rollout.engines.vllm_weights import checkpoint_name, merged_bytes
 from grimoire.tools.vllm_serve import handler
 
 

@@ -12,9 +12,9 @@ import torch
 from tests.helpers.stand_in_server import serving
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.backends import build_engine, engine_problems
-from grimoire.rollout.engine import SamplerConfig
-from grimoire.rollout.vllm_server import (
+from grimoire.rollout.engines.backends import build_engine, engine_problems
+from grimoire.rollout.engines.base import SamplerConfig
+from grimoire.rollout.engines.vllm_server import (
     API_KEY_ENV,
     ChunkedReader,
     VLLMServerEngine,
@@ -152,7 +152,7 @@ def test_vllm_serve_errors_are_one_line(tmp_path):
     """Without vLLM (the main suite): the install command; with it: the missing folder."""
     from tests.helpers.commands import grimoire_command, run
 
-    from grimoire.rollout.vllm_common import vllm_available
+    from grimoire.rollout.engines.vllm_common import vllm_available
 
     argv = [*grimoire_command(), "vllm-serve", "--model", str(tmp_path / "nope")]
     res = run(argv, tmp_path, expect=1)

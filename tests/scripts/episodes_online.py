@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from grimoire.rollout.hf import HFGenerateEngine
+from grimoire.rollout.engines.hf import HFGenerateEngine
 
 G = 4
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from grimoire.parallel.fsdp import full_state_dict, is_sharded
-from grimoire.rollout.engine import RolloutEngine
+from grimoire.rollout.engines.base import RolloutEngine
 
 G, MAX_NEW = 4, 4
 

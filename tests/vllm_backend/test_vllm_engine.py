@@ -9,10 +9,10 @@ import torch
 from tests.vllm_backend.common import TINY
 
 from grimoire.errors import ConfigError
+from grimoire.forward.completions import completion_logps
 from grimoire.model.tiny import build_model
-from grimoire.rollout.engine import completion_logps
-from grimoire.rollout.hf import HFGenerateEngine
-from grimoire.rollout.vllm_engine import VLLMEngine
+from grimoire.rollout.engines.hf import HFGenerateEngine
+from grimoire.rollout.engines.vllm_engine import VLLMEngine
 
 EOS, PAD = 2, 0
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 12, 13]]

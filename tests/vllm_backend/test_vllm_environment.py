@@ -22,13 +22,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grimoire import GrimoireTrainer
 from grimoire.collate.prompts import GRPOCollator
+from grimoire.forward.completions import completion_logps
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import build_model, build_tokenizer, reverse_rows
-from grimoire.rollout.engine import completion_logps
-from grimoire.rollout.episode_batches import engine_generate_batch, pad_episodes
-from grimoire.rollout.episodes import EpisodeLimits, run_episodes
-from grimoire.rollout.tool_calls import parse_tiny
-from grimoire.rollout.vllm_engine import VLLMEngine
+from grimoire.rollout.agents.episode_batches import engine_generate_batch, pad_episodes
+from grimoire.rollout.agents.episodes import EpisodeLimits, run_episodes
+from grimoire.rollout.agents.tool_parsers import parse_tiny
+from grimoire.rollout.engines.vllm_engine import VLLMEngine
 from grimoire.rows.prompts import tokenize_grpo
 
 

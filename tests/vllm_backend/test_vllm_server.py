@@ -14,7 +14,7 @@ from tests.vllm_backend.common import start_server
 from tests.vllm_backend.test_vllm_ddp import WORKER, _env, _records
 from tests.vllm_backend.test_vllm_sync import K, _run, check_sync
 
-from grimoire.rollout.vllm_server import VLLMServerEngine
+from grimoire.rollout.engines.vllm_server import VLLMServerEngine
 
 
 def _pushes(url: str, kind: str = "weight_pushes") -> int:
@@ -118,9 +118,9 @@ def test_async_server_samples_with_the_version_whose_log_probs_are_the_old_ones(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grimoire import GrimoireTrainer
+    from grimoire.forward.completions import batch_completion_logps
     from grimoire.losses.grpo import GRPOMethod
     from grimoire.model.tiny import reverse_rows
-    from grimoire.rollout.batches import batch_completion_logps
     from grimoire.rows.prompts import tokenize_grpo
     from grimoire.training.callbacks import TrainerCallback
 

@@ -25,7 +25,7 @@ from tests.vllm_backend.test_vllm_ddp import _env
 from transformers import AutoModelForCausalLM
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.vllm_server import API_KEY_ENV, VLLMServerEngine, weight_frames
+from grimoire.rollout.engines.vllm_server import API_KEY_ENV, VLLMServerEngine, weight_frames
 
 KEY = "s3cret-for-the-test"
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
-from grimoire.rollout.vllm_engine import VLLMEngine
+from grimoire.rollout.engines.vllm_engine import VLLMEngine
 from grimoire.rows.prompts import tokenize_grpo
 
 K = 3  # optimizer steps

@@ -16,7 +16,7 @@ padding included). The promise is kept in one place, here, in three steps:
    (both sides of a pair, a KTO row with its KL row, a prompt with its completions).
 
 Phases with their own batching take the budget from here too: the rollout engine splits
-generation and scoring calls so each stays within it (:mod:`grimoire.rollout.engine`).
+generation and scoring calls so each stays within it (:mod:`grimoire.rollout.engines.base`).
 """
 
 from __future__ import annotations

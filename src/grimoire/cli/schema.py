@@ -32,8 +32,8 @@ from grimoire.config.loading import (
 )
 from grimoire.config.training import TrainingConfig, check_type
 from grimoire.errors import ConfigError
-from grimoire.rollout.backends import engine_problems
-from grimoire.rollout.rewards import resolve_reward_funcs
+from grimoire.rollout.engines.backends import engine_problems
+from grimoire.rollout.rewards.scoring import resolve_reward_funcs
 from grimoire.rows.sources import source_problems
 from grimoire.training.callbacks import hook_problems
 

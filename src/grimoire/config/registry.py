@@ -55,39 +55,52 @@ for _online in ("rloo", "online_dpo", "raft", "distill", "prompt"):
     TOKENIZERS[_online] = TOKENIZERS["grpo"]
 
 #: ``loss.args.engine`` (a name, or the ``type`` of ``{type, args}``) -> rollout engine class;
-#: see :mod:`grimoire.rollout.backends`. Engines take short names only, not specs.
+#: see :mod:`grimoire.rollout.engines.backends`. Engines take short names only, not specs.
 ENGINES: dict[str, str] = {
-    "hf": "grimoire.rollout.hf:HFGenerateEngine",
-    "vllm": "grimoire.rollout.vllm_engine:VLLMEngine",
-    "vllm-server": "grimoire.rollout.vllm_server:VLLMServerEngine",
+    "hf": "grimoire.rollout.engines.hf:HFGenerateEngine",
+    "vllm": "grimoire.rollout.engines.vllm_engine:VLLMEngine",
+    "vllm-server": "grimoire.rollout.engines.vllm_server:VLLMServerEngine",
 }
 
-#: A rollout's ``tool_call_parser`` -> ``text -> ParsedTurn`` (see grimoire.rollout.tool_calls).
+#: A rollout's ``tool_call_parser`` -> ``text -> ParsedTurn`` (see grimoire.rollout.agents.tool_parsers).
 TOOL_CALL_PARSERS: dict[str, str] = {
-    "hermes": "grimoire.rollout.tool_calls:parse_hermes",
-    "qwen": "grimoire.rollout.tool_calls:parse_hermes",
-    "llama3_json": "grimoire.rollout.tool_calls:parse_llama3_json",
-    "qwen3_coder": "grimoire.rollout.tool_calls:parse_qwen3_coder",
-    "pythonic": "grimoire.rollout.tool_calls:parse_pythonic",
-    "tiny": "grimoire.rollout.tool_calls:parse_tiny",
+    "hermes": "grimoire.rollout.agents.tool_parsers:parse_hermes",
+    "qwen": "grimoire.rollout.agents.tool_parsers:parse_hermes",
+    "llama3_json": "grimoire.rollout.agents.tool_parsers:parse_llama3_json",
+    "qwen3_coder": "grimoire.rollout.agents.tool_parsers:parse_qwen3_coder",
+    "pythonic": "grimoire.rollout.agents.tool_parsers:parse_pythonic",
+    "tiny": "grimoire.rollout.agents.tool_parsers:parse_tiny",
 }
 
 #: ``loss.args.reward_funcs`` short names -> a reward function, or a class instantiated with the
 #: entry's ``args`` (``{type: answer_match, args: {extract: boxed}}``); see
-#: :mod:`grimoire.rollout.reward_calls`.
+#: :mod:`grimoire.rollout.rewards.calls`.
 REWARD_FUNCS: dict[str, str] = {
-    "exact_match": "grimoire.rollout.rewards:exact_match_reward",
-    "char_match": "grimoire.rollout.rewards:char_match_reward",
-    "answer_match": "grimoire.rollout.reward_answers:AnswerMatch",
-    "think_format": "grimoire.rollout.reward_shaping:ThinkFormat",
-    "overlong_penalty": "grimoire.rollout.reward_shaping:OverlongPenalty",
-    "reward_model": "grimoire.rollout.reward_model:RewardModelReward",
+    "exact_match": "grimoire.rollout.rewards.scoring:exact_match_reward",
+    "char_match": "grimoire.rollout.rewards.scoring:char_match_reward",
+    "answer_match": "grimoire.rollout.rewards.answers:AnswerMatch",
+    "think_format": "grimoire.rollout.rewards.shaping:ThinkFormat",
+    "overlong_penalty": "grimoire.rollout.rewards.shaping:OverlongPenalty",
+    "reward_model": "grimoire.rollout.rewards.reward_model:RewardModelReward",
 }
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).
 CALLBACKS: dict[str, str] = {
     "exact_match": "grimoire.training.heldout:ExactMatchCallback",
     "text_nll": "grimoire.training.heldout:TextNLLCallback",
+}
+
+
+#: Module paths a config's ``package.module:Name`` spec may still give for a built-in that lives
+#: elsewhere now (the built-in tool, rewards and tool-call parsers, from before ``rollout/`` held
+#: them in ``agents/`` and ``rewards/``): :func:`import_spec` reads the new path, so such a YAML
+#: file keeps working.
+MOVED_MODULES: dict[str, str] = {
+    "grimoire.rollout.calculator": "grimoire.rollout.agents.calculator",
+    "grimoire.rollout.tool_calls": "grimoire.rollout.agents.tool_parsers",
+    "grimoire.rollout.reward_answers": "grimoire.rollout.rewards.answers",
+    "grimoire.rollout.reward_shaping": "grimoire.rollout.rewards.shaping",
+    "grimoire.rollout.reward_model": "grimoire.rollout.rewards.reward_model",
 }
 
 
@@ -105,7 +118,7 @@ def import_spec(spec: str) -> Any:
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise ValueError(f"{spec!r} is not of the form 'package.module:Name'")
-    obj: Any = importlib.import_module(module_name)
+    obj: Any = importlib.import_module(MOVED_MODULES.get(module_name, module_name))
     for part in attr_path.split("."):
         obj = getattr(obj, part)
     return obj
@@ -148,6 +161,7 @@ __all__ = [
     "CALLBACKS",
     "ENGINES",
     "LOSSES",
+    "MOVED_MODULES",
     "REWARD_FUNCS",
     "TOKENIZERS",
     "TOOL_CALL_PARSERS",

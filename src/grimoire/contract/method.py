@@ -302,7 +302,7 @@ class GeneratingMethod(Method, ScoresReference, Protocol[EngineT, RewardT, Sampl
 
     @property
     def agent(self) -> Any:
-        """How to play multi-turn episodes (``grimoire.rollout.agentic.Agent``), or None:
+        """How to play multi-turn episodes (``grimoire.rollout.agents.agent.Agent``), or None:
         one completion per sample."""
         ...
 

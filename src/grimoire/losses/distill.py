@@ -8,7 +8,7 @@ Flow (the same rollout stage as GRPO, :mod:`grimoire.losses.online`): per prompt
 samples ``G = num_generations`` completions with the run's engine (HF, or either vLLM engine);
 the teacher is held as this method's :class:`~grimoire.forward.reference.Reference` (frozen, eval
 mode, the policy's dtype and device) and gives log-probs of the sampled tokens through the shared
-head path (:func:`grimoire.rollout.batches.batch_completion_logps`, fused at temperature 1).
+head path (:func:`grimoire.forward.completions.batch_completion_logps`, fused at temperature 1).
 No reward is needed; ``reward_funcs`` given here are only scored and logged (e.g. held-out
 ``eval/rewards/exact_match/mean``), never trained on.
 
@@ -40,12 +40,12 @@ from torch import Tensor
 from grimoire.config.context import TrainingContext
 from grimoire.errors import ConfigError
 from grimoire.forward.batch import layout_token_logps
+from grimoire.forward.completions import completion_rows
 from grimoire.forward.logprobs import logps_from_logits
 from grimoire.forward.reference import Reference, unwrap
 from grimoire.losses.distill_functional import chunked_generalized_jsd, sampled_reverse_kl_loss
 from grimoire.losses.online import OnlineMethod
-from grimoire.rollout.batches import completion_rows
-from grimoire.rollout.reward_calls import RewardSpec
+from grimoire.rollout.rewards.calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 from grimoire.rows.sources import resolve_path
 
@@ -87,7 +87,7 @@ def completion_logits(model: torch.nn.Module, batch: dict[str, Any], temperature
     completion tokens, in the row-major order of ``completion_mask``; padded or packed batches.
 
     One forward through :func:`grimoire.forward.batch.layout_token_logps` (the one dispatch on
-    the layout) on :func:`grimoire.rollout.batches.completion_rows`; the head runs on the last
+    the layout) on :func:`grimoire.forward.completions.completion_rows`; the head runs on the last
     ``C + 1`` positions of padded rows (completions are right-aligned after the left-padded
     prompts) and on all of a packed row. Completion token ``t`` of row ``i`` is predicted from
     the position before it, ``completion_index[i, t] - 1`` of the forward's flattened output."""

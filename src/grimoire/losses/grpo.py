@@ -71,7 +71,7 @@ from grimoire.losses.online_functional import (
     reduce_token_loss,
     reduction_units,
 )
-from grimoire.rollout.reward_calls import RewardSpec
+from grimoire.rollout.rewards.calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
 logger = logging.getLogger(__name__)

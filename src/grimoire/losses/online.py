@@ -9,10 +9,14 @@ How an online method plugs into the one training loop (:class:`grimoire.Grimoire
    :class:`~grimoire.contract.method.GeneratingMethod`: ``engine``, ``reward_funcs``,
    ``sampling`` and :meth:`build_batches`; the stage never holds the method): it samples
    ``G = num_generations`` completions per prompt of every real
-   micro-batch, scores them, and hands the step's scored groups to :meth:`build_batches`, which
-   returns one training micro-batch per group (advantages, old / reference log-probs,
-   selections). Statistics over the step ("batch" reward scaling, advantage normalisation) are
-   taken there, over the real groups of every rank.
+   micro-batch, scores them, lays each group out as one padded batch, and hands the step's
+   scored groups to :meth:`build_batches`, which returns one training micro-batch per group
+   (rows selected from that batch, advantages, reference log-probs; the stage packs them in a
+   padding-free run). Statistics over the step ("batch" reward scaling, advantage
+   normalisation) are taken there, over the real groups of every rank. Those parts are built
+   on the rollout side from this method's rollout settings
+   (:class:`~grimoire.rollout.assembly.RolloutSettings`), and the method's log-probs come from
+   :mod:`grimoire.forward.completions`: nothing here calls back into the stage's code.
 3. The trainer weights each training micro-batch by :meth:`loss_weight` and back-propagates
    :meth:`__call__`'s loss.
 
@@ -43,6 +47,7 @@ from grimoire.compat.grimoire_rl_methods import (
 from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import is_prompt_batch, num_rows
 from grimoire.errors import ConfigError
+from grimoire.forward.completions import batch_completion_logps, select_rows
 from grimoire.forward.reference import Reference
 from grimoire.losses.base import GrimoireLoss
 from grimoire.losses.online_checks import (
@@ -51,19 +56,15 @@ from grimoire.losses.online_checks import (
     warn_on_dropout,
 )
 from grimoire.losses.online_functional import truncated_importance_weights
-from grimoire.rollout.agentic import Agent, build_agent
-from grimoire.rollout.async_rollouts import checked_staleness
-from grimoire.rollout.backends import EngineSpec, build_engine
-from grimoire.rollout.batches import batch_completion_logps, training_batch
-from grimoire.rollout.engine import RolloutEngine
-from grimoire.rollout.episode_batches import EPISODE_COLUMNS
-from grimoire.rollout.reward_calls import (
+from grimoire.rollout.agents.agent import Agent
+from grimoire.rollout.agents.episode_batches import EPISODE_COLUMNS
+from grimoire.rollout.assembly import RolloutSettings
+from grimoire.rollout.engines.base import RolloutEngine
+from grimoire.rollout.rewards.calls import (
     RewardFunction,
     RewardSpec,
-    resolve_reward_funcs,
     reward_signature_problems,
 )
-from grimoire.rollout.sampler import SamplerConfig
 from grimoire.rollout.stage import RolloutMethod, SamplingConfig, ScoredGroup
 
 
@@ -72,34 +73,21 @@ class OnlineMethod(GrimoireLoss):
     (:data:`~grimoire.rollout.stage.RolloutMethod`); see the module docstring for the flow.
 
     Args:
-        reward_funcs: reward callables, built-in short names (``"exact_match"``,
-            ``"answer_match"``, ...), ``package.module:function`` specs (importing a spec runs its
-            module's code) or ``{"type": name, "args": {...}}`` entries
-            (:mod:`grimoire.rollout.reward_calls`); called with keywords, as in TRL.
-        reward_weights: one weight per reward function (default 1.0 each).
-        num_generations: completions sampled per prompt (``G``).
-        temperature, top_p, top_k, max_new_tokens: sampling (``top_k=0``, ``top_p=1``: off).
+        reward_funcs, reward_weights: what scores the completions, and how much each counts.
         beta: KL / reference strength (meaning per method); ``0`` loads no reference model.
         ref_model: the frozen reference (:class:`grimoire.forward.reference.Reference`): a model,
             ``"copy"`` (a frozen copy of the starting policy: twice the memory), or None (then
             only a LoRA policy has one: its base with adapters disabled).
-        generation_batch_size: max sequences per sampling / scoring call (memory only).
-        engine: what samples (:func:`grimoire.rollout.backends.build_engine`): ``"hf"`` (the
-            default, ``model.generate`` on the policy), ``"vllm"`` (colocated,
-            :class:`~grimoire.rollout.vllm_engine.VLLMEngine`), ``"vllm-server"`` (a ``grimoire
-            vllm-serve`` process), a mapping ``{"type": "vllm", "args": {...}}`` (the sampling
-            arguments above are passed to it), or an engine object, whose own sampler settings
-            (``engine.sampler``) then override the arguments above.
         log_entropy: compute the policy's token entropy as a metric (one extra softmax).
         fused, fused_chunk_size: the training log-probs (policy and reference) use the fused,
             chunked LM-head path (as every loss does by default), or the full logits with
             ``fused=False``; the rollout's own scoring is unchanged.
-        max_staleness: 0 (default) samples each step's rollouts with the step's own weights;
-            ``k >= 1`` samples them in a background producer with weights at most ``k``
-            optimizer steps old, while the learner trains
-            (:mod:`grimoire.rollout.async_rollouts`; the hf engine, or vllm-server).
-        tools, environment, tool_call_parser, max_turns, max_episode_tokens, env_timeout,
-            failure_reward, stop_tokens: multi-turn episodes (:func:`~grimoire.rollout.agentic.build_agent`).
+        **rollout: the rest of the rollout's settings (``num_generations``, ``temperature``,
+            ``top_p``, ``top_k``, ``max_new_tokens``, ``generation_batch_size``, ``engine``,
+            ``max_staleness`` and the multi-turn ``tools``, ``environment``, ...), handed whole
+            to :class:`~grimoire.rollout.assembly.RolloutSettings`, which documents each and
+            assembles the engine, reward functions, sampling settings and agent
+            (:class:`~grimoire.rollout.assembly.RolloutParts`). The signature lists them.
 
     Subclasses list only their own arguments and end with ``**kwargs`` passed on to this
     constructor; their signature (for the YAML CLI's checks and ``help()``) is completed with
@@ -127,55 +115,28 @@ class OnlineMethod(GrimoireLoss):
         self,
         reward_funcs: RewardSpec | Sequence[RewardSpec],
         reward_weights: Sequence[float] | None = None,
-        num_generations: int = 8,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int = 256,
+        *,
         beta: float = 0.0,
         ref_model: torch.nn.Module | str | None = None,
-        generation_batch_size: int | None = None,
-        engine: EngineSpec = None,
         log_entropy: bool = True,
         fused: bool = True,
         fused_chunk_size: int = 1024,
-        max_staleness: int = 0,
-        tools: Sequence[Any] | None = None,
-        environment: Any = None,
-        tool_call_parser: Any = "hermes",
-        max_turns: int = 4,
-        max_episode_tokens: int = 2048,
-        env_timeout: float | None = 30.0,
-        failure_reward: float = 0.0,
-        stop_tokens: Sequence[str] = (),
+        **rollout: Any,
     ):
         name = type(self).__name__
+        given = {"reward_funcs": reward_funcs, "reward_weights": reward_weights, **rollout}
+        settings = RolloutSettings.of(name, given)
+        check_online_settings(
+            name, settings.num_generations, self.min_generations, beta, fused_chunk_size
+        )
+        parts = settings.assemble(name)
+        self.engine: RolloutEngine = parts.engine
+        self.reward_funcs: list[RewardFunction] = parts.reward_funcs
+        self.sampling: SamplingConfig = parts.sampling
+        self.agent: Agent | None = parts.agent
         #: Optimizer steps a rollout may lag the learner (>= 1: asynchronous rollouts,
         #: :mod:`grimoire.rollout.async_rollouts`); 0 samples each step with its own weights.
-        self.max_staleness = checked_staleness(name, max_staleness)
-        check_online_settings(name, num_generations, self.min_generations, beta, fused_chunk_size)
-        self.reward_funcs: list[RewardFunction] = resolve_reward_funcs(reward_funcs, reward_weights)
-        requested = SamplerConfig(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            generation_batch_size=generation_batch_size,
-        )
-        self.engine: RolloutEngine = build_engine(engine, requested)
-        # An engine object samples with its own settings, so those are the ones held.
-        self.sampling = SamplingConfig.of(self.engine.sampler, num_generations)
-        self.agent: Agent | None = build_agent(
-            tools,
-            environment,
-            tool_call_parser,
-            max_turns=max_turns,
-            max_episode_tokens=max_episode_tokens,
-            max_new_tokens=self.engine.sampler.max_new_tokens,
-            env_timeout=env_timeout,
-            failure_reward=failure_reward,
-            stop_tokens=stop_tokens,
-        )
+        self.max_staleness = parts.max_staleness
         self.beta = beta
         self.reference = Reference(ref_model, name)
         self.log_entropy = log_entropy
@@ -194,7 +155,7 @@ class OnlineMethod(GrimoireLoss):
             return
         params = [p for p in own if p.kind is not p.VAR_KEYWORD]
         names = {p.name for p in params} | set(cls.hidden_args)
-        base = list(inspect.signature(OnlineMethod.__init__).parameters.values())[1:]
+        base = list(full_signature().parameters.values())
         params += [p.replace(kind=p.KEYWORD_ONLY) for p in base if p.name not in names]
         cls.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
 
@@ -287,7 +248,7 @@ class OnlineMethod(GrimoireLoss):
 
     def reward_problems(self, columns: Sequence[str], split: str = "train") -> list[str]:
         """Reward functions whose signature a call with these dataset columns would not fit
-        (:func:`~grimoire.rollout.reward_calls.reward_signature_problems`); episodes add their
+        (:func:`~grimoire.rollout.rewards.calls.reward_signature_problems`); episodes add their
         own columns (``messages``, ``tool_calls``, ...)."""
         passed = [*columns, *(EPISODE_COLUMNS if self.agent is not None else ())]
         return reward_signature_problems(self.reward_funcs, passed, f"{split} dataset")
@@ -333,16 +294,12 @@ class OnlineMethod(GrimoireLoss):
     def build_batch(self, group: ScoredGroup) -> tuple[dict[str, Any], dict[str, float]]:
         raise NotImplementedError
 
-    @property
-    def pack_training(self) -> bool:
-        """Whether TRAINING micro-batches are packed rows: the run's decision, as the context
-        holds it (padding-free run or token budget); False before ``setup``."""
-        return bool(self._ctx is not None and self._ctx.packed)
-
     def training_batch(self, group: ScoredGroup, rows: Sequence[int]) -> dict[str, Any]:
-        """The training batch of ``rows`` of ``group`` (see :func:`training_batch`), with those
-        rows' reference log-probs as ``ref_logps [rows, C]`` when the stage computed them."""
-        batch = training_batch(group.rollout, rows, self.pack_training)
+        """The padded training batch of ``rows`` of ``group`` (selected from the batch the stage
+        built, :func:`~grimoire.forward.completions.select_rows`; the stage packs it when the
+        run is padding-free), with those rows' reference log-probs as ``ref_logps [rows, C]``
+        when the stage computed them."""
+        batch = select_rows(group.batch, rows)
         if group.ref_logps is not None:
             mask = batch["completion_mask"]
             idx = torch.tensor(list(rows) or [0], device=group.ref_logps.device)
@@ -414,6 +371,30 @@ class OnlineMethod(GrimoireLoss):
         with nothing to train: the trainer then adds its metrics with weight 0)."""
         return float((batch["completion_mask"].sum(-1) > 0).sum())
 
+
+def full_signature() -> inspect.Signature:
+    """:class:`OnlineMethod`'s arguments with its ``**rollout`` spelled out: the rollout's
+    settings (:class:`~grimoire.rollout.assembly.RolloutSettings`), keyword-only, after the
+    reward functions and before the method's own."""
+    own = list(inspect.signature(inspect.unwrap(OnlineMethod.__init__)).parameters.values())[1:]
+    head, tail = own[:2], [p for p in own[2:] if p.kind is not p.VAR_KEYWORD]
+    settings = [
+        p.replace(kind=p.KEYWORD_ONLY)
+        for p in inspect.signature(RolloutSettings).parameters.values()
+        if p.name not in ("reward_funcs", "reward_weights")
+    ]
+    return inspect.Signature([*head, *settings, *tail])
+
+
+def _spell_out_the_rollout_settings() -> None:
+    """``help(OnlineMethod)`` and the YAML checks of ``loss.args`` see every setting."""
+    init = OnlineMethod.__init__
+    first = next(iter(inspect.signature(inspect.unwrap(init)).parameters.values()))  # self
+    params = [first, *full_signature().parameters.values()]
+    init.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+
+
+_spell_out_the_rollout_settings()
 
 # The contract OnlineMethod implements, with the rollout's own types; checked by the type checker.
 _IMPLEMENTS: type[RolloutMethod] = OnlineMethod

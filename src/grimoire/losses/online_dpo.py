@@ -26,7 +26,7 @@ from grimoire.losses.checks import _check_loss_type
 from grimoire.losses.functional import DPO_LOSS_TYPES, dpo_loss
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import best_worst_pairs
-from grimoire.rollout.reward_calls import RewardSpec
+from grimoire.rollout.rewards.calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
 _DPO_METRICS = (

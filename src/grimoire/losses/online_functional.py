@@ -4,12 +4,12 @@ RAFT).
 No models here: rewards, per-token log-probs and masks in, advantages / losses / selections
 out, so each piece is unit-tested against a naive Python reference.
 
-Layout conventions (from :class:`grimoire.rollout.engine.Rollout`): ``N = num_prompts * G``
+Layout conventions (from :class:`grimoire.rollout.engines.base.Rollout`): ``N = num_prompts * G``
 completions, **prompt-major** (rows ``g*G .. g*G+G-1`` are group ``g``); per-token tensors are
 ``[N, C]`` over completion tokens with a ``mask [N, C]`` (1 = real completion token).
 
 The reward statistics the rollout stage reports too (:func:`equal_reward_groups`,
-:func:`reward_std`) live in :mod:`grimoire.rollout.statistics` and are re-exported here.
+:func:`reward_std`) live in :mod:`grimoire.rollout.rewards.statistics` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from grimoire.rollout.statistics import equal_reward_groups, reward_groups, reward_std
+from grimoire.rollout.rewards.statistics import equal_reward_groups, reward_groups, reward_std
 
 #: GRPO loss types accepted by :func:`reduce_token_loss`: four normalisations of PPO's clipped
 #: surrogate, and CISPO's surrogate (normalised as "dapo", as TRL does).

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import best_of_n
-from grimoire.rollout.reward_calls import RewardSpec
+from grimoire.rollout.rewards.calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
 

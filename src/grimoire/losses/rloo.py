@@ -27,7 +27,7 @@ from torch import Tensor
 from grimoire.config.context import TrainingContext
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import masked_mean, rloo_advantages
-from grimoire.rollout.reward_calls import RewardSpec
+from grimoire.rollout.rewards.calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
 

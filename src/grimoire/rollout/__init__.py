@@ -1,15 +1,15 @@
 """Generation for online methods: the rollout engine interface and reward functions."""
 
-from grimoire.rollout.engine import Rollout, RolloutEngine
-from grimoire.rollout.hf import HFGenerateEngine
-from grimoire.rollout.rewards import (
+from grimoire.rollout.engines.base import Rollout, RolloutEngine
+from grimoire.rollout.engines.hf import HFGenerateEngine
+from grimoire.rollout.engines.sampler import SamplerConfig
+from grimoire.rollout.rewards.scoring import (
     RewardFunctionError,
     char_match_reward,
     exact_match_reward,
     resolve_reward_funcs,
     score_completions,
 )
-from grimoire.rollout.sampler import SamplerConfig
 
 __all__ = [
     "HFGenerateEngine",

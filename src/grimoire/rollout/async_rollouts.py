@@ -5,7 +5,7 @@ the current ones. It samples with its OWN copy of the policy (a deep copy made a
 the learner's, through its own copy of the engine bound to that copy. Where the sampling runs:
 
 - the HF engine's ``async_sampler``: ``"process"`` (default) a child process holding that copy
-  in shared memory (:mod:`grimoire.rollout.sampler_process`; the producer thread then only
+  in shared memory (:mod:`grimoire.rollout.engines.sampler_process`; the producer thread then only
   waits on a pipe and scores rewards), ``"thread"`` the producer thread itself (it shares the
   learner's GIL, which ``generate``'s Python loop holds for much of its time);
 - ``vllm-server``: the server; the producer's engine pushes its copy's weights (the version
@@ -60,10 +60,10 @@ import torch
 from grimoire.collate.prompts import prompt_token_lists
 from grimoire.config.context import TrainingContext
 from grimoire.contract.layout import to_device
-from grimoire.rollout.hf import HFGenerateEngine
-from grimoire.rollout.sampler_process import SamplerProcess, autocast_factory
+from grimoire.rollout.engines.hf import HFGenerateEngine
+from grimoire.rollout.engines.sampler_process import SamplerProcess, autocast_factory
+from grimoire.rollout.engines.vllm_server import VLLMServerEngine
 from grimoire.rollout.stage import RolloutStage, ScoredGroup
-from grimoire.rollout.vllm_server import VLLMServerEngine
 
 logger = logging.getLogger(__name__)
 

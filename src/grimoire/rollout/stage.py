@@ -4,12 +4,14 @@ For methods that generate (``needs_generation``), the trainer calls :meth:`Rollo
 on the step's prompt micro-batches BEFORE any loss runs:
 
 1. every REAL prompt micro-batch is sampled (``G = num_generations`` completions per prompt, by
-   the :class:`~grimoire.rollout.engine.RolloutEngine`) and scored by the reward functions;
+   the :class:`~grimoire.rollout.engines.base.RolloutEngine`) and scored by the reward functions;
    rank-sync dummies (keep 0) are not sampled at all;
-2. the step's scored groups become training micro-batches through the ``build_batches(ctx,
-   groups)`` callable the stage was given (the method's), so statistics over "the batch" see
-   exactly the real groups of the whole step (and, through ``ctx.all_reduce_sum``, of every
-   rank);
+2. every group is laid out as one padded batch (:attr:`ScoredGroup.batch`, with its reference
+   log-probs when there is a reference), and the step's scored groups become training
+   micro-batches through the ``build_batches(ctx, groups)`` callable the stage was given (the
+   method's: it selects rows of those batches), so statistics over "the batch" see exactly the
+   real groups of the whole step (and, through ``ctx.all_reduce_sum``, of every rank); the
+   selections are packed here when the run is padding-free;
 3. dummies get a placeholder batch (loss 0, 0 loss units), keeping their place and flag;
 4. the stage reports the rollout metrics (rewards per function, completion lengths, clip ratio,
    timings) with the number of completions as their weight.
@@ -37,20 +39,20 @@ from grimoire.collate.prompts import prompt_token_lists
 from grimoire.columns import pad_token_id_of
 from grimoire.config.context import TrainingContext
 from grimoire.contract.method import GeneratingMethod
-from grimoire.rollout.agentic import Agent, episode_rollout
-from grimoire.rollout.batches import placeholder_batch, training_batch
-from grimoire.rollout.engine import Rollout, RolloutEngine
-from grimoire.rollout.episode_batches import (
+from grimoire.rollout.agents.agent import Agent, episode_rollout
+from grimoire.rollout.agents.episode_batches import (
     engine_generate_batch,
     final_answer,
     play_groups,
     score_episodes,
 )
-from grimoire.rollout.episodes import sum_metrics
-from grimoire.rollout.reward_calls import NOT_COLUMNS, RewardFunction
-from grimoire.rollout.rewards import score_completions
-from grimoire.rollout.sampler import SamplerConfig
-from grimoire.rollout.statistics import equal_reward_groups, reward_std
+from grimoire.rollout.agents.episodes import sum_metrics
+from grimoire.rollout.batches import pack_rollout_batch, placeholder_batch, training_batch
+from grimoire.rollout.engines.base import Rollout, RolloutEngine
+from grimoire.rollout.engines.sampler import SamplerConfig
+from grimoire.rollout.rewards.calls import NOT_COLUMNS, RewardFunction
+from grimoire.rollout.rewards.scoring import score_completions
+from grimoire.rollout.rewards.statistics import equal_reward_groups, reward_std
 
 
 def completion_token_lists(rollout: Rollout) -> list[list[int]]:
@@ -64,7 +66,7 @@ def completion_token_lists(rollout: Rollout) -> list[list[int]]:
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig(SamplerConfig):
     """How a method's completions are sampled: ``num_generations`` (``G``, read by the stage)
-    and the engine's sampler settings (:class:`~grimoire.rollout.sampler.SamplerConfig`;
+    and the engine's sampler settings (:class:`~grimoire.rollout.engines.sampler.SamplerConfig`;
     ``top_k=0`` and ``top_p=1`` switch those filters off). Keyword arguments only."""
 
     num_generations: int = 8
@@ -84,6 +86,10 @@ class ScoredGroup:
     rewards: Tensor  # [N] weighted total
     per_func: dict[str, Tensor] = field(default_factory=dict)
     texts: list[str] = field(default_factory=list)
+    #: The padded training batch of every completion (``input_ids``, ``attention_mask``,
+    #: ``completion_mask``, old / sampler log-probs), set by the stage before ``build_batches``:
+    #: a method selects its rows (:func:`grimoire.forward.completions.select_rows`).
+    batch: dict[str, Any] = field(default_factory=dict)
     #: ``[N, C]`` reference log-probs of every completion (masked), when the method needs them.
     ref_logps: Tensor | None = None
     #: Episode metrics summed over the group's episodes (tool outcomes, failures, turns).
@@ -125,7 +131,7 @@ class RolloutStage:
 
     Args:
         engine: samples the completions (bound to the policy by :meth:`bind`).
-        reward_funcs: score them (:func:`~grimoire.rollout.rewards.resolve_reward_funcs`).
+        reward_funcs: score them (:func:`~grimoire.rollout.rewards.scoring.resolve_reward_funcs`).
         sampling: ``num_generations`` (``G``) is read here; the engine holds the rest.
         build_batches: turns the step's scored groups into training micro-batches.
         steps_per_batch: optimizer steps per rollout batch (the batches are reused that often).
@@ -133,7 +139,7 @@ class RolloutStage:
         reference_logps: when given, every group's reference log-probs are computed before
             ``build_batches`` (:attr:`ScoredGroup.ref_logps`).
         agent: when given, each prompt's ``G`` samples are multi-turn episodes
-            (:mod:`grimoire.rollout.agentic`) played with the engine, scored as whole episodes.
+            (:mod:`grimoire.rollout.agents.agent`) played with the engine, scored as whole episodes.
     """
 
     def __init__(
@@ -211,17 +217,10 @@ class RolloutStage:
 
         groups, fillers = self.scored_groups(ctx, micro)
         t_gen = time.perf_counter() - now
-        if self.reference_logps is not None:
-            for group in groups:  # every row's reference log-probs; methods select rows
-                rows = range(group.rewards.numel())
-                group.ref_logps = self.reference_logps(
-                    training_batch(group.rollout, rows, ctx.packed)
-                )
-            filler = placeholder_batch(micro[0][0], self.pad_token_id, ctx.packed)
-            for _ in range(fillers):
-                self.reference_logps(filler)
+        self.prepare(ctx, groups, fillers, micro[0][0])
         built, extra = self.build_batches(ctx, groups)
-        real = iter(built)
+        # The method selected rows of padded batches; the run's layout is applied here.
+        real = iter([pack_rollout_batch(b) for b in built] if ctx.packed else built)
         batches = [
             (next(real), keep)
             if keep
@@ -235,6 +234,24 @@ class RolloutStage:
             self._cache = (key, batches, dict(metrics), weight)
         metrics.update(timing)
         return batches, metrics, weight
+
+    def prepare(
+        self, ctx: TrainingContext, groups: list[ScoredGroup], fillers: int, prompts: dict[str, Any]
+    ) -> None:
+        """What ``build_batches`` reads besides the rewards: every group's padded batch of every
+        row (:attr:`ScoredGroup.batch`) and, with a reference, their reference log-probs
+        (scored in the run's layout; ``fillers`` passes on a placeholder of ``prompts`` keep a
+        sharded policy's ranks in step)."""
+        for group in groups:
+            group.batch = training_batch(group.rollout, range(group.rewards.numel()), False)
+        if self.reference_logps is None:
+            return
+        for group in groups:  # every row's reference log-probs; methods select rows
+            scored = pack_rollout_batch(group.batch) if ctx.packed else group.batch
+            group.ref_logps = self.reference_logps(scored)
+        filler = placeholder_batch(prompts, self.pad_token_id, ctx.packed)
+        for _ in range(fillers):
+            self.reference_logps(filler)
 
     def feed(self, batches: Iterable[Any], first_step: int, in_epoch: int = 0) -> Iterable[Any]:
         """The epoch's prompt micro-batches, in the planner's order, as the trainer walks them

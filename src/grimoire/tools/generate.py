@@ -17,7 +17,7 @@ import torch
 
 from grimoire.columns import pad_token_id_of
 from grimoire.errors import GrimoireError
-from grimoire.rollout.generation import encode_prompt, generation_mode
+from grimoire.rollout.engines.generation import encode_prompt, generation_mode
 from grimoire.tools.common import DTYPES, ToolParser, load_for_inference, run_tool
 
 

@@ -6,7 +6,7 @@ Usage::
 
 One vLLM ``LLM`` in this process, behind a small HTTP server that answers one request at a
 time (``GET /health``, ``POST /generate``, ``POST /weights``, ``POST /adapter``; the format is in
-:mod:`grimoire.rollout.vllm_server`). Samples are token ids with the drawn tokens' log-probs;
+:mod:`grimoire.rollout.engines.vllm_server`). Samples are token ids with the drawn tokens' log-probs;
 ``/weights`` loads a pushed weight stream into vLLM (``reload_weights``) and drops the prefix
 cache; with ``--max-lora-rank`` (vLLM started with LoRA on), ``/adapter?id=N&config=JSON``
 takes a LoRA adapter's tensors in the same stream format and samples with it from then on (the
@@ -34,8 +34,8 @@ from typing import Any, BinaryIO, cast
 
 from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import GrimoireError
-from grimoire.rollout.vllm_common import completions, llm_args, lora_args, require_vllm
-from grimoire.rollout.vllm_server import (
+from grimoire.rollout.engines.vllm_common import completions, llm_args, lora_args, require_vllm
+from grimoire.rollout.engines.vllm_server import (
     API_KEY_ENV,
     ChunkedReader,
     authorized,

@@ -22,8 +22,8 @@ import torch
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.forward.logprobs import compute_token_logps
-from grimoire.rollout.generation import generation_mode, greedy_generate_texts
-from grimoire.rollout.reward_answers import (
+from grimoire.rollout.engines.generation import generation_mode, greedy_generate_texts
+from grimoire.rollout.rewards.answers import (
     EXTRACTORS,
     answers_match,
     extract_answer,

@@ -1,7 +1,7 @@
 """What the colocated vLLM engine and the vLLM server share: one engine base, settings, requests.
 
 Stage: rollout (see docs/architecture.md). Nothing here imports vLLM: the server client
-(:mod:`grimoire.rollout.vllm_server`) builds the same requests in a training process that has
+(:mod:`grimoire.rollout.engines.vllm_server`) builds the same requests in a training process that has
 no vLLM installed, and the server (``grimoire vllm-serve``) turns them into
 ``vllm.SamplingParams(**args)``.
 
@@ -36,9 +36,9 @@ import torch
 
 from grimoire.config.model_shape import shape_from_config
 from grimoire.errors import ConfigError
-from grimoire.rollout.engine import RolloutEngine, Samples
-from grimoire.rollout.sampler import SamplerConfig
-from grimoire.rollout.vllm_weights import (
+from grimoire.rollout.engines.base import RolloutEngine, Samples
+from grimoire.rollout.engines.sampler import SamplerConfig
+from grimoire.rollout.engines.vllm_weights import (
     adapter_problems,
     is_lora_policy,
     merged_bytes,

@@ -1,6 +1,6 @@
 """Reward statistics of scored groups, shared by the rollout stage's metrics and the methods.
 
-Layout (from :class:`grimoire.rollout.engine.Rollout`): ``N = num_prompts * G`` rewards,
+Layout (from :class:`grimoire.rollout.engines.base.Rollout`): ``N = num_prompts * G`` rewards,
 **prompt-major** (rows ``g*G .. g*G+G-1`` are group ``g``). They live in the rollout stage, the
 lower layer, so that the stage reports them without importing the methods; the methods' math
 (:mod:`grimoire.losses.online_functional`) re-exports them.

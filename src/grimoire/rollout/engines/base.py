@@ -42,9 +42,8 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.common import pad_sequences
-from grimoire.columns import IGNORE_INDEX
-from grimoire.forward.logprobs import compute_token_logps, logps_from_logits, token_entropy
-from grimoire.rollout.sampler import SamplerConfig
+from grimoire.forward.completions import completion_logps
+from grimoire.rollout.engines.sampler import SamplerConfig
 
 
 @dataclass
@@ -114,77 +113,6 @@ class Samples:
     policy: bool = False
 
 
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """``cumsum(mask) - 1`` clamped at 0: left-padded rows get the positions HF ``generate`` used.
-
-    Without it a left-padded prompt would be scored at positions shifted by its padding, so the
-    training log-probs would not be those of the sampled sequence.
-    """
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def completion_logps(
-    model: torch.nn.Module,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    completion_width: int,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    *,
-    fused: bool = True,
-    chunk_size: int = 1024,
-) -> tuple[Tensor, Tensor | None]:
-    """Per-token log-probs of the last ``C = completion_width`` tokens of each row.
-
-    Rows are ``[left-padded prompt | right-padded completion]``; the completion part of
-    ``attention_mask`` marks real completion tokens. With logits divided by ``temperature``, so
-    the log-probs are those of the distribution that was sampled (PPO's ratio must compare like
-    with like; TRL does the same)::
-
-        logps[b, t] = log softmax(logits[b, P - 1 + t] / T)[input_ids[b, P + t]]
-
-    ``T == 1`` goes through :func:`grimoire.forward.logprobs.compute_token_logps` (its fused, memory-lean
-    LM-head path where the model supports it, unless ``fused=False``; ``chunk_size`` is its
-    chunk); other temperatures run one forward with
-    ``logits_to_keep = C + 1`` (the LM head only over the completion) and scale the logits.
-
-    Shapes: ``input_ids, attention_mask [N, P + C]`` -> ``logps [N, C]`` float32 (0 on
-    completion padding; the caller multiplies by its loss mask anyway) and, if ``with_entropy``,
-    the DETACHED per-token entropy ``[N, C]`` of the same distribution (a metric, no gradient).
-    """
-    c = completion_width
-    position_ids = position_ids_from_mask(attention_mask)
-    if temperature == 1.0:
-        labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-        labels[:, :-c] = IGNORE_INDEX
-        out = compute_token_logps(
-            model,
-            input_ids,
-            labels,
-            attention_mask,
-            position_ids,
-            fused=fused,
-            chunk_size=chunk_size,
-            return_entropy=with_entropy,
-        )
-        # Predicting positions P-1 .. P+C-2 hold the completion's targets.
-        entropy = None
-        if with_entropy and out.entropy is not None:
-            entropy = out.entropy[:, -(c + 1) : -1].detach()
-        return out.logps[:, -(c + 1) : -1], entropy
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=c + 1,
-    ).logits
-    logits = logits[:, -(c + 1) : -1] / temperature  # position P-1+t predicts completion token t
-    logps = logps_from_logits(logits, input_ids[:, -c:])
-    logps = logps * attention_mask[:, -c:]
-    return logps, (token_entropy(logits.detach()) if with_entropy else None)
-
-
 #: ``agree(n)``: the largest ``n`` over the ranks (a sharded policy's engines must all make as
 #: many forwards: each one is a collective).
 Agree = Callable[[int], int]
@@ -237,7 +165,7 @@ class RolloutEngine(ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass ``__init__`` ending in ``**settings`` (passed on up) gets its base's
         arguments in its signature, so ``help()`` and the YAML check of ``engine.args``
-        (:func:`~grimoire.rollout.backends.engine_problems`) see every argument it takes."""
+        (:func:`~grimoire.rollout.engines.backends.engine_problems`) see every argument it takes."""
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is None:
@@ -442,6 +370,4 @@ __all__ = [
     "RolloutEngine",
     "SamplerConfig",
     "Samples",
-    "completion_logps",
-    "position_ids_from_mask",
 ]

@@ -38,14 +38,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from grimoire.rollout.environment import (
+from grimoire.rollout.agents.environment import (
     Environment,
     EnvironmentFailure,
     Message,
     environment_tools,
     guarded,
 )
-from grimoire.rollout.tool_calls import ParsedTurn, ToolCall, ToolCallParser
+from grimoire.rollout.agents.tool_parsers import ParsedTurn, ToolCall, ToolCallParser
 from grimoire.rows.rendering import render_text
 
 logger = logging.getLogger(__name__)

@@ -44,8 +44,8 @@ from torch import Tensor
 
 from grimoire.config.model_shape import SHAPE_KEYS
 from grimoire.errors import ConfigError
-from grimoire.rollout.vllm_common import VLLMSamplerEngine, plain_model
-from grimoire.rollout.vllm_weights import lora_rank
+from grimoire.rollout.engines.vllm_common import VLLMSamplerEngine, plain_model
+from grimoire.rollout.engines.vllm_weights import lora_rank
 
 _FRAME = struct.Struct("<Q")
 #: The environment variable holding the shared secret (vLLM's own server reads the same one).
@@ -147,7 +147,7 @@ class VLLMServerEngine(VLLMSamplerEngine):
 
     Args (besides the sampler settings every engine takes, and ``seed``,
     ``importance_sampling``, ``importance_sampling_cap``:
-    :class:`~grimoire.rollout.vllm_common.VLLMSamplerEngine`):
+    :class:`~grimoire.rollout.engines.vllm_common.VLLMSamplerEngine`):
         url: the server's address, e.g. ``http://127.0.0.1:8000``.
         timeout: seconds to wait for the server to answer at :meth:`bind` (it may still be
             starting) and for any one request.

@@ -9,14 +9,14 @@ once per rollout batch with one entry per *completion* (a prompt sampled G times
 times); ``columns`` are the dataset's other fields (e.g. ``answer``), repeated the same way. How
 the call is made, checked and resolved from YAML (the short names of
 :data:`grimoire.config.registry.REWARD_FUNCS`, ``package.module:function`` specs, ``{type, args}``
-entries) is :mod:`grimoire.rollout.reward_calls`.
+entries) is :mod:`grimoire.rollout.rewards.calls`.
 Several functions may be combined with weights; the method trains on ``sum_k w_k * r_k`` and logs
 each ``r_k`` as ``rewards/<name>/mean``.
 
 The built-ins for real tasks live beside this module: answer extraction with numeric equivalence
-(:mod:`~grimoire.rollout.reward_answers`), format and overlong shaping
-(:mod:`~grimoire.rollout.reward_shaping`) and a trained reward model
-(:mod:`~grimoire.rollout.reward_model`).
+(:mod:`~grimoire.rollout.rewards.answers`), format and overlong shaping
+(:mod:`~grimoire.rollout.rewards.shaping`) and a trained reward model
+(:mod:`~grimoire.rollout.rewards.reward_model`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from grimoire.columns import pad_token_id_of
-from grimoire.rollout.hf import HFGenerateEngine
-from grimoire.rollout.reward_calls import (
+from grimoire.rollout.engines.hf import HFGenerateEngine
+from grimoire.rollout.rewards.calls import (
     RewardFn,
     RewardFunction,
     RewardSpec,

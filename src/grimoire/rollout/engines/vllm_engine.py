@@ -1,7 +1,7 @@
 """The vLLM backend: a colocated vLLM ``LLM`` samples; the training model scores and trains.
 
 Stage: rollout (see docs/architecture.md). :class:`VLLMEngine` implements
-:meth:`~grimoire.rollout.engine.RolloutEngine._sample` and ``sync_weights``; the base class pads
+:meth:`~grimoire.rollout.engines.base.RolloutEngine._sample` and ``sync_weights``; the base class pads
 the completions, cuts them at EOS and scores the old log-probs with the training policy, as for
 every backend.
 
@@ -16,10 +16,10 @@ How it is put together, and why:
   weights (``load_format="dummy"``, no tokenizer: prompts and completions are token ids), and
   the policy's weights are loaded into it before the first rollout (:meth:`sync_weights`).
 - **Weight sync** whenever the weights changed: after an optimizer step, or any in-place write
-  such as a checkpoint load (:func:`~grimoire.rollout.vllm_weights.weights_version`);
+  such as a checkpoint load (:func:`~grimoire.rollout.engines.vllm_weights.weights_version`);
   before sampling, changed weights are streamed one parameter at a time into vLLM's
   ``reload_weights`` (LoRA merged, FSDP2 shards gathered one tensor at a time:
-  :func:`~grimoire.rollout.vllm_weights.policy_weights`), and vLLM's prefix cache, computed
+  :func:`~grimoire.rollout.engines.vllm_weights.policy_weights`), and vLLM's prefix cache, computed
   with the old weights, is dropped. A LoRA policy with ``lora_sync: adapter`` (the default)
   starts vLLM with LoRA on, loads the base weights once, and then hands vLLM only the adapter,
   saved as ``save_pretrained`` does, as a new ``LoRARequest`` per weight version.
@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.vllm_common import (
+from grimoire.rollout.engines.vllm_common import (
     INSTALL_HINT,
     VLLMSamplerEngine,
     completions,
@@ -64,7 +64,7 @@ from grimoire.rollout.vllm_common import (
     require_vllm,
     vllm_available,
 )
-from grimoire.rollout.vllm_weights import lora_rank
+from grimoire.rollout.engines.vllm_weights import lora_rank
 
 
 class VLLMEngine(VLLMSamplerEngine):
@@ -72,7 +72,7 @@ class VLLMEngine(VLLMSamplerEngine):
 
     Args (besides the sampler settings every engine takes, and ``seed``,
     ``importance_sampling``, ``importance_sampling_cap``:
-    :class:`~grimoire.rollout.vllm_common.VLLMSamplerEngine`):
+    :class:`~grimoire.rollout.engines.vllm_common.VLLMSamplerEngine`):
         gpu_memory_utilization: vLLM's share of the GPU's memory (weights + KV cache).
         max_model_len: longest prompt + completion; default: the run's ``max_length``, capped
             by the model's ``max_position_embeddings``.

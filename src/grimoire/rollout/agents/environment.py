@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from grimoire.rollout.tools import (
+from grimoire.rollout.agents.toolbox import (
     TIMEOUT,
     Tool,
     ToolResult,

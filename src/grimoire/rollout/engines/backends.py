@@ -23,11 +23,11 @@ from typing import Any
 
 from grimoire.config.registry import ENGINES, import_spec
 from grimoire.errors import ConfigError, did_you_mean
-from grimoire.rollout.engine import RolloutEngine
-from grimoire.rollout.sampler import SamplerConfig
-from grimoire.rollout.sampler_process import ASYNC_SAMPLERS
-from grimoire.rollout.vllm_common import LORA_SYNCS
-from grimoire.rollout.vllm_engine import require_vllm
+from grimoire.rollout.engines.base import RolloutEngine
+from grimoire.rollout.engines.sampler import SamplerConfig
+from grimoire.rollout.engines.sampler_process import ASYNC_SAMPLERS
+from grimoire.rollout.engines.vllm_common import LORA_SYNCS
+from grimoire.rollout.engines.vllm_engine import require_vllm
 
 #: The method's arguments every engine receives (not to be repeated in a mapping's ``args``).
 SAMPLING_ARGS = ("max_new_tokens", "temperature", "top_p", "top_k", "generation_batch_size")

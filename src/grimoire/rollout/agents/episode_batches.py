@@ -2,8 +2,8 @@
 padded tensors for the loss.
 
 :func:`engine_generate` / :func:`engine_generate_batch` turn a bound
-:class:`~grimoire.rollout.engine.RolloutEngine` (HF or vLLM) into the ``generate`` callables of
-:mod:`grimoire.rollout.episodes`: one completion per prompt, with the sampler's own log-probs
+:class:`~grimoire.rollout.engines.base.RolloutEngine` (HF or vLLM) into the ``generate`` callables of
+:mod:`grimoire.rollout.agents.episodes`: one completion per prompt, with the sampler's own log-probs
 where the backend reports them (vLLM) and the policy's old log-probs otherwise (HF samples from
 the training model itself).
 
@@ -12,7 +12,7 @@ left-padded, everything after it right-padded. Its ``attention_mask`` covers eve
 (the model attends to tool results and environment messages) while ``completion_mask`` is 1
 only on the model's own sampled tokens, so the loss trains those alone.
 
-:func:`score_episodes` gives the reward functions of :mod:`grimoire.rollout.rewards` the whole
+:func:`score_episodes` gives the reward functions of :mod:`grimoire.rollout.rewards.scoring` the whole
 episode: ``completions`` are the final assistant answers, and besides the dataset's columns they
 receive ``messages``, ``tool_calls``, ``env_reward``, ``stop_reason`` and ``episode_failed``.
 """
@@ -26,17 +26,17 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.common import pad_sequences
-from grimoire.rollout.engine import RolloutEngine
-from grimoire.rollout.environment import Environment
-from grimoire.rollout.episodes import (
+from grimoire.rollout.agents.environment import Environment
+from grimoire.rollout.agents.episodes import (
     Episode,
     EpisodeLimits,
     Generate,
     GenerateBatch,
     run_episodes,
 )
-from grimoire.rollout.rewards import RewardFunction, score_completions
-from grimoire.rollout.tool_calls import ToolCallParser
+from grimoire.rollout.agents.tool_parsers import ToolCallParser
+from grimoire.rollout.engines.base import RolloutEngine
+from grimoire.rollout.rewards.scoring import RewardFunction, score_completions
 
 
 def engine_generate_batch(engine: RolloutEngine, greedy: bool = False) -> GenerateBatch:

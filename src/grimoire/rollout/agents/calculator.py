@@ -7,8 +7,8 @@ message the model can read. Powers are bounded (exponent at most :data:`MAX_EXPO
 at most :data:`MAX_DIGITS` digits) so that a sampled ``9**9**9`` cannot stall a rollout.
 Division is exact where it can be (``"7 / 2"`` -> ``"3.5"``, ``"8 / 2"`` -> ``"4"``).
 
-Use it as a tool (``loss.args.tools: ["grimoire.rollout.calculator:calculator"]``); its schema
-comes from the signature and docstring like any tool's (:mod:`grimoire.rollout.tools`).
+Use it as a tool (``loss.args.tools: ["grimoire.rollout.agents.calculator:calculator"]``); its schema
+comes from the signature and docstring like any tool's (:mod:`grimoire.rollout.agents.toolbox`).
 """
 
 from __future__ import annotations

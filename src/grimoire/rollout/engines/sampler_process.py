@@ -14,7 +14,7 @@ What runs where:
 - weights: the parent's producer copies the published version into the shared tensors
   (``load_state_dict``: an in-place copy, no pickling) between two requests, when the child is
   idle; so a request is always sampled by exactly one version.
-- requests: prompt token lists in, the :class:`~grimoire.rollout.engine.Rollout` out (its
+- requests: prompt token lists in, the :class:`~grimoire.rollout.engines.base.Rollout` out (its
   tensors pass through shared memory). The child starts from the parent's torch RNG state at
   start, so a run is reproducible and its first step samples what the synchronous step would.
 - failures: an exception in the child comes back with its traceback and is raised in the parent
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from grimoire.rollout.engine import Rollout, RolloutEngine
+from grimoire.rollout.engines.base import Rollout, RolloutEngine
 
 #: Where the asynchronous HF sampler runs (``engine.args.async_sampler``).
 ASYNC_SAMPLERS = ("process", "thread")

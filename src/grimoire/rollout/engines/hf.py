@@ -1,7 +1,7 @@
 """The HF ``generate`` backend: samples from the training model itself, one prefill per prompt.
 
 Stage: rollout (see docs/architecture.md). :class:`HFGenerateEngine` implements
-:meth:`~grimoire.rollout.engine.RolloutEngine._sample`; the base class pads the completions and
+:meth:`~grimoire.rollout.engines.base.RolloutEngine._sample`; the base class pads the completions and
 scores the old log-probs.
 
 One prefill per prompt: a group's ``n`` completions share their prompt, so the prompt's KV cache
@@ -31,9 +31,10 @@ import torch
 from torch import Tensor
 
 from grimoire.collate.common import pad_sequences
-from grimoire.rollout.engine import RolloutEngine, Samples, position_ids_from_mask
-from grimoire.rollout.generation import DrawnTokenLogps, generation_mode
-from grimoire.rollout.sampler_process import ASYNC_SAMPLERS
+from grimoire.forward.completions import position_ids_from_mask
+from grimoire.rollout.engines.base import RolloutEngine, Samples
+from grimoire.rollout.engines.generation import DrawnTokenLogps, generation_mode
+from grimoire.rollout.engines.sampler_process import ASYNC_SAMPLERS
 
 
 class HFGenerateEngine(RolloutEngine):
@@ -50,12 +51,12 @@ class HFGenerateEngine(RolloutEngine):
     completions (module docstring); off, the prompt is repeated ``n`` times and prefilled ``n``
     times, as ``generate`` does by itself. ``async_sampler``: where the sampler runs with
     asynchronous rollouts (``loss.args.max_staleness >= 1``): ``"process"`` (default) a child
-    process with its own copy of the weights (:mod:`grimoire.rollout.sampler_process`),
+    process with its own copy of the weights (:mod:`grimoire.rollout.engines.sampler_process`),
     ``"thread"`` a thread of the learner's process (shares its GIL); unused when synchronous.
     ``static_cache`` (default on): a preallocated KV cache
     written in place instead of one concatenated at every step (module docstring); off, the
     ``DynamicCache`` ``generate`` uses by itself. ``settings``: the sampler settings every engine
-    takes (:class:`~grimoire.rollout.engine.RolloutEngine`: ``max_new_tokens``, ``temperature``,
+    takes (:class:`~grimoire.rollout.engines.base.RolloutEngine`: ``max_new_tokens``, ``temperature``,
     ``top_p``, ``top_k``, ``generation_batch_size``).
     """
 

@@ -1,7 +1,7 @@
 """An engine's sampler settings: one typed config, checked once.
 
 Stage: rollout (see docs/architecture.md). :class:`SamplerConfig` is what a
-:class:`~grimoire.rollout.engine.RolloutEngine` samples with (its ``sampler``); the online
+:class:`~grimoire.rollout.engines.base.RolloutEngine` samples with (its ``sampler``); the online
 methods' ``sampling`` (:class:`~grimoire.rollout.stage.SamplingConfig`) is the engine's settings
 plus ``num_generations``.
 """

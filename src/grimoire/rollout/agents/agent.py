@@ -7,7 +7,7 @@ loaded: every unimportable spec, tool without a docstring or hint, unknown parse
 is listed in one :class:`~grimoire.errors.ConfigError` naming its ``loss.args`` key.
 
 :func:`episode_rollout` lays a group's episodes out as a
-:class:`~grimoire.rollout.engine.Rollout` whose ``completion_mask`` is the LOSS mask (1 on the
+:class:`~grimoire.rollout.engines.base.Rollout` whose ``completion_mask`` is the LOSS mask (1 on the
 model's sampled tokens only) and whose ``completion_attention`` covers every real token after
 the first prompt (tool results, environment messages, template tokens): the policy reads them,
 the loss never trains them.
@@ -24,12 +24,12 @@ import torch
 
 from grimoire.config.registry import resolve
 from grimoire.errors import ConfigError
-from grimoire.rollout.engine import Rollout
-from grimoire.rollout.environment import Environment, ToolEnvironment
-from grimoire.rollout.episode_batches import pad_episodes
-from grimoire.rollout.episodes import Episode, EpisodeLimits
-from grimoire.rollout.tool_calls import ToolCallParser, resolve_tool_call_parser
-from grimoire.rollout.tools import build_tools
+from grimoire.rollout.agents.environment import Environment, ToolEnvironment
+from grimoire.rollout.agents.episode_batches import pad_episodes
+from grimoire.rollout.agents.episodes import Episode, EpisodeLimits
+from grimoire.rollout.agents.tool_parsers import ToolCallParser, resolve_tool_call_parser
+from grimoire.rollout.agents.toolbox import build_tools
+from grimoire.rollout.engines.base import Rollout
 
 #: Where an episode ended before its model was done with it (counted as a clipped completion).
 _CUT = ("max_turns", "token_budget", "truncated")
@@ -74,7 +74,7 @@ def build_agent(
 
     ``tools``: functions or ``package.module:function`` specs (schemas from their signatures
     and docstrings); ``environment``: a factory (callable or spec) called once per episode,
-    default a :class:`~grimoire.rollout.environment.ToolEnvironment` over ``tools``.
+    default a :class:`~grimoire.rollout.agents.environment.ToolEnvironment` over ``tools``.
     """
     if not tools and environment is None:
         return None

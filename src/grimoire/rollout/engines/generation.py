@@ -79,7 +79,7 @@ class DrawnTokenLogps:
     """A ``generate`` logits processor that records, per decoding step, the log-prob of the
     token drawn at that step: ``log softmax(logits / T)[token]`` over the RAW logits (it runs
     before the temperature/top-k/top-p warpers, which transformers appends after custom
-    processors), i.e. what :func:`~grimoire.rollout.engine.completion_logps` computes with a
+    processors), i.e. what :func:`~grimoire.forward.completions.completion_logps` computes with a
     full forward, without that forward.
 
     Why it keeps one step's ``[N, V]`` log-probs: the token of step ``t`` is only known at the
