@@ -28,6 +28,7 @@ from grimoire.contract.method import GeneratingMethod, Method, generating
 from grimoire.errors import ConfigError
 from grimoire.forward.precomputed import precompute_reference
 from grimoire.forward.reference import is_quantized
+from grimoire.model.host_allocator import return_freed_memory
 from grimoire.model.liger import apply_liger
 from grimoire.model.neftune import attach_neftune
 from grimoire.model.osft import attach_osft
@@ -80,6 +81,10 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
         log_with=config.log_with,  # pyright: ignore[reportArgumentType]
         project_dir=config.output_dir,
     )
+    if config.return_freed_memory is True or (
+        config.return_freed_memory == "auto" and accelerator.device.type == "cpu"
+    ):
+        return_freed_memory()
     check_world_size(accelerator.num_processes)
     check_shard_group(config.fsdp_shard_group_size, accelerator.num_processes)
     check_deepspeed(accelerator, config)
