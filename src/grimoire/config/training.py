@@ -53,9 +53,9 @@ class TrainingConfig:
     # auto: off on a CPU when one micro-batch's activations fit in a quarter of the available
     # memory, else on (host_memory.py; decided and logged at start); true / false force it.
     gradient_checkpointing: bool | Literal["auto"] = "auto"
-    # auto: on for a CPU run (glibc's mmap threshold fixed, so freed activations go back to the
-    # OS and resident memory stays at the live peak; model/host_allocator.py); true / false.
-    return_freed_memory: bool | Literal["auto"] = "auto"
+    # glibc's mmap threshold fixed, so freed activations go back to the OS and resident memory
+    # stays at the live peak, for more page faults (model/host_allocator.py); opt-in.
+    return_freed_memory: bool = False
     optimizer: str = "adamw"
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

@@ -81,9 +81,7 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
         log_with=config.log_with,  # pyright: ignore[reportArgumentType]
         project_dir=config.output_dir,
     )
-    if config.return_freed_memory is True or (
-        config.return_freed_memory == "auto" and accelerator.device.type == "cpu"
-    ):
+    if config.return_freed_memory:
         return_freed_memory()
     check_world_size(accelerator.num_processes)
     check_shard_group(config.fsdp_shard_group_size, accelerator.num_processes)
