@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 1 << 20
 
 
-def _mallopt() -> ctypes._CFuncPtr | None:  # pyright: ignore[reportPrivateUsage]
+def _mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``mallopt``, or None where the C library is not glibc."""
     name = ctypes.util.find_library("c")
     if name is None:
