@@ -19,6 +19,21 @@ import pytest
 VLLM_SUITE_HERE = importlib.util.find_spec("vllm") is not None
 collect_ignore = [] if VLLM_SUITE_HERE else ["vllm_backend"]
 
+# One torch (OpenMP) thread per process, here and in every subprocess a test starts: the suite
+# runs as 2 pytest-xdist workers on a 2-core machine that other jobs share, where a second thread
+# per process only oversubscribes the cores. Under such load OpenMP threads spin on descheduled
+# siblings: an example run on the real model took 4x the CPU time with 2 threads and timed out.
+# (vLLM's CPU engine sizes its own thread pool: its stage runs on its own, as before.)
+if not VLLM_SUITE_HERE:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_configure(config):
+    if "OMP_NUM_THREADS" in os.environ:  # also where torch was imported before this file
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_report_header(config):
     if not VLLM_SUITE_HERE:
@@ -80,14 +95,29 @@ from tests.helpers.real_model import SMOLLM2  # noqa: E402
 @pytest.fixture(scope="session")
 def real_model_cache(tmp_path_factory):
     """``(cache root, converted folder, the lines said while converting)``: GRIMOIRE_CACHE is set
-    only inside this fixture and in the subprocesses given it, never for the whole session."""
+    only inside this fixture and in the subprocesses given it, never for the whole session.
+
+    Under pytest-xdist (the README's ``-n 2``) the workers share one cache in the run's common
+    temporary folder: the first converts while holding a lock, the others then find it complete
+    and read the lines it said from a file beside it."""
+    import json
+
+    from filelock import FileLock
+
     from grimoire.model.gguf import materialize_gguf
 
-    root = tmp_path_factory.mktemp("grimoire-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "grimoire-cache"
+    else:
+        root = tmp_path_factory.mktemp("grimoire-cache")
+    record = root.with_name(root.name + "-said.json")
     said: list[str] = []
-    with pytest.MonkeyPatch.context() as mp:
+    with FileLock(root.with_name(root.name + ".lock")), pytest.MonkeyPatch.context() as mp:
         mp.setenv("GRIMOIRE_CACHE", str(root))
         folder = materialize_gguf(SMOLLM2, say=said.append)
+        if said:
+            record.write_text(json.dumps(said))
+        said = json.loads(record.read_text())
     return root, folder, said
 
 

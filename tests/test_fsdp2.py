@@ -53,11 +53,13 @@ def _same_params(a: Path, b: Path, rtol: float = 1e-5) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny_dir, tmp_path_factory) -> Path:
+    """Every family of a layout in one launch (each is a fresh trainer; the launches' imports
+    and process-group start-ups are most of the time): FAMILIES, and on FSDP2 and one process
+    the bf16 and Muon runs that only the tests at the end of this file read."""
     root = tmp_path_factory.mktemp("fsdp")
-    _launch(tiny_dir, root / "fsdp2", FAMILIES, "fsdp2", 2, 2)
+    _launch(tiny_dir, root / "fsdp2", [*FAMILIES, "sft_bf16", "muon"], "fsdp2", 2, 2)
     _launch(tiny_dir, root / "ddp", FAMILIES, "ddp", 2, 2)
-    for family in FAMILIES:  # the same global batch (8 rows) on one process
-        _one(tiny_dir, root / "one", family)
+    _one(tiny_dir, root / "one", ",".join([*FAMILIES, "muon"]))  # the same global batch: 8 rows
     return root
 
 
@@ -160,12 +162,11 @@ def test_second_signal_without_fsdp_one_process(tiny_dir, tmp_path):
     assert os.path.exists(out / "sft" / "checkpoint-2" / "model.safetensors")
 
 
-def test_fsdp2_bf16_gathers_bf16_weights_and_keeps_fp32_shards(tiny_dir, tmp_path):
+def test_fsdp2_bf16_gathers_bf16_weights_and_keeps_fp32_shards(runs):
     """mixed_precision='bf16' becomes FSDP2's MixedPrecisionPolicy: a layer computes with bf16
     weights (seen by a hook inside its forward) while the sharded parameters stay fp32."""
-    _launch(tiny_dir, tmp_path, ["sft_bf16"], "fsdp2", 2, 2)
     for rank in (0, 1):
-        result = _result(tmp_path / "sft_bf16", rank)
+        result = _result(runs / "fsdp2" / "sft_bf16", rank)
         assert result["forward_weight_dtypes"] == ["torch.bfloat16"]
         assert {p["dtype"] for p in result["params"].values()} == {"torch.float32"}
         assert all(math.isfinite(x) for x in result["losses"]) and len(result["losses"]) == 3
@@ -190,13 +191,11 @@ def test_fsdp2_muon_step_equals_the_whole_matrix_step(tiny_dir, tmp_path):
             assert p["local"] == [p["full"][0] // 2, p["full"][1]], name
 
 
-def test_fsdp2_muon_training_matches_one_process(tiny_dir, tmp_path):
+def test_fsdp2_muon_training_matches_one_process(runs):
     """Three Muon steps of SFT on 2 FSDP2 processes give the 1-process losses. Weights are
     compared at the optimizer level above: Newton-Schulz runs in bf16 and amplifies the last-bit
     reduction-order differences of computed gradients (DDP's too) far above 1e-5."""
-    _launch(tiny_dir, tmp_path / "fsdp2", ["muon"], "fsdp2", 2, 2)
-    _one(tiny_dir, tmp_path / "one", "muon")
-    fsdp2, one = _result(tmp_path / "fsdp2" / "muon"), _result(tmp_path / "one" / "muon")
+    fsdp2, one = _result(runs / "fsdp2" / "muon"), _result(runs / "one" / "muon")
     assert fsdp2["sharded"] and {p["type"] for p in fsdp2["params"].values()} == {"DTensor"}
     assert len(one["losses"]) == 3
     assert fsdp2["losses"] == pytest.approx(one["losses"], rel=1e-5)  # torch's step: 3.7e-5 off
