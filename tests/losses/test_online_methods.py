@@ -124,7 +124,8 @@ def test_grpo_loss_matches_naive_reference(tiny_model, tokenizer, prompt_rows):
                 ratio = math.exp(lp - lo)
                 surrogate = min(ratio * adv, min(max(ratio, 0.8), 1.3) * adv)
                 kl = math.exp(lr - lp) - (lr - lp) - 1
-                num += -surrogate + 0.1 * kl
+                # use_bias_correction_kl's default (True, as TRL): the KL times the ratio.
+                num += -surrogate + 0.1 * kl * ratio
                 den += 1
                 clipped += (ratio > 1.3 and adv > 0) or (ratio < 0.8 and adv < 0)
     assert float(loss.detach()) == pytest.approx(num / den, rel=1e-4, abs=1e-6)

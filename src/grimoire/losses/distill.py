@@ -142,7 +142,8 @@ class DistillMethod(OnlineMethod):
     """
 
     min_generations = 1
-    hidden_args = ("ref_model",)
+    #: The teacher is the reference; no per-completion advantage for the off-policy mask.
+    hidden_args = ("ref_model", "off_policy_mask_threshold")
     #: Arguments that name a model: the CLI resolves them as it does ``model.pretrained``
     #: (a ``.gguf`` file or ``grimoire://models/<name>`` becomes its cached folder).
     model_args = ("teacher",)

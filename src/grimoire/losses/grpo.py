@@ -39,10 +39,12 @@ Defaults, and why:
   itself, defaulting to 5.0 (ScaleRL's and TRL's suggestion) for this loss: TRL falls back to
   ``epsilon`` (0.2), a cap that scales every on-policy token's gradient by 0.2.
 
-The KL term and the vLLM sampler's truncated IS weight combine with every option as in TRL:
-the KL stays per token (``use_bias_correction_kl`` multiplies it by the ratio of the chosen
-level) and is added after the IS weight multiplied each token's surrogate, so it is not
-weighted (docs/online-rl.md, "How the options combine").
+The KL term and the sampler correction (the importance weight of a sampler that is not the
+learner, and DeepSeek-V3.2's off-policy sequence mask: :meth:`OnlineMethod.importance_weights`)
+combine with every option as in TRL: the KL stays per token (``use_bias_correction_kl``, on by
+default, multiplies it by the ratio of the chosen level) and is added after the weight
+multiplied each token's surrogate, so it is not weighted (docs/online-rl.md, "How the options
+combine").
 """
 
 from __future__ import annotations
@@ -137,9 +139,12 @@ class GRPOMethod(OnlineMethod):
             only: the batch is not refilled, so it shrinks; the dropped fraction is logged as
             ``dynamic_sampling/dropped_frac``.
         use_bias_correction_kl: multiply the k3 KL term by the importance ratio
-            ``pi / pi_old`` (TRL's option of the same name, off by default as there): the k3
-            estimator is unbiased for samples of ``pi``, and the ratio corrects for the samples
-            coming from ``pi_old``. Only differs from off when ``num_iterations > 1``.
+            ``pi / pi_old``, with its gradient (DeepSeek-V3.2, arXiv 2512.02556, eq. 7; TRL's
+            option of the same name, on by default as there since TRL 1.x). The k3 estimator's
+            gradient alone is biased for ``grad KL(pi || pi_ref)`` (the samples' distribution
+            depends on the parameters too); the ratio's gradient adds the missing score-function
+            term ``k3 * grad log pi``, so it changes the KL gradient even on-policy, where the
+            ratio's value is 1. ``False`` is the earlier behaviour (DeepSeekMath's k3 alone).
 
     Loss weights (so the trainer's global normalisation gives the objective of ``loss_type``):
     tokens for "dapo", sequences for "grpo" / "dr_grpo", 1 per micro-batch for "bnpo" (see
@@ -156,7 +161,7 @@ class GRPOMethod(OnlineMethod):
         loss_type: str = "dapo",
         scale_rewards: str | bool = "group",
         dynamic_sampling: bool = False,
-        use_bias_correction_kl: bool = False,
+        use_bias_correction_kl: bool = True,
         importance_sampling_level: str = "token",
         **kwargs: Any,
     ):
@@ -191,6 +196,10 @@ class GRPOMethod(OnlineMethod):
         self.scale_rewards = scale_rewards
         self.dynamic_sampling = dynamic_sampling
         self.use_bias_correction_kl = use_bias_correction_kl
+
+    @property
+    def ratio_to_old_logps(self) -> bool:
+        return True  # the surrogate's pi / pi_old: an asynchronous sampler's log-probs are pi_old
 
     @property
     def needs_old_logps(self) -> bool:
@@ -238,8 +247,8 @@ class GRPOMethod(OnlineMethod):
         level = self.importance_sampling_level
         per_token, info = self.surrogate(logps, old, batch["advantages"], mask)
         metrics: dict[str, Any] = {}
-        weights, is_metrics = self.importance_weights(batch, old)
-        if weights is not None:  # a separate sampler (vLLM): correct for its mismatch, as TRL
+        weights, is_metrics = self.importance_weights(batch, old, logps, batch["advantages"])
+        if weights is not None:  # a separate sampler (vLLM) or the off-policy mask, as TRL
             # The weight corrects the policy-gradient term only; the KL below is added after
             # it, unweighted, in TRL's order.
             per_token = per_token * weights

@@ -55,7 +55,13 @@ from grimoire.losses.online_checks import (
     check_prompt_lengths,
     warn_on_dropout,
 )
-from grimoire.losses.online_functional import truncated_importance_weights
+from grimoire.losses.online_functional import (
+    importance_sampling_weights,
+    masked_mean,
+    off_policy_sequence_mask,
+    sampler_mismatch_metrics,
+)
+from grimoire.losses.sampler_correction import SamplerCorrection, correction_parameters
 from grimoire.rollout.agents.agent import Agent
 from grimoire.rollout.agents.episode_batches import EPISODE_COLUMNS
 from grimoire.rollout.assembly import RolloutSettings
@@ -82,6 +88,10 @@ class OnlineMethod(GrimoireLoss):
         fused, fused_chunk_size: the training log-probs (policy and reference) use the fused,
             chunked LM-head path (as every loss does by default), or the full logits with
             ``fused=False``; the rollout's own scoring is unchanged.
+        importance_sampling_*, off_policy_mask_threshold (and TRL's ``vllm_`` spellings): the
+            correction for a sampler that is not the learner
+            (:class:`~grimoire.losses.sampler_correction.SamplerCorrection`; the methods whose
+            loss is a policy gradient apply it: GRPO, RLOO, distillation's reverse KL).
         **rollout: the rest of the rollout's settings (``num_generations``, ``temperature``,
             ``top_p``, ``top_k``, ``max_new_tokens``, ``generation_batch_size``, ``engine``,
             ``max_staleness`` and the multi-turn ``tools``, ``environment``, ...), handed whole
@@ -124,6 +134,11 @@ class OnlineMethod(GrimoireLoss):
         **rollout: Any,
     ):
         name = type(self).__name__
+        hidden = sorted(set(rollout) & set(self.hidden_args))
+        if hidden:
+            raise TypeError(f"{name}.__init__() got an unexpected keyword argument {hidden[0]!r}")
+        #: How the sampler/learner mismatch is corrected (taken out of the rollout settings).
+        self.sampler_correction = SamplerCorrection.take(name, rollout)
         given = {"reward_funcs": reward_funcs, "reward_weights": reward_weights, **rollout}
         settings = RolloutSettings.of(name, given)
         check_online_settings(
@@ -318,20 +333,74 @@ class OnlineMethod(GrimoireLoss):
             )
         return (logps,)
 
-    def importance_weights(
-        self, batch: dict[str, Any], old_logps: Tensor
-    ) -> tuple[Tensor | None, dict[str, Tensor]]:
-        """Truncated importance weights ``[N, C]`` for a sampler that is not the learner (vLLM:
-        :func:`~grimoire.losses.online_functional.truncated_importance_weights`) and their
-        metrics; ``(None, {})`` when the engine samples from the policy itself (HF), so nothing
-        changes there. A placeholder batch has no sampler log-probs: weight 1, and its metrics
-        still register (weight 0), so every rank logs the same keys."""
-        cap = self.engine.sampler.importance_sampling_cap
-        if cap is None:
-            return None, {}
+    @property
+    def ratio_to_old_logps(self) -> bool:
+        """Whether the loss takes its policy ratio against the rollout's ``old_logps`` (GRPO's
+        surrogate). Under asynchronous rollouts the HF sampler's log-probs arrive as
+        ``old_logps``; such a loss already corrects for them (PPO's clipped ratio), while a
+        loss without that ratio (RLOO, distillation) takes them as the sampler's."""
+        return False
+
+    @property
+    def sampler_differs(self) -> bool:
+        """Whether this run's rollouts come from a sampler that is not the learner: an engine
+        that returns its own log-probs (vLLM, ``importance_sampling_cap`` set), or, for a loss
+        without a ratio to ``old_logps``, an asynchronous sampler. A setting of the run, not of
+        a batch, so every rank (placeholder batches included) logs the same keys."""
+        engine_logps = self.engine.sampler.importance_sampling_cap is not None
+        return engine_logps or (self.max_staleness >= 1 and not self.ratio_to_old_logps)
+
+    def sampler_logps(self, batch: dict[str, Any]) -> Tensor | None:
+        """The log-probs the sampler gave its tokens where they are not the learner's (see
+        :attr:`sampler_differs`): vLLM's ``sampler_logps``, else an asynchronous HF sampler's
+        ``old_logps`` for a loss without a ratio to them; None in a placeholder batch."""
         sampler = batch.get("sampler_logps")
-        sampler = old_logps.detach() if sampler is None else sampler
-        return truncated_importance_weights(old_logps, sampler, batch["completion_mask"], cap)
+        if sampler is None and not self.ratio_to_old_logps and self.max_staleness >= 1:
+            sampler = batch.get("old_logps")
+        return sampler
+
+    def importance_weights(
+        self,
+        batch: dict[str, Any],
+        old_logps: Tensor,
+        logps: Tensor | None = None,
+        advantages: Tensor | None = None,
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Detached weights ``[N, C]`` of each token's policy-gradient term, and their metrics;
+        ``(None, {})`` when nothing is corrected (the HF engine, synchronous: the loss is then
+        bit-identical to an uncorrected one).
+
+        Two corrections multiply (:class:`~grimoire.losses.sampler_correction.SamplerCorrection`):
+        the importance weight of the chosen mode, ``old_logps`` against the sampler's
+        (:func:`~grimoire.losses.online_functional.importance_sampling_weights`), where
+        :attr:`sampler_differs`; and, given ``off_policy_mask_threshold``, the current policy's
+        ``logps`` and the per-completion ``advantages [N]``, DeepSeek-V3.2's off-policy sequence
+        mask, taken against the sampler's log-probs or else ``old_logps`` (as TRL), so it also
+        drops completions ``num_iterations > 1`` has left behind. A placeholder batch has no
+        sampler log-probs: it is weighted against ``old_logps`` itself (weight 1), and its
+        metrics still register (with weight 0), so every rank logs the same keys.
+        """
+        c = self.sampler_correction
+        mask = batch["completion_mask"]
+        weights, metrics = None, {}
+        sampler = self.sampler_logps(batch)
+        if self.sampler_differs:
+            theirs = old_logps.detach() if sampler is None else sampler
+            bounds = (c.clip_max(self.engine.sampler.importance_sampling_cap),)
+            args = (old_logps, theirs, mask, c.importance_sampling_mode, *bounds)
+            metrics = sampler_mismatch_metrics(*args, c.importance_sampling_clip_min)
+            if c.importance_sampling_correction:
+                weights = importance_sampling_weights(*args, c.importance_sampling_clip_min)
+            else:  # no weight: only what measures the mismatch itself
+                metrics = {k: v for k, v in metrics.items() if "importance" not in k}
+        t = c.off_policy_mask_threshold
+        if t is not None and logps is not None and advantages is not None:
+            behaviour = old_logps if sampler is None else sampler
+            keep = off_policy_sequence_mask(advantages, logps, behaviour, mask, t)
+            real = mask.sum(-1, keepdim=True) > 0
+            metrics["sampling/off_policy_masked_frac"] = masked_mean(1.0 - keep, real)
+            weights = keep.expand(mask.shape) if weights is None else weights * keep
+        return weights, metrics
 
     def policy_logps(
         self, model: torch.nn.Module, batch: dict[str, Any]
@@ -383,7 +452,7 @@ def full_signature() -> inspect.Signature:
         for p in inspect.signature(RolloutSettings).parameters.values()
         if p.name not in ("reward_funcs", "reward_weights")
     ]
-    return inspect.Signature([*head, *settings, *tail])
+    return inspect.Signature([*head, *settings, *correction_parameters(), *tail])
 
 
 def _spell_out_the_rollout_settings() -> None:

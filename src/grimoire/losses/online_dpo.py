@@ -26,6 +26,7 @@ from grimoire.losses.checks import _check_loss_type
 from grimoire.losses.functional import DPO_LOSS_TYPES, dpo_loss
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import best_worst_pairs
+from grimoire.losses.sampler_correction import CORRECTION_ARGS
 from grimoire.rollout.rewards.calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
@@ -42,6 +43,9 @@ _DPO_METRICS = (
 class OnlineDPOMethod(OnlineMethod):
     """Online DPO (see the module docstring). ``beta`` is DPO's beta (> 0, default 0.1);
     ``loss_type`` any of :data:`~grimoire.losses.functional.DPO_LOSS_TYPES`."""
+
+    #: A likelihood loss on the chosen completions: no sampler correction (docs/online-rl.md).
+    hidden_args = CORRECTION_ARGS
 
     def __init__(
         self,

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from grimoire.losses.online import OnlineMethod
 from grimoire.losses.online_functional import best_of_n
+from grimoire.losses.sampler_correction import CORRECTION_ARGS
 from grimoire.rollout.rewards.calls import RewardSpec
 from grimoire.rollout.stage import ScoredGroup
 
@@ -35,7 +36,8 @@ class RAFTMethod(OnlineMethod):
     """
 
     min_generations = 1
-    hidden_args = ("beta", "ref_model")
+    #: No reference model, and a likelihood loss: no sampler correction either.
+    hidden_args = ("beta", "ref_model", *CORRECTION_ARGS)
 
     def __init__(
         self,
@@ -45,7 +47,7 @@ class RAFTMethod(OnlineMethod):
         min_reward: float | None = None,
         **kwargs: Any,
     ):
-        unknown = sorted(set(kwargs) & set(self.hidden_args))
+        unknown = sorted(set(kwargs) & {"beta", "ref_model"})
         if unknown:
             raise TypeError(f"RAFTMethod has no reference model: unexpected argument(s) {unknown}")
         if min_reward is not None and reward_threshold is not None:

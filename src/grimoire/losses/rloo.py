@@ -66,7 +66,8 @@ class RLOOMethod(OnlineMethod):
                 rewards = rewards - self.beta * kl
                 kl_sum += float(kl.sum())
                 penalized_sum += float(rewards.sum())
-            batch.pop("old_logps", None)  # not needed by the loss
+            if not self.max_staleness:  # asynchronous: the sampler's, for the IS weight
+                batch.pop("old_logps", None)
             advantages.append(rloo_advantages(rewards, self.num_generations))
             batches.append(batch)
         if self.normalize_advantages:
@@ -91,7 +92,9 @@ class RLOOMethod(OnlineMethod):
         mask = batch["completion_mask"]
         logps, entropy = self.policy_logps(model, batch)
         # One update per rollout: the sampling policy's log-probs are the current ones, detached.
-        weights, is_metrics = self.importance_weights(batch, logps.detach())
+        weights, is_metrics = self.importance_weights(
+            batch, logps.detach(), logps, batch["advantages"]
+        )
         seq_logps = logps.sum(-1)
         weighted = seq_logps if weights is None else (logps * weights).sum(-1)
         valid = (mask.sum(-1) > 0).float()
