@@ -114,4 +114,10 @@ def correction_parameters() -> list[inspect.Parameter]:
     ]
 
 
-__all__ = ["ALIASES", "CORRECTION_ARGS", "DEFAULT_CLIP_MAX", "SamplerCorrection", "correction_parameters"]
+__all__ = [
+    "ALIASES",
+    "CORRECTION_ARGS",
+    "DEFAULT_CLIP_MAX",
+    "SamplerCorrection",
+    "correction_parameters",
+]
