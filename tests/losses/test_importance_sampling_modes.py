@@ -286,7 +286,7 @@ def test_importance_sampling_rloo_weights_tokens_against_naive():
 def test_importance_sampling_async_hf_sampler_reaches_rloo_as_old_logps():
     """Under asynchronous rollouts the HF sampler's log-probs arrive as ``old_logps``: RLOO (no
     ratio of its own) weights against them, GRPO (whose surrogate's pi_old they are) does not."""
-    logps, sampler, mask, adv = _batch(3)
+    logps, sampler, mask, _ = _batch(3)
     rloo = _with_engine(RLOOMethod([_zero_reward], beta=0, max_staleness=1), None)
     assert rloo.sampler_differs
     weights, m = rloo.importance_weights({"completion_mask": mask, "old_logps": sampler}, logps)
