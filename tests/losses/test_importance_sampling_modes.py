@@ -21,14 +21,14 @@ from trl import GRPOTrainer
 
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.online_dpo import OnlineDPOMethod
-from grimoire.losses.online_functional import (
+from grimoire.losses.rloo import RLOOMethod
+from grimoire.losses.sampler_functional import (
     IMPORTANCE_SAMPLING_MODES,
     importance_sampling_weights,
     off_policy_sequence_mask,
     sampler_mismatch_metrics,
     truncated_importance_weights,
 )
-from grimoire.losses.rloo import RLOOMethod
 from grimoire.model.tiny import build_model
 
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, 7.0]])

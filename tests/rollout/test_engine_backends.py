@@ -17,9 +17,9 @@ from grimoire.cli.schema import check_config
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.online_dpo import OnlineDPOMethod
-from grimoire.losses.online_functional import truncated_importance_weights
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
+from grimoire.losses.sampler_functional import truncated_importance_weights
 from grimoire.rollout.engines.backends import build_engine, engine_problems
 from grimoire.rollout.engines.base import RolloutEngine, SamplerConfig
 from grimoire.rollout.engines.hf import HFGenerateEngine

@@ -55,12 +55,6 @@ from grimoire.losses.online_checks import (
     check_prompt_lengths,
     warn_on_dropout,
 )
-from grimoire.losses.online_functional import (
-    importance_sampling_weights,
-    masked_mean,
-    off_policy_sequence_mask,
-    sampler_mismatch_metrics,
-)
 from grimoire.losses.sampler_correction import SamplerCorrection, correction_parameters
 from grimoire.rollout.agents.agent import Agent
 from grimoire.rollout.agents.episode_batches import EPISODE_COLUMNS
@@ -367,40 +361,18 @@ class OnlineMethod(GrimoireLoss):
         advantages: Tensor | None = None,
     ) -> tuple[Tensor | None, dict[str, Tensor]]:
         """Detached weights ``[N, C]`` of each token's policy-gradient term, and their metrics;
-        ``(None, {})`` when nothing is corrected (the HF engine, synchronous: the loss is then
-        bit-identical to an uncorrected one).
-
-        Two corrections multiply (:class:`~grimoire.losses.sampler_correction.SamplerCorrection`):
-        the importance weight of the chosen mode, ``old_logps`` against the sampler's
-        (:func:`~grimoire.losses.online_functional.importance_sampling_weights`), where
-        :attr:`sampler_differs`; and, given ``off_policy_mask_threshold``, the current policy's
-        ``logps`` and the per-completion ``advantages [N]``, DeepSeek-V3.2's off-policy sequence
-        mask, taken against the sampler's log-probs or else ``old_logps`` (as TRL), so it also
-        drops completions ``num_iterations > 1`` has left behind. A placeholder batch has no
-        sampler log-probs: it is weighted against ``old_logps`` itself (weight 1), and its
-        metrics still register (with weight 0), so every rank logs the same keys.
-        """
-        c = self.sampler_correction
-        mask = batch["completion_mask"]
-        weights, metrics = None, {}
-        sampler = self.sampler_logps(batch)
-        if self.sampler_differs:
-            theirs = old_logps.detach() if sampler is None else sampler
-            bounds = (c.clip_max(self.engine.sampler.importance_sampling_cap),)
-            args = (old_logps, theirs, mask, c.importance_sampling_mode, *bounds)
-            metrics = sampler_mismatch_metrics(*args, c.importance_sampling_clip_min)
-            if c.importance_sampling_correction:
-                weights = importance_sampling_weights(*args, c.importance_sampling_clip_min)
-            else:  # no weight: only what measures the mismatch itself
-                metrics = {k: v for k, v in metrics.items() if "importance" not in k}
-        t = c.off_policy_mask_threshold
-        if t is not None and logps is not None and advantages is not None:
-            behaviour = old_logps if sampler is None else sampler
-            keep = off_policy_sequence_mask(advantages, logps, behaviour, mask, t)
-            real = mask.sum(-1, keepdim=True) > 0
-            metrics["sampling/off_policy_masked_frac"] = masked_mean(1.0 - keep, real)
-            weights = keep.expand(mask.shape) if weights is None else weights * keep
-        return weights, metrics
+        ``(None, {})`` when nothing is corrected (:meth:`~grimoire.losses.sampler_correction.
+        SamplerCorrection.weights`: the mode's importance weight where :attr:`sampler_differs`,
+        times the off-policy sequence mask given ``logps`` and per-completion ``advantages``)."""
+        return self.sampler_correction.weights(
+            batch["completion_mask"],
+            old_logps,
+            self.sampler_logps(batch),
+            sampler_differs=self.sampler_differs,
+            engine_cap=self.engine.sampler.importance_sampling_cap,
+            logps=logps,
+            advantages=advantages,
+        )
 
     def policy_logps(
         self, model: torch.nn.Module, batch: dict[str, Any]

@@ -1,8 +1,8 @@
 """How an online method corrects for a sampler that is not the learner (``loss.args``).
 
 The settings under TRL 1.16's ``GRPOConfig`` names, checked once; the math is in
-:mod:`grimoire.losses.online_functional` (:func:`~grimoire.losses.online_functional.
-importance_sampling_weights`, :func:`~grimoire.losses.online_functional.off_policy_sequence_mask`).
+:mod:`grimoire.losses.sampler_functional` (:func:`~grimoire.losses.sampler_functional.
+importance_sampling_weights`, :func:`~grimoire.losses.sampler_functional.off_policy_sequence_mask`).
 TRL's ``vllm_``-prefixed spellings are accepted as aliases of the same settings (TRL only has a
 sampler other than the learner with vLLM; here an asynchronous sampler is one too).
 
@@ -22,7 +22,15 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from grimoire.losses.online_functional import check_importance_sampling
+from torch import Tensor
+
+from grimoire.losses.online_functional import masked_mean
+from grimoire.losses.sampler_functional import (
+    check_importance_sampling,
+    importance_sampling_weights,
+    off_policy_sequence_mask,
+    sampler_mismatch_metrics,
+)
 
 #: TRL's ``vllm_``-prefixed spelling -> the setting it is another name of.
 ALIASES = {
@@ -100,6 +108,49 @@ class SamplerCorrection:
         if self.importance_sampling_clip_max is not None:
             return self.importance_sampling_clip_max
         return DEFAULT_CLIP_MAX if engine_cap is None else engine_cap
+
+    def weights(
+        self,
+        mask: Tensor,
+        old_logps: Tensor,
+        sampler_logps: Tensor | None,
+        *,
+        sampler_differs: bool,
+        engine_cap: float | None,
+        logps: Tensor | None = None,
+        advantages: Tensor | None = None,
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Detached weights ``[N, C]`` of each token's policy-gradient term and their metrics;
+        ``(None, {})`` when nothing is corrected (the HF engine, synchronous: the loss is then
+        bit-identical to an uncorrected one).
+
+        Two corrections multiply: where ``sampler_differs`` (a setting of the run), the
+        importance weight of the mode, ``old_logps`` against ``sampler_logps``
+        (:func:`~grimoire.losses.sampler_functional.importance_sampling_weights`); and, given
+        ``off_policy_mask_threshold``, the current policy's ``logps`` and the per-completion
+        ``advantages [N]``, DeepSeek-V3.2's off-policy sequence mask, taken against the sampler's
+        log-probs or else ``old_logps`` (as TRL), so it also drops completions
+        ``num_iterations > 1`` has left behind. A placeholder batch has no sampler log-probs: it
+        is weighted against ``old_logps`` itself (weight 1), and its metrics still register
+        (with weight 0), so every rank logs the same keys."""
+        weights, metrics = None, {}
+        if sampler_differs:
+            theirs = old_logps.detach() if sampler_logps is None else sampler_logps
+            mode, lo = self.importance_sampling_mode, self.importance_sampling_clip_min
+            hi = self.clip_max(engine_cap)
+            metrics = sampler_mismatch_metrics(old_logps, theirs, mask, mode, hi, lo)
+            if self.importance_sampling_correction:
+                weights = importance_sampling_weights(old_logps, theirs, mask, mode, hi, lo)
+            else:  # no weight: only what measures the mismatch itself
+                metrics = {k: v for k, v in metrics.items() if "importance" not in k}
+        t = self.off_policy_mask_threshold
+        if t is not None and logps is not None and advantages is not None:
+            behaviour = old_logps if sampler_logps is None else sampler_logps
+            keep = off_policy_sequence_mask(advantages, logps, behaviour, mask, t)
+            real = mask.sum(-1, keepdim=True) > 0
+            metrics["sampling/off_policy_masked_frac"] = masked_mean(1.0 - keep, real)
+            weights = keep.expand(mask.shape) if weights is None else weights * keep
+        return weights, metrics
 
 
 #: Every setting's name (aliases included): what a method without a policy gradient hides.
