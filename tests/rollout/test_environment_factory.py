@@ -11,18 +11,17 @@ from typing import ClassVar
 
 import pytest
 import torch
-from tests.helpers.episodes import assert_only_model_tokens_get_gradient
-from tests.helpers.train_utils import quiet_config
+from tests.helpers.episodes import (
+    assert_only_model_tokens_get_gradient,
+    episode_trainer,
+    one_episode_batch,
+)
 
-from grimoire import GrimoireTrainer
 from grimoire.cli.main import main
-from grimoire.collate.prompts import GRPOCollator
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
-from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.agents.trl_environment import TRLEnvironment, trl_environment_factory
 from grimoire.rollout.engines.hf import HFGenerateEngine
-from grimoire.rows.prompts import tokenize_grpo
 
 
 class CounterEnv:
@@ -270,36 +269,22 @@ class ScriptedCalls(HFGenerateEngine):
 
 
 def test_environment_factory_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
     engine = ScriptedCalls(max_new_tokens=32)
     engine.end_id = tok.convert_tokens_to_ids("<|end|>")
     ScriptedCalls.tokenizer = tok
-    method = GRPOMethod(
+    trainer, rows = episode_trainer(
+        tiny_dir,
+        tmp_path,
         [zero_reward],
-        num_generations=4,
         environment_factory=CounterEnv,
         engine=engine,
-        stop_tokens=["<|end|>"],
-        tool_call_parser="tiny",
-        max_turns=3,
         max_episode_tokens=128,
-        fused=False,
-    )
-    config = quiet_config(
-        tmp_path, max_steps=1, batch_size=2, disable_dropout=True, seed=0, padding_free=False
-    )
-    trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
     )
     try:
-        prompts = GRPOCollator(pad_token_id=tok.pad_token_id)(rows[:2])
-        batches, metrics, _ = trainer.rollouts.step(trainer.context, [(prompts, 1.0)])
-        batch = batches[0][0]
+        batch, metrics = one_episode_batch(trainer, rows)
         mask = batch["completion_mask"]
         c = mask.shape[1]
         ids = batch["input_ids"][:, -c:]
