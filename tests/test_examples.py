@@ -70,6 +70,13 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         + ["--set", "eval_dataset.max_samples=4"],
         "output/agentic_lookup/final/model.safetensors",
     ),
+    "trl_environment_factory.yaml": (
+        # Runs on its own: a TRL environment_factory class (trl_lookup_env.py) as is.
+        [GRIMOIRE, "train", "--config", "examples/trl_environment_factory.yaml"],
+        ["--set", "training.max_steps=2", "--set", "training.eval_steps=2"]
+        + ["--set", "eval_dataset.max_samples=4"],
+        "output/trl_environment_factory/final/model.safetensors",
+    ),
     "distill_toy.yaml": (
         # Runs on its own: a tiny:llama student, the bundled reverse_warm teacher.
         [GRIMOIRE, "train", "--config", "examples/distill_toy.yaml"],
@@ -160,6 +167,7 @@ NOT_RUN_HERE = {
     "with accelerate's reader and validates the launch arguments",
     "accelerate/deepspeed_zero3.yaml": "as above",
     "accelerate/ds_zero3.json": "read through deepspeed_zero3.yaml by tests/test_docs.py",
+    "trl_lookup_env.py": "the class trl_environment_factory.yaml names, run with it",
 }
 RUN_YAML = """\
 # ddp.yaml's `run.yaml`: two CPU processes, a few steps of the tiny model.
@@ -218,6 +226,11 @@ def test_example_runs_as_written(example, tmp_path, request):
         records = [json.loads(x) for x in (root / "output/agentic_lookup/metrics.jsonl").open()]
         assert any(r.get("tools/calls", 0) > 0 for r in records), records
         assert any("eval/rewards/exact_match_reward/mean" in r for r in records), records
+    if example == "trl_environment_factory.yaml":  # the class's tool was called, its reward in
+        out = root / "output/trl_environment_factory/metrics.jsonl"
+        records = [json.loads(x) for x in out.open()]
+        assert any(r.get("tools/calls", 0) > 0 for r in records), records
+        assert any(r.get("episode/reward_mean", 0) > 0 for r in records), records
     if example == "distill_toy.yaml":
         records = [json.loads(x) for x in (root / "output/distill_toy/metrics.jsonl").open()]
         assert any("distill/reverse_kl" in r for r in records)

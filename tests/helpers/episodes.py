@@ -1,13 +1,22 @@
-"""Environments and a reward shared by the episode tests."""
+"""Environments, a reward, a turn sampler and a tiny-model GRPO trainer shared by the episode
+tests."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import torch
+from tests.helpers.train_utils import quiet_config
 
+from grimoire import GrimoireTrainer
+from grimoire.collate.prompts import GRPOCollator
+from grimoire.losses.grpo import GRPOMethod
+from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.agents.environment import Step
+from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rollout.engines.vllm_server import read_frames
+from grimoire.rows.prompts import tokenize_grpo
 
 
 class Chatty:
@@ -42,6 +51,66 @@ class Narrator:
         if self.turns >= 2:
             return Step([], 0.0, True)
         return Step([{"role": "tool", "content": "olleh dlrow"}], 0.0, False)
+
+
+class ShortTurns(HFGenerateEngine):
+    """Samples from the policy, but every turn ends with the template's end token after at most
+    4 sampled tokens: an untrained model rarely writes it, and a turn without it ends the
+    episode. The old log-probs are still the policy's (scored after sampling)."""
+
+    end_id = 0
+
+    def _sample(self, prompts, n, greedy):
+        rows = super()._sample(prompts, n, greedy)
+        return [
+            [t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id]
+            for i, r in enumerate(rows)
+        ]
+
+
+def episode_trainer(
+    tiny_dir, tmp_path, reward_funcs, padding_free=False, method_cls=GRPOMethod, **method_args: Any
+):
+    """A one-step trainer of the tiny model on 8 reverse rows, its method playing episodes of
+    ``G=4`` with the tiny template's parser and end token (``method_args`` add to or replace the
+    method's; the engine defaults to :class:`ShortTurns`); returns it and its rows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
+    if "engine" not in method_args:
+        method_args["engine"] = ShortTurns(max_new_tokens=8)
+        method_args["engine"].end_id = tok.convert_tokens_to_ids("<|end|>")
+    config = quiet_config(
+        tmp_path,
+        max_steps=1,
+        batch_size=2,
+        disable_dropout=True,
+        seed=0,
+        padding_free=padding_free,
+    )
+    settings = dict(
+        num_generations=4,
+        stop_tokens=["<|end|>"],
+        tool_call_parser="tiny",
+        max_turns=3,
+        max_episode_tokens=96,
+        fused=False,
+    )
+    method = method_cls(reward_funcs, **{**settings, **method_args})
+    trainer = GrimoireTrainer(
+        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
+    )
+    return trainer, rows
+
+
+def one_episode_batch(trainer, rows):
+    """The first training batch of one rollout step on the first two rows, and its metrics."""
+    prompts = GRPOCollator(pad_token_id=trainer.tokenizer.pad_token_id)(rows[:2])
+    batches, metrics, _ = trainer.rollouts.step(trainer.context, [(prompts, 1.0)])
+    return batches[0][0], metrics
 
 
 def answer_length(prompts, completions, **kwargs):

@@ -9,10 +9,8 @@ from typing import ClassVar
 
 import pytest
 import torch
-from tests.helpers.episodes import Narrator
-from tests.helpers.train_utils import quiet_config
+from tests.helpers.episodes import Narrator, ShortTurns, episode_trainer, one_episode_batch
 
-from grimoire import GrimoireTrainer
 from grimoire.cli.schema import validate_config
 from grimoire.collate.prompts import GRPOCollator
 from grimoire.errors import ConfigError
@@ -20,27 +18,11 @@ from grimoire.forward.completions import position_ids_from_mask
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.losses.raft import RAFTMethod
 from grimoire.losses.rloo import RLOOMethod
-from grimoire.model.tiny import lookup, reverse_rows
+from grimoire.model.tiny import lookup
 from grimoire.rollout.agents.environment import Step
 from grimoire.rollout.batches import pack_rollout_batch
 from grimoire.rollout.engines.base import Samples
-from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rows.prompts import tokenize_grpo
-
-
-class ShortTurns(HFGenerateEngine):
-    """Samples from the policy, but every turn ends with the template's end token after at most
-    4 sampled tokens: an untrained model rarely writes it, and a turn without it ends the
-    episode. The old log-probs are still the policy's (scored after sampling)."""
-
-    end_id = 0
-
-    def _sample(self, prompts, n, greedy):
-        rows = super()._sample(prompts, n, greedy)
-        return [
-            [t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id]
-            for i, r in enumerate(rows)
-        ]
 
 
 def length_reward(prompts, completions, **kwargs):
@@ -49,43 +31,12 @@ def length_reward(prompts, completions, **kwargs):
 
 
 def _trainer(tiny_dir, tmp_path, padding_free=False, method_cls=GRPOMethod, **method_args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=3)]
-    if "engine" not in method_args:
-        method_args["engine"] = ShortTurns(max_new_tokens=8)
-        method_args["engine"].end_id = tok.convert_tokens_to_ids("<|end|>")
-    config = quiet_config(
-        tmp_path,
-        max_steps=1,
-        batch_size=2,
-        disable_dropout=True,
-        seed=0,
-        padding_free=padding_free,
+    return episode_trainer(
+        tiny_dir, tmp_path, [length_reward], padding_free, method_cls, **method_args
     )
-    method = method_cls(
-        [length_reward],
-        num_generations=4,
-        stop_tokens=["<|end|>"],
-        tool_call_parser="tiny",
-        max_turns=3,
-        max_episode_tokens=96,
-        fused=False,
-        **method_args,
-    )
-    trainer = GrimoireTrainer(
-        model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
-    )
-    return trainer, rows
 
 
-def _one_batch(trainer, rows):
-    prompts = GRPOCollator(pad_token_id=trainer.tokenizer.pad_token_id)(rows[:2])
-    batches, metrics, _ = trainer.rollouts.step(trainer.context, [(prompts, 1.0)])
-    return batches[0][0], metrics
+_one_batch = one_episode_batch
 
 
 def _naive_logps(model, batch):

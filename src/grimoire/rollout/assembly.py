@@ -61,8 +61,8 @@ class RolloutSettings:
             ``k >= 1`` samples them in a background producer with weights at most ``k``
             optimizer steps old, while the learner trains
             (:mod:`grimoire.rollout.async_rollouts`; the hf engine, or vllm-server).
-        tools, environment, tool_call_parser, max_turns, max_episode_tokens, env_timeout,
-            failure_reward, stop_tokens: multi-turn episodes
+        tools, environment, environment_factory, tool_call_parser, max_turns,
+            max_episode_tokens, env_timeout, failure_reward, stop_tokens: multi-turn episodes
             (:func:`~grimoire.rollout.agents.agent.build_agent`).
     """
 
@@ -78,6 +78,7 @@ class RolloutSettings:
     max_staleness: int = 0
     tools: Sequence[Any] | None = None
     environment: Any = None
+    environment_factory: Any = None
     tool_call_parser: Any = "hermes"
     max_turns: int = 4
     max_episode_tokens: int = 2048
@@ -113,6 +114,7 @@ class RolloutSettings:
             self.tools,
             self.environment,
             self.tool_call_parser,
+            environment_factory=self.environment_factory,
             max_turns=self.max_turns,
             max_episode_tokens=self.max_episode_tokens,
             max_new_tokens=engine.sampler.max_new_tokens,

@@ -1,8 +1,8 @@
 """An online method's agentic settings, and the rollout of one prompt micro-batch as episodes.
 
-:func:`build_agent` turns the method arguments (``tools``, ``environment``,
-``tool_call_parser``, ``max_turns``, ``max_episode_tokens``, ``env_timeout``,
-``failure_reward``, ``stop_tokens``) into an :class:`Agent`, checked once, before any model is
+:func:`build_agent` turns the method arguments (``tools``, ``environment`` or TRL's
+``environment_factory``, ``tool_call_parser``, ``max_turns``, ``max_episode_tokens``,
+``env_timeout``, ``failure_reward``, ``stop_tokens``) into an :class:`Agent`, checked once, before any model is
 loaded: every unimportable spec, tool without a docstring or hint, unknown parser or bad limit
 is listed in one :class:`~grimoire.errors.ConfigError` naming its ``loss.args`` key.
 
@@ -29,6 +29,7 @@ from grimoire.rollout.agents.episode_batches import pad_episodes
 from grimoire.rollout.agents.episodes import Episode, EpisodeLimits
 from grimoire.rollout.agents.tool_parsers import ToolCallParser, resolve_tool_call_parser
 from grimoire.rollout.agents.toolbox import build_tools
+from grimoire.rollout.agents.trl_environment import trl_environment_factory
 from grimoire.rollout.engines.base import Rollout
 
 #: Where an episode ended before its model was done with it (counted as a clipped completion).
@@ -62,6 +63,7 @@ def build_agent(
     environment: Any,
     tool_call_parser: Any,
     *,
+    environment_factory: Any = None,
     max_turns: int,
     max_episode_tokens: int,
     max_new_tokens: int,
@@ -74,9 +76,12 @@ def build_agent(
 
     ``tools``: functions or ``package.module:function`` specs (schemas from their signatures
     and docstrings); ``environment``: a factory (callable or spec) called once per episode,
-    default a :class:`~grimoire.rollout.agents.environment.ToolEnvironment` over ``tools``.
+    default a :class:`~grimoire.rollout.agents.environment.ToolEnvironment` over ``tools``;
+    ``environment_factory``: instead, a class (or spec) written to TRL's ``environment_factory``
+    interface (:mod:`grimoire.rollout.agents.trl_environment`), its methods the tools beside
+    ``tools``.
     """
-    if not tools and environment is None:
+    if not tools and environment is None and environment_factory is None:
         return None
     where = "loss.args"
     problems: list[str] = []
@@ -91,6 +96,14 @@ def build_agent(
     factory = _resolved(environment, f"{where}.environment", problems)
     if environment is not None and factory is not None and not callable(factory):
         problems.append(f"{where}.environment: {environment!r} is not callable (a factory)")
+    trl_class = _resolved(environment_factory, f"{where}.environment_factory", problems)
+    if environment is not None and environment_factory is not None:
+        problems.append(f"{where}: give environment or environment_factory (TRL's), not both")
+    elif trl_class is not None and not problems:
+        try:
+            factory = trl_environment_factory(trl_class, functions)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
     parser: ToolCallParser | None = None
     try:
         parser = resolve_tool_call_parser(tool_call_parser)
@@ -111,7 +124,7 @@ def build_agent(
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:
         raise ConfigError(problems, title="invalid agentic rollout settings")
-    if environment is None:
+    if environment is None and environment_factory is None:
         factory = partial(ToolEnvironment, functions)
     # Resolved and checked callable above (a problem otherwise): the environment factory.
     return Agent(cast("Callable[[], Environment]", factory), parser, limits, tuple(stop_tokens))
