@@ -34,7 +34,10 @@ def test_quick_table_parses_and_passes_stay_within_budget():
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "src"), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
     )
+    # One thread per cell: the suite runs beside another worker (tests/conftest.py); memory,
+    # not speed, is what the table is read for.
     cmd = [sys.executable, str(SCRIPT), "--quick", "--families", "grpo", "--jobs", "2"]
+    cmd += ["--threads", "1"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
