@@ -138,9 +138,10 @@ class SamplerCorrection:
             theirs = old_logps.detach() if sampler_logps is None else sampler_logps
             mode, lo = self.importance_sampling_mode, self.importance_sampling_clip_min
             hi = self.clip_max(engine_cap)
-            metrics = sampler_mismatch_metrics(old_logps, theirs, mask, mode, hi, lo)
+            computed = importance_sampling_weights(old_logps, theirs, mask, mode, hi, lo)
+            metrics = sampler_mismatch_metrics(old_logps, theirs, mask, mode, hi, lo, computed)
             if self.importance_sampling_correction:
-                weights = importance_sampling_weights(old_logps, theirs, mask, mode, hi, lo)
+                weights = computed
             else:  # no weight: only what measures the mismatch itself
                 metrics = {k: v for k, v in metrics.items() if "importance" not in k}
         t = self.off_policy_mask_threshold

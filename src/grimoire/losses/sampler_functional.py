@@ -125,6 +125,7 @@ def sampler_mismatch_metrics(
     mode: str = "token_truncate",
     clip_max: float | None = 2.0,
     clip_min: float | None = None,
+    weights: Tensor | None = None,
 ) -> dict[str, Tensor]:
     r"""How far the sampler is from the learner, and what the correction of ``mode`` did with it.
 
@@ -141,11 +142,16 @@ def sampler_mismatch_metrics(
       ``*_truncate`` mode moved to a bound; ``.../masked_frac``: share of tokens a ``*_mask``
       mode zeroed (the tokens of a masked sequence, in ``sequence_mask``).
 
-    Shapes: ``[N, C]`` -> detached scalars (an empty mask gives 0, and ratios of 1).
+    ``weights``: :func:`importance_sampling_weights` of the same arguments, where the caller has
+    them (computed here otherwise). Shapes: ``[N, C]`` -> detached scalars (an empty mask gives
+    0, and ratios of 1).
     """
     d = sampler_log_ratio(old_logps, sampler_logps, mask)
     ratio = importance_sampling_ratio(d, mode)
-    weights = importance_sampling_weights(old_logps, sampler_logps, mask, mode, clip_max, clip_min)
+    if weights is None:  # the caller's, when it computed them for the loss already
+        weights = importance_sampling_weights(
+            old_logps, sampler_logps, mask, mode, clip_max, clip_min
+        )
     beyond = _outside(ratio, clip_min, clip_max).expand(mask.shape).float()
     truncating = mode.endswith("truncate")
     where = mask if mode.startswith("token") else (mask.sum(-1, keepdim=True) > 0)
