@@ -1,9 +1,9 @@
 """An online method's agentic settings, and the rollout of one prompt micro-batch as episodes.
 
 :func:`build_agent` turns the method arguments (``tools``, ``environment`` or TRL's
-``environment_factory``, ``tool_call_parser``, ``max_turns``, ``max_episode_tokens``,
-``env_timeout``, ``failure_reward``, ``stop_tokens``) into an :class:`Agent`, checked once, before any model is
-loaded: every unimportable spec, tool without a docstring or hint, unknown parser or bad limit
+``environment_factory`` or an OpenEnv server's ``openenv``, ``tool_call_parser``,
+``max_turns``, ``max_episode_tokens``, ``env_timeout``, ``failure_reward``, ``stop_tokens``)
+into an :class:`Agent`, checked once, before any model is loaded: every unimportable spec, tool without a docstring or hint, unknown parser or bad limit
 is listed in one :class:`~grimoire.errors.ConfigError` naming its ``loss.args`` key.
 
 :func:`episode_rollout` lays a group's episodes out as a
@@ -27,6 +27,7 @@ from grimoire.errors import ConfigError
 from grimoire.rollout.agents.environment import Environment, ToolEnvironment
 from grimoire.rollout.agents.episode_batches import pad_episodes
 from grimoire.rollout.agents.episodes import Episode, EpisodeLimits
+from grimoire.rollout.agents.openenv_environment import openenv_factory
 from grimoire.rollout.agents.tool_parsers import ToolCallParser, resolve_tool_call_parser
 from grimoire.rollout.agents.toolbox import build_tools
 from grimoire.rollout.agents.trl_environment import trl_environment_factory
@@ -64,6 +65,7 @@ def build_agent(
     tool_call_parser: Any,
     *,
     environment_factory: Any = None,
+    openenv: Any = None,
     max_turns: int,
     max_episode_tokens: int,
     max_new_tokens: int,
@@ -79,9 +81,10 @@ def build_agent(
     default a :class:`~grimoire.rollout.agents.environment.ToolEnvironment` over ``tools``;
     ``environment_factory``: instead, a class (or spec) written to TRL's ``environment_factory``
     interface (:mod:`grimoire.rollout.agents.trl_environment`), its methods the tools beside
-    ``tools``.
+    ``tools``; ``openenv``: instead, an OpenEnv server's settings
+    (:mod:`grimoire.rollout.agents.openenv_environment`), exclusive with the three others.
     """
-    if not tools and environment is None and environment_factory is None:
+    if not tools and environment is None and environment_factory is None and openenv is None:
         return None
     where = "loss.args"
     problems: list[str] = []
@@ -104,6 +107,15 @@ def build_agent(
             factory = trl_environment_factory(trl_class, functions)
         except ConfigError as exc:
             problems.extend(exc.problems)
+    if openenv is not None:
+        others = [k for k, v in (("tools", tools), ("environment", environment)) if v]
+        others += ["environment_factory"] if environment_factory is not None else []
+        if others:
+            problems.append(f"{where}: give openenv or {' / '.join(others)}, not both")
+        try:
+            factory = openenv_factory(openenv, env_timeout, f"{where}.openenv")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
     parser: ToolCallParser | None = None
     try:
         parser = resolve_tool_call_parser(tool_call_parser)
@@ -124,7 +136,7 @@ def build_agent(
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:
         raise ConfigError(problems, title="invalid agentic rollout settings")
-    if environment is None and environment_factory is None:
+    if environment is None and environment_factory is None and openenv is None:
         factory = partial(ToolEnvironment, functions)
     # Resolved and checked callable above (a problem otherwise): the environment factory.
     return Agent(cast("Callable[[], Environment]", factory), parser, limits, tuple(stop_tokens))

@@ -8,7 +8,9 @@ An environment follows :class:`Environment`::
 ``step`` answers the parsed assistant message (``{"role": "assistant", "content": ...,
 "tool_calls": [...]}``) with the messages to append (``tool`` results, a ``user`` turn), a
 reward contribution (summed over the episode), and whether the episode is over.
-``env.tools`` (optional) are the tool schemas the chat template shows the model.
+``env.tools`` (optional) are the tool schemas the chat template shows the model;
+``env.close()`` (optional) is called once the episode is over, however it ended (a session
+with a server to end); ``env.log_name`` (optional) names it in the log instead of its class.
 
 :class:`ToolEnvironment` is the default: built from plain Python functions, it runs the calls
 of each assistant turn and ends the episode at the first turn without a call.
@@ -20,6 +22,7 @@ environment that raises, returns the wrong types or never finishes gives an
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ from grimoire.rollout.agents.toolbox import (
     call_with_timeout,
     run_tool,
 )
+
+logger = logging.getLogger(__name__)
 
 Message = dict[str, Any]
 ROLES = ("system", "user", "assistant", "tool")
@@ -163,9 +168,12 @@ def guarded(
     env: Environment, method: str, arg: Any, timeout: float | None
 ) -> Step | list[Message] | EnvironmentFailure:
     """``env.reset(arg)`` or ``env.step(arg)`` under ``timeout`` seconds, checked: the messages
-    (``reset``) or the :class:`Step`, or the :class:`EnvironmentFailure`."""
+    (``reset``) or the :class:`Step`, or the :class:`EnvironmentFailure` (a ``TimeoutError``
+    the environment raises is a timeout too)."""
     try:
         value = call_with_timeout(getattr(env, method), timeout, arg)
+    except TimeoutError as exc:  # the environment's own clock (a client's request timeout)
+        return EnvironmentFailure(method, "timeout", f"{type(exc).__name__}: {exc}")
     except Exception as exc:
         return EnvironmentFailure(method, "exception", f"{type(exc).__name__}: {exc}")
     if value is TIMEOUT:
@@ -185,12 +193,33 @@ def environment_tools(env: Any) -> Sequence[Mapping[str, Any]] | None:
     return list(tools) if tools else None
 
 
+def environment_name(env: Any) -> str:
+    """How the log names an environment: its ``log_name`` (e.g. its server), else its class."""
+    return str(getattr(env, "log_name", None) or type(env).__name__)
+
+
+def close_environment(env: Any) -> None:
+    """``env.close()`` when it has one; its exception is logged, not raised (the episode is
+    already played)."""
+    close = getattr(env, "close", None)
+    if not callable(close):
+        return
+    try:
+        close()
+    except Exception as exc:
+        logger.warning(
+            "closing environment %s: %s: %s", environment_name(env), type(exc).__name__, exc
+        )
+
+
 __all__ = [
     "Environment",
     "EnvironmentFailure",
     "Message",
     "Step",
     "ToolEnvironment",
+    "close_environment",
+    "environment_name",
     "environment_tools",
     "guarded",
 ]

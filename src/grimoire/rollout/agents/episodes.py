@@ -42,6 +42,8 @@ from grimoire.rollout.agents.environment import (
     Environment,
     EnvironmentFailure,
     Message,
+    close_environment,
+    environment_name,
     environment_tools,
     guarded,
 )
@@ -202,7 +204,7 @@ class EpisodeRun:
         logger.warning(
             "episode %s: environment %s failed in %s (%s): %s; the episode ends with reward %s",
             self.episode_id,
-            type(self.env).__name__,
+            environment_name(self.env),
             failure.method,
             failure.kind,
             failure.detail,
@@ -362,12 +364,16 @@ def run_episode(
     stop_token_ids: Sequence[int] | None = None,
     episode_id: str | int = 0,
 ) -> Episode:
-    """Play one episode to its end (see the module docstring)."""
-    run = EpisodeRun(row, env, tokenizer, parser, limits, stop_token_ids, episode_id)
-    while not run.finished:
-        completion, logps = generate(run.prompt_ids, run.room)
-        run.feed(completion, logps)
-    return run.result()
+    """Play one episode to its end (see the module docstring); the environment is closed
+    after it (``env.close()``, when it has one)."""
+    try:
+        run = EpisodeRun(row, env, tokenizer, parser, limits, stop_token_ids, episode_id)
+        while not run.finished:
+            completion, logps = generate(run.prompt_ids, run.room)
+            run.feed(completion, logps)
+        return run.result()
+    finally:
+        close_environment(env)
 
 
 def run_episodes(
@@ -383,25 +389,29 @@ def run_episodes(
     """Episodes of ``rows`` (one environment each) in lockstep: every sampling call takes the
     next turn of all unfinished episodes (``max_new_tokens``: the largest room among them; each
     sample is cut to its own episode's room). ``episode_ids`` name them in the log (default:
-    their index)."""
+    their index). Every environment is closed after them (``env.close()``, when it has one)."""
     if len(rows) != len(envs):
         raise ValueError(f"{len(rows)} rows but {len(envs)} environments")
     ids = list(episode_ids) if episode_ids is not None else list(range(len(rows)))
     if len(ids) != len(rows):
         raise ValueError(f"{len(rows)} rows but {len(ids)} episode ids")
-    runs = [
-        EpisodeRun(row, env, tokenizer, parser, limits, stop_token_ids, episode_id=name)
-        for row, env, name in zip(rows, envs, ids)
-    ]
-    while live := [r for r in runs if not r.finished]:
-        samples = generate_batch([r.prompt_ids for r in live], max(r.room for r in live))
-        if len(samples) != len(live):
-            raise ValueError(
-                f"generate_batch returned {len(samples)} samples for {len(live)} prompts"
-            )
-        for run, (completion, logps) in zip(live, samples):
-            run.feed(completion, logps)
-    return [r.result() for r in runs]
+    try:
+        runs = [
+            EpisodeRun(row, env, tokenizer, parser, limits, stop_token_ids, episode_id=name)
+            for row, env, name in zip(rows, envs, ids)
+        ]
+        while live := [r for r in runs if not r.finished]:
+            samples = generate_batch([r.prompt_ids for r in live], max(r.room for r in live))
+            if len(samples) != len(live):
+                raise ValueError(
+                    f"generate_batch returned {len(samples)} samples for {len(live)} prompts"
+                )
+            for run, (completion, logps) in zip(live, samples):
+                run.feed(completion, logps)
+        return [r.result() for r in runs]
+    finally:
+        for env in envs:
+            close_environment(env)
 
 
 def sum_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
