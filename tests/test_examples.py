@@ -77,6 +77,14 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         + ["--set", "eval_dataset.max_samples=4"],
         "output/trl_environment_factory/final/model.safetensors",
     ),
+    "openenv_reverse.yaml": (
+        # Its server (openenv_reverse_env.py) is started by the test as the header starts it,
+        # on a port the OS picks; the override names that port.
+        [GRIMOIRE, "train", "--config", "examples/openenv_reverse.yaml"],
+        ["--set", "training.max_steps=2", "--set", "training.eval_steps=2"]
+        + ["--set", "eval_dataset.max_samples=4"],
+        "output/openenv_reverse/final/model.safetensors",
+    ),
     "distill_toy.yaml": (
         # Runs on its own: a tiny:llama student, the bundled reverse_warm teacher.
         [GRIMOIRE, "train", "--config", "examples/distill_toy.yaml"],
@@ -168,6 +176,7 @@ NOT_RUN_HERE = {
     "accelerate/deepspeed_zero3.yaml": "as above",
     "accelerate/ds_zero3.json": "read through deepspeed_zero3.yaml by tests/test_docs.py",
     "trl_lookup_env.py": "the class trl_environment_factory.yaml names, run with it",
+    "openenv_reverse_env.py": "the server openenv_reverse.yaml trains against, run with it",
 }
 RUN_YAML = """\
 # ddp.yaml's `run.yaml`: two CPU processes, a few steps of the tiny model.
@@ -204,6 +213,17 @@ def command(argv: list[str]) -> list[str]:
     return out
 
 
+def run_against_openenv_server(argv: list[str], root: Path):
+    """``argv`` run while the example's OpenEnv server runs (on a port the OS picks, named by
+    an override); the run and the server's log."""
+    from tests.helpers.openenv_server import serving
+
+    with serving("openenv_reverse_env:app", cwd=root, app_dir="examples") as (server,):
+        url = ["--set", f"loss.args.openenv.base_url={server.url}"]
+        done = run(command(argv + url), root, timeout=900)
+    return done, server.log
+
+
 @pytest.mark.parametrize("example", sorted(RUNS))
 def test_example_runs_as_written(example, tmp_path, request):
     documented, shorter, writes = RUNS[example]
@@ -214,7 +234,10 @@ def test_example_runs_as_written(example, tmp_path, request):
     env = {"OMP_NUM_THREADS": "1"} if example == "accelerate/ddp.yaml" else {}
     if example.startswith("smollm2_"):  # the session's converted GGUF file, not a second one
         env["GRIMOIRE_CACHE"] = str(request.getfixturevalue("real_model_cache")[0])
-    done = run(command(documented + shorter), root, timeout=900, **env)
+    if example == "openenv_reverse.yaml":
+        done, server_log = run_against_openenv_server(documented + shorter, root)
+    else:
+        done = run(command(documented + shorter), root, timeout=900, **env)
     assert (root / writes).is_file(), done.stdout[-2000:]
     if example == "accelerate/ddp.yaml":
         # Two processes: 32 rows / (4 per process x 2) = 4 steps per epoch, so step 2 is 0.5.
@@ -231,6 +254,11 @@ def test_example_runs_as_written(example, tmp_path, request):
         records = [json.loads(x) for x in out.open()]
         assert any(r.get("tools/calls", 0) > 0 for r in records), records
         assert any(r.get("episode/reward_mean", 0) > 0 for r in records), records
+    if example == "openenv_reverse.yaml":  # the server was stepped; its rewards are in
+        records = [json.loads(x) for x in (root / "output/openenv_reverse/metrics.jsonl").open()]
+        assert any(r.get("openenv/steps", 0) > 0 for r in records), records
+        assert any(r.get("episode/reward_mean", 0) > 0 for r in records), records
+        assert sum('"WebSocket /ws" [accepted]' in line for line in server_log) >= 32
     if example == "distill_toy.yaml":
         records = [json.loads(x) for x in (root / "output/distill_toy/metrics.jsonl").open()]
         assert any("distill/reverse_kl" in r for r in records)

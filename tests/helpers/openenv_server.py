@@ -39,11 +39,15 @@ class Server:
                 self.process.wait(timeout=10)
 
 
-def start(app: str, cwd: Path = ROOT) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
-    """Starts ``uvicorn app`` (``module:app``, importable from ``cwd``) on port 0; its log is
-    read by a thread into a list (the pipe never fills) and, line by line, a queue."""
+def start(
+    app: str, cwd: Path = ROOT, app_dir: str | None = None
+) -> tuple[subprocess.Popen, queue.Queue, list[str]]:
+    """Starts ``uvicorn app`` (``module:app``, importable from ``cwd`` or its ``app_dir``) on
+    port 0; its log is read by a thread into a list (the pipe never fills) and, line by line,
+    a queue."""
+    where = ["--app-dir", app_dir] if app_dir else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", "0"],
+        [sys.executable, "-m", "uvicorn", *where, app, "--host", "127.0.0.1", "--port", "0"],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -87,9 +91,9 @@ def wait_ready(
 
 
 @contextmanager
-def serving(*apps: str, cwd: Path = ROOT) -> Iterator[list[Server]]:
+def serving(*apps: str, cwd: Path = ROOT, app_dir: str | None = None) -> Iterator[list[Server]]:
     """One server per ``module:app`` of ``apps``, started side by side; all stopped after."""
-    started = [start(app, cwd) for app in apps]
+    started = [start(app, cwd, app_dir) for app in apps]
     servers: list[Server] = []
     try:
         for process, lines, log in started:

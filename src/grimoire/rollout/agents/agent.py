@@ -59,6 +59,28 @@ def _resolved(spec: Any, kind: str, problems: list[str]) -> Any:
         return None
 
 
+def _openenv(settings: Any, env_timeout: float | None, problems: list[str], *others: Any) -> Any:
+    """The OpenEnv episode factory of ``loss.args.openenv`` (None, problems added, when it is
+    wrong or given with one of ``others``: ``tools``, ``environment``, ``environment_factory``)."""
+    names = ("tools", "environment", "environment_factory")
+    given = [name for name, value in zip(names, others, strict=True) if value]
+    if given:
+        problems.append(f"loss.args: give openenv or {' / '.join(given)}, not both")
+    try:
+        return openenv_factory(settings, env_timeout, "loss.args.openenv")
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return None
+
+
+def _limits(problems: list[str], failure_reward: Any, **limits: Any) -> EpisodeLimits | None:
+    try:
+        return EpisodeLimits(failure_reward=float(failure_reward), **limits)
+    except (ValueError, TypeError) as exc:
+        problems.append(f"loss.args: {exc}")
+        return None
+
+
 def build_agent(
     tools: Sequence[Any] | None,
     environment: Any,
@@ -108,30 +130,20 @@ def build_agent(
         except ConfigError as exc:
             problems.extend(exc.problems)
     if openenv is not None:
-        others = [k for k, v in (("tools", tools), ("environment", environment)) if v]
-        others += ["environment_factory"] if environment_factory is not None else []
-        if others:
-            problems.append(f"{where}: give openenv or {' / '.join(others)}, not both")
-        try:
-            factory = openenv_factory(openenv, env_timeout, f"{where}.openenv")
-        except ConfigError as exc:
-            problems.extend(exc.problems)
+        factory = _openenv(openenv, env_timeout, problems, tools, environment, environment_factory)
     parser: ToolCallParser | None = None
     try:
         parser = resolve_tool_call_parser(tool_call_parser)
     except (ConfigError, TypeError) as exc:
         problems.extend(getattr(exc, "problems", None) or [f"{where}.tool_call_parser: {exc}"])
-    limits = None
-    try:
-        limits = EpisodeLimits(
-            max_turns=max_turns,
-            max_tokens=max_episode_tokens,
-            max_new_tokens=max_new_tokens,
-            env_timeout=env_timeout,
-            failure_reward=float(failure_reward),
-        )
-    except (ValueError, TypeError) as exc:
-        problems.append(f"{where}: {exc}")
+    limits = _limits(
+        problems,
+        max_turns=max_turns,
+        max_tokens=max_episode_tokens,
+        max_new_tokens=max_new_tokens,
+        env_timeout=env_timeout,
+        failure_reward=failure_reward,
+    )
     if isinstance(stop_tokens, str) or not all(isinstance(s, str) for s in stop_tokens):
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:

@@ -9,7 +9,7 @@ An environment follows :class:`Environment`::
 "tool_calls": [...]}``) with the messages to append (``tool`` results, a ``user`` turn), a
 reward contribution (summed over the episode), and whether the episode is over.
 ``env.tools`` (optional) are the tool schemas the chat template shows the model;
-``env.close()`` (optional) is called once the episode is over, however it ended (a session
+``env.close()`` (optional) is called once the episode is over, however it ended (a connection
 with a server to end); ``env.log_name`` (optional) names it in the log instead of its class.
 
 :class:`ToolEnvironment` is the default: built from plain Python functions, it runs the calls

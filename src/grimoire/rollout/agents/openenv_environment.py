@@ -9,9 +9,10 @@ it::
       action_field: message            # the Action field the model's text goes into
       action: my_pkg.actions:to_action # or: assistant message -> the Action's fields (a dict)
       observation_field: text          # the Observation field shown to the model
+      system_prompt: ...               # a system message before the first user turn
       timeout: 30                      # seconds per request (default: env_timeout)
 
-Each episode opens its own session (OpenEnv's WebSocket client, ``GenericEnvClient(...)
+Each episode opens its own connection (OpenEnv's WebSocket client, ``GenericEnvClient(...)
 .sync()``: the server builds a fresh environment per connection) and closes it when the
 episode ends, so the server's ``max_concurrent_envs`` must allow every episode of a rollout
 step at once (``batch_size x num_generations`` per process).
@@ -20,7 +21,7 @@ step at once (``batch_size x num_generations`` per process).
   only those its environment's ``reset`` takes, e.g. ``answer`` or ``seed``). The first
   messages are the row's prompt (``messages`` or ``prompt``) with the reset observation's text
   after it in the last user turn (``"\\n\\n"`` between); without a prompt column, the
-  observation's text alone is the user turn.
+  observation's text alone is the user turn; ``system_prompt`` (when given) comes first.
 * ``step(message)``: the action is ``{action_field: message["content"]}`` (what the tool-call
   parser left of the turn) or ``action(message)``; the observation's text comes back as the
   next ``user`` message (none when it is empty), with the step's reward (``None`` is 0) and
@@ -39,7 +40,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from grimoire.config.registry import resolve
 from grimoire.errors import ConfigError
@@ -50,7 +51,16 @@ logger = logging.getLogger(__name__)
 
 INSTALL = "pip install 'grimoire[openenv]'"
 #: The keys of ``loss.args.openenv``.
-OPENENV_KEYS = ("base_url", "action_field", "action", "observation_field", "timeout")
+OPENENV_KEYS = (
+    "base_url",
+    "action_field",
+    "action",
+    "observation_field",
+    "system_prompt",
+    "timeout",
+)
+#: The keys whose value is a string, as given.
+_TEXT_KEYS = ("action_field", "observation_field", "system_prompt")
 #: Seconds per request when neither ``timeout`` nor ``env_timeout`` bounds it.
 DEFAULT_TIMEOUT = 30.0
 
@@ -71,6 +81,7 @@ class OpenEnvSettings:
     action_field: str = "message"
     action: Callable[[Message], Mapping[str, Any]] | None = None
     observation_field: str | None = None
+    system_prompt: str | None = None
     timeout: float = DEFAULT_TIMEOUT
 
 
@@ -93,16 +104,19 @@ def observation_text(observation: Mapping[str, Any], field: str | None) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
-def _first_messages(row: Mapping[str, Any], text: str) -> list[Message]:
+def _first_messages(row: Mapping[str, Any], text: str, system: str | None) -> list[Message]:
     first = row.get("messages", row.get("prompt"))
     if first is None:
-        return [{"role": "user", "content": text}]
-    messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
-    if text:
+        messages = [{"role": "user", "content": text}]
+    elif isinstance(first, str):
+        messages = [{"role": "user", "content": first}]
+    else:
+        messages = list(first)
+    if first is not None and text:
         last = dict(messages[-1])
         last["content"] = "\n\n".join(s for s in (last.get("content") or "", text) if s)
         messages[-1] = last
-    return messages
+    return messages if system is None else [{"role": "system", "content": system}, *messages]
 
 
 class OpenEnvEnvironment:
@@ -113,7 +127,7 @@ class OpenEnvEnvironment:
         self.settings = settings
         self.client_class = client_class
         self.client: Any = None
-        self.broken = False  # a request of this session failed, or has not answered yet
+        self.broken = False  # a request on this connection failed, or has not answered yet
         self.counters: dict[str, int] = {}
 
     @property
@@ -139,14 +153,15 @@ class OpenEnvEnvironment:
         return result
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        self.close()  # a reused environment starts a new session
+        self.close()  # a reused environment opens a new connection
         s = self.settings
         client = self.client_class(
             base_url=s.base_url, connect_timeout_s=s.timeout, message_timeout_s=s.timeout
         )
         self.client = client.sync()
         result = self._request("reset", lambda: self.client.reset(**row))
-        return _first_messages(row, observation_text(result.observation, s.observation_field))
+        text = observation_text(result.observation, s.observation_field)
+        return _first_messages(row, text, s.system_prompt)
 
     def step(self, message: Message) -> Step:
         if self.client is None:
@@ -164,7 +179,7 @@ class OpenEnvEnvironment:
         return Step(messages, reward, bool(result.done))
 
     def close(self) -> None:
-        """Ends the session: at once when it is healthy (bounded by ``timeout``), in the
+        """Closes the connection: at once when it is healthy (bounded by ``timeout``), in the
         background after a failed request (a server that did not answer a step does not answer
         the close handshake either; the episode is not held up for it)."""
         client, self.client = self.client, None
@@ -178,9 +193,9 @@ class OpenEnvEnvironment:
     def _close(self, client: Any) -> None:
         try:
             if call_with_timeout(client.close, self.settings.timeout) is TIMEOUT:
-                logger.debug("%s: the session did not close within the timeout", self.log_name)
-        except Exception as exc:  # the server died: its session is gone with it
-            logger.debug("%s: closing the session: %s", self.log_name, exc)
+                logger.debug("%s: the connection did not close within the timeout", self.log_name)
+        except Exception as exc:  # the server died: the connection is gone with it
+            logger.debug("%s: closing the connection: %s", self.log_name, exc)
 
 
 def _openenv_client(where: str) -> Any:
@@ -206,9 +221,9 @@ def _settings(
     url = given.get("base_url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://", "ws://", "wss://")):
         problems.append(f"{where}.base_url: the server's URL (http://host:port), got {url!r}")
-    for key in ("action_field", "observation_field"):
+    for key in _TEXT_KEYS:
         if key in given and not (isinstance(given[key], str) and given[key]):
-            problems.append(f"{where}.{key}: a field name, got {given[key]!r}")
+            problems.append(f"{where}.{key}: a non-empty string, got {given[key]!r}")
     if "action" in given and "action_field" in given:
         problems.append(f"{where}: give action_field or action (a function), not both")
     action = given.get("action")
@@ -217,16 +232,18 @@ def _settings(
             action = resolve(action, {}, f"{where}.action")
         except ConfigError as exc:
             problems.extend(exc.problems)
+            action = None
     if action is not None and not callable(action):
         problems.append(f"{where}.action: {given['action']!r} is not callable")
     timeout = given.get("timeout", env_timeout)
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         problems.append(f"{where}.timeout: seconds > 0, got {timeout!r}")
-    if problems:
+    if problems or not isinstance(url, str):
         return None, problems
-    options = {k: given[k] for k in ("action_field", "observation_field") if k in given}
-    return OpenEnvSettings(url, action=action, timeout=float(timeout), **options), []
+    options = {k: given[k] for k in _TEXT_KEYS if k in given}
+    checked = cast("Callable[[Message], Mapping[str, Any]] | None", action)  # callable or None
+    return OpenEnvSettings(url, action=checked, timeout=float(timeout), **options), []
 
 
 def openenv_factory(
