@@ -113,6 +113,53 @@ def one_episode_batch(trainer, rows):
     return batches[0][0], metrics
 
 
+def model_and_context_texts(tok, batch) -> list[tuple[str, str]]:
+    """Each row's text the model sampled (``completion_mask`` 1) and the text it only reads
+    (attended after the first prompt, ``completion_mask`` 0: tool, environment and template
+    tokens)."""
+    mask = batch["completion_mask"]
+    c = mask.shape[1]
+    ids = batch["input_ids"][:, -c:]
+    attended = batch["attention_mask"][:, -c:] == 1
+    return [
+        (
+            tok.decode(ids[row][mask[row] == 1]),
+            tok.decode(ids[row][attended[row] & (mask[row] == 0)]),
+        )
+        for row in range(ids.shape[0])
+    ]
+
+
+def episode_yaml(tmp_path, agent: str) -> str:
+    """A one-step GRPO config of the tiny model on 4 reverse rows, written under ``tmp_path``,
+    whose ``loss.args`` end with the line ``agent`` (e.g. ``"environment_factory: 'pkg:Env'"``);
+    its path (a new file each call)."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "reverse ab=", "answer": "ba"}\n' * 4)
+    path = tmp_path / f"run{len(list(tmp_path.glob('run*.yaml')))}.yaml"
+    path.write_text(
+        "model: {pretrained: 'tiny:llama'}\n"
+        f"dataset: {{jsonl: {data}, tokenize: {{type: grpo}}}}\n"
+        "loss:\n  type: grpo\n  args:\n"
+        "    reward_funcs: [exact_match]\n    num_generations: 2\n    tool_call_parser: tiny\n"
+        f"    {agent}\n"
+        f"training: {{output_dir: {tmp_path / 'out'}, max_steps: 1, batch_size: 2}}\n"
+    )
+    return str(path)
+
+
+def assert_validates(capsys, good: str, bad: str, error: str) -> None:
+    """``grimoire validate`` passes the config at ``good`` and fails the one at ``bad``,
+    printing ``error``."""
+    from grimoire.cli.main import main
+
+    assert main(["validate", "--config", good]) == 0
+    assert "is valid" in capsys.readouterr().out
+    assert main(["validate", "--config", bad]) != 0
+    captured = capsys.readouterr()
+    assert error in captured.out + captured.err
+
+
 def answer_length(prompts, completions, **kwargs):
     """A reward that varies across a group (each answer's length), so advantages are non-zero."""
     return [float(len(c)) for c in completions]

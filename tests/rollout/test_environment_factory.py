@@ -13,11 +13,13 @@ import pytest
 import torch
 from tests.helpers.episodes import (
     assert_only_model_tokens_get_gradient,
+    assert_validates,
     episode_trainer,
+    episode_yaml,
+    model_and_context_texts,
     one_episode_batch,
 )
 
-from grimoire.cli.main import main
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.rollout.agents.trl_environment import TRLEnvironment, trl_environment_factory
@@ -222,28 +224,13 @@ def test_environment_factory_malformed_classes_are_config_errors_naming_what_is_
 
 
 def _yaml(tmp_path, factory: str) -> str:
-    data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "reverse ab=", "answer": "ba"}\n' * 4)
-    path = tmp_path / "run.yaml"
-    path.write_text(
-        "model: {pretrained: 'tiny:llama'}\n"
-        f"dataset: {{jsonl: {data}, tokenize: {{type: grpo}}}}\n"
-        "loss:\n  type: grpo\n  args:\n"
-        "    reward_funcs: [exact_match]\n    num_generations: 2\n    tool_call_parser: tiny\n"
-        f"    environment_factory: '{factory}'\n"
-        f"training: {{output_dir: {tmp_path / 'out'}, max_steps: 1, batch_size: 2}}\n"
-    )
-    return str(path)
+    return episode_yaml(tmp_path, f"environment_factory: '{factory}'")
 
 
 def test_environment_factory_yaml_spec_validates(tmp_path, capsys):
     good = _yaml(tmp_path, "tests.rollout.test_environment_factory:CounterEnv")
-    assert main(["validate", "--config", good]) == 0
-    assert "is valid" in capsys.readouterr().out
     bad = _yaml(tmp_path, "tests.rollout.test_environment_factory:NoReset")
-    assert main(["validate", "--config", bad]) != 0
-    captured = capsys.readouterr()
-    assert "NoReset has no reset method" in captured.out + captured.err
+    assert_validates(capsys, good, bad, "NoReset has no reset method")
 
 
 class ScriptedCalls(HFGenerateEngine):
@@ -285,14 +272,8 @@ def test_environment_factory_grpo_step_trains_only_model_tokens(tiny_dir, tmp_pa
     )
     try:
         batch, metrics = one_episode_batch(trainer, rows)
-        mask = batch["completion_mask"]
-        c = mask.shape[1]
-        ids = batch["input_ids"][:, -c:]
-        attended = batch["attention_mask"][:, -c:] == 1
         letters = []
-        for row in range(ids.shape[0]):
-            model_text = tok.decode(ids[row][mask[row] == 1])
-            context_text = tok.decode(ids[row][attended[row] & (mask[row] == 0)])
+        for model_text, context_text in model_and_context_texts(tok, batch):
             n = next(k for k in (3, 2, 1) if f"call: add(letters={'a' * k})<|end|>" in model_text)
             letters.append(n)
             # The tool's answer is read (attended) but never trained (mask 0).

@@ -12,15 +12,10 @@ import time
 
 import pytest
 import torch
-from tests.helpers.episodes import (
-    assert_only_model_tokens_get_gradient,
-    episode_trainer,
-    one_episode_batch,
-)
+from tests.helpers import episodes as helpers
 from tests.helpers.openenv_envs import SLEEP
 from tests.helpers.openenv_server import serving
 
-from grimoire.cli.main import main
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import build_tokenizer
@@ -232,18 +227,12 @@ def test_openenv_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path, url):
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     engine = Scripted(max_new_tokens=8)
     engine.end_id, engine.tok = tok.convert_tokens_to_ids("<|end|>"), tok
-    trainer, rows = episode_trainer(
+    trainer, rows = helpers.episode_trainer(
         tiny_dir, tmp_path, [zero_reward], openenv={"base_url": url}, engine=engine
     )
     try:
-        batch, metrics = one_episode_batch(trainer, rows)
-        mask = batch["completion_mask"]
-        c = mask.shape[1]
-        ids = batch["input_ids"][:, -c:]
-        attended = batch["attention_mask"][:, -c:] == 1
-        for row in range(ids.shape[0]):
-            model_text = tok.decode(ids[row][mask[row] == 1])
-            context_text = tok.decode(ids[row][attended[row] & (mask[row] == 0)])
+        batch, metrics = helpers.one_episode_batch(trainer, rows)
+        for model_text, context_text in helpers.model_and_context_texts(tok, batch):
             # The server's observations are read (attended) but never trained (mask 0).
             assert "heard" in context_text and "heard" not in model_text
         assert metrics["episode/turns_mean"] == 2.0 and metrics["openenv/steps"] == 16.0
@@ -254,7 +243,9 @@ def test_openenv_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path, url):
         expected = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
         torch.testing.assert_close(batch["advantages"].float().cpu(), expected)
 
-        assert_only_model_tokens_get_gradient(trainer, trainer.context.unwrapped_model, batch)
+        helpers.assert_only_model_tokens_get_gradient(
+            trainer, trainer.context.unwrapped_model, batch
+        )
     finally:
         trainer.close()
 
@@ -302,24 +293,8 @@ def test_openenv_missing_extra_names_it(monkeypatch):
 
 
 def test_openenv_yaml_validates(tmp_path, capsys):
-    data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "reverse ab=", "answer": "ba"}\n' * 4)
-
-    def config(openenv: str) -> str:
-        path = tmp_path / "run.yaml"
-        path.write_text(
-            "model: {pretrained: 'tiny:llama'}\n"
-            f"dataset: {{jsonl: {data}, tokenize: {{type: grpo}}}}\n"
-            "loss:\n  type: grpo\n  args:\n"
-            "    reward_funcs: [exact_match]\n    num_generations: 2\n    tool_call_parser: tiny\n"
-            f"    openenv: {openenv}\n"
-            f"training: {{output_dir: {tmp_path / 'out'}, max_steps: 1, batch_size: 2}}\n"
-        )
-        return str(path)
-
-    assert main(["validate", "--config", config("{base_url: 'http://127.0.0.1:8000'}")]) == 0
-    assert "is valid" in capsys.readouterr().out
-    bad = config("{base_url: 'http://127.0.0.1:8000', action_feild: text}")
-    assert main(["validate", "--config", bad]) != 0
-    captured = capsys.readouterr()
-    assert "loss.args.openenv.action_feild: unknown key" in captured.out + captured.err
+    good = helpers.episode_yaml(tmp_path, "openenv: {base_url: 'http://127.0.0.1:8000'}")
+    bad = helpers.episode_yaml(
+        tmp_path, "openenv: {base_url: 'http://127.0.0.1:8000', action_feild: t}"
+    )
+    helpers.assert_validates(capsys, good, bad, "loss.args.openenv.action_feild: unknown key")
