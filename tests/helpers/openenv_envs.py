@@ -4,6 +4,7 @@ process for tests/rollout/test_openenv.py (``uvicorn tests.helpers.openenv_envs:
 
 from __future__ import annotations
 
+import threading
 import time
 
 from openenv.core.env_server.http_server import create_app
@@ -27,14 +28,24 @@ class Heard(Observation):
 class LetterCount(Environment):
     """Rewards each message with how often it says the episode's letter (the row's ``letter``
     column, default ``a``) and answers ``heard <n>``; done after :data:`TURNS` steps. A
-    ``sleep`` message answers after :data:`SLEEP` seconds, a ``crash`` message raises."""
+    ``sleep`` message answers after :data:`SLEEP` seconds, a ``crash`` message raises. Its
+    ``state`` tells how many instances the server has open (one per connection; OpenEnv calls
+    ``close`` when a connection ends)."""
 
     SUPPORTS_CONCURRENT_SESSIONS = True
+    open = 0
+    lock = threading.Lock()
 
     def __init__(self):
         super().__init__()
         self.letter = "a"
         self.steps = 0
+        with LetterCount.lock:
+            LetterCount.open += 1
+
+    def close(self) -> None:
+        with LetterCount.lock:
+            LetterCount.open -= 1
 
     def reset(self, seed=None, episode_id=None, letter: str = "a", **kwargs) -> Heard:
         self.letter, self.steps = letter, 0
@@ -51,7 +62,7 @@ class LetterCount(Environment):
 
     @property
     def state(self) -> State:
-        return State(step_count=self.steps)
+        return State(step_count=self.steps, open=LetterCount.open)
 
 
 app = create_app(LetterCount, Say, Heard, env_name="letter_count", max_concurrent_envs=16)

@@ -116,6 +116,40 @@ def test_openenv_episodes_in_lockstep_one_session_each(tok, url):
     assert all(env.client is None for env in envs)
 
 
+def open_on_server(url) -> int:
+    """The environments the server has open, by its own count, this probe's not included."""
+    from openenv.core.generic_client import GenericEnvClient
+
+    with GenericEnvClient(base_url=url, message_timeout_s=5.0).sync() as probe:
+        return probe.state()["open"] - 1
+
+
+def test_openenv_every_episode_closes_its_connection(tok, url):
+    before = open_on_server(url)
+    end = tok.convert_tokens_to_ids("<|end|>")
+    said = iter([["a", "crash", "b"]])
+
+    def generate_batch(prompts, room):
+        return [(tok(t, add_special_tokens=False)["input_ids"] + [end], None) for t in next(said)]
+
+    factory = openenv_factory({"base_url": url}, 10.0)
+    episodes = run_episodes(
+        [{"prompt": "p"}] * 3,
+        [factory() for _ in range(3)],
+        generate_batch,
+        tok,
+        parse_tiny,
+        EpisodeLimits(max_turns=1),
+        [end],
+    )
+    # Cut by max_turns (the server never said done) or failed: closed all the same.
+    assert [e.stop_reason for e in episodes] == ["max_turns", "environment_error", "max_turns"]
+    deadline = time.monotonic() + 5.0  # the server ends its side after the client's close
+    while (now := open_on_server(url)) != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert now == before
+
+
 def test_openenv_action_function_and_observation_field(tok, url):
     env = openenv_factory(
         {
