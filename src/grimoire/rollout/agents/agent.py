@@ -30,7 +30,9 @@ from grimoire.rollout.agents.episodes import Episode, EpisodeLimits
 from grimoire.rollout.agents.tool_parsers import ToolCallParser, resolve_tool_call_parser
 from grimoire.rollout.agents.toolbox import build_tools
 from grimoire.rollout.agents.trl_environment import trl_environment_factory
+from grimoire.rollout.agents.verifiers_rubric import verifiers_parts
 from grimoire.rollout.engines.base import Rollout
+from grimoire.rollout.rewards.calls import RewardFunction
 
 #: Where an episode ended before its model was done with it (counted as a clipped completion).
 _CUT = ("max_turns", "token_budget", "truncated")
@@ -40,12 +42,14 @@ _CUT = ("max_turns", "token_budget", "truncated")
 class Agent:
     """How a method plays episodes: a fresh environment per episode from ``env_factory()``,
     the parser of its turns, the episode limits, and extra stop tokens (the chat template's
-    end-of-turn token, when it is not the tokenizer's EOS)."""
+    end-of-turn token, when it is not the tokenizer's EOS); ``rewards``: reward functions the
+    environment brings (a verifiers environment's rubric), scored before the method's own."""
 
     env_factory: Callable[[], Environment]
     parser: ToolCallParser
     limits: EpisodeLimits
     stop_tokens: tuple[str, ...] = field(default_factory=tuple)
+    rewards: tuple[RewardFunction, ...] = ()
 
 
 def _resolved(spec: Any, kind: str, problems: list[str]) -> Any:
@@ -64,6 +68,7 @@ def build_agent(
     tool_call_parser: Any,
     *,
     environment_factory: Any = None,
+    verifiers: Any = None,
     max_turns: int,
     max_episode_tokens: int,
     max_new_tokens: int,
@@ -79,9 +84,11 @@ def build_agent(
     default a :class:`~grimoire.rollout.agents.environment.ToolEnvironment` over ``tools``;
     ``environment_factory``: instead, a class (or spec) written to TRL's ``environment_factory``
     interface (:mod:`grimoire.rollout.agents.trl_environment`), its methods the tools beside
-    ``tools``.
+    ``tools``; ``verifiers``: instead, a verifiers environment (an instance or a loader spec,
+    :func:`~grimoire.rollout.agents.verifiers_env.load_verifiers_environment`) whose rubric
+    becomes :attr:`Agent.rewards`.
     """
-    if not tools and environment is None and environment_factory is None:
+    if not tools and environment is None and environment_factory is None and verifiers is None:
         return None
     where = "loss.args"
     problems: list[str] = []
@@ -104,6 +111,17 @@ def build_agent(
             factory = trl_environment_factory(trl_class, functions)
         except ConfigError as exc:
             problems.extend(exc.problems)
+    rewards: tuple[RewardFunction, ...] = ()
+    if verifiers is not None:
+        others = {
+            "tools": tools,
+            "environment": environment,
+            "environment_factory": environment_factory,
+        }
+        try:
+            factory, rewards = verifiers_parts(verifiers, max_turns, others, f"{where}.verifiers")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
     parser: ToolCallParser | None = None
     try:
         parser = resolve_tool_call_parser(tool_call_parser)
@@ -124,10 +142,11 @@ def build_agent(
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:
         raise ConfigError(problems, title="invalid agentic rollout settings")
-    if environment is None and environment_factory is None:
+    if environment is None and environment_factory is None and verifiers is None:
         factory = partial(ToolEnvironment, functions)
     # Resolved and checked callable above (a problem otherwise): the environment factory.
-    return Agent(cast("Callable[[], Environment]", factory), parser, limits, tuple(stop_tokens))
+    env_factory = cast("Callable[[], Environment]", factory)
+    return Agent(env_factory, parser, limits, tuple(stop_tokens), rewards)
 
 
 def episode_rollout(
