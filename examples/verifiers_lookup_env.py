@@ -20,7 +20,7 @@ from datasets import Dataset
 
 import grimoire
 
-PROMPTS = Path(grimoire.__file__).parent / "assets" / "lookup_prompts.jsonl"
+ASSETS = Path(grimoire.__file__).parent / "assets"
 
 
 def lookup(word: str) -> str:
@@ -44,8 +44,19 @@ def looked_up_the_word(completion, answer, **kwargs) -> float:
     return float(any(json.loads(c.arguments).get("word") == answer[::-1] for c in calls))
 
 
+def questions(name: str, n: int) -> Dataset:
+    """The first ``n`` rows of a bundled JSONL file as verifiers' ``question`` / ``answer``."""
+    lines = (ASSETS / name).read_text().splitlines()[:n]
+    rows = [json.loads(line) for line in lines]
+    return Dataset.from_list([{"question": r["prompt"], "answer": r["answer"]} for r in rows])
+
+
 def load_environment(num_rows: int = 64, max_turns: int = 3) -> vf.Environment:
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines()[:num_rows]]
-    dataset = Dataset.from_list([{"question": r["prompt"], "answer": r["answer"]} for r in rows])
     rubric = vf.Rubric(funcs=[exact_answer, looked_up_the_word], weights=[1.0, 0.0])
-    return vf.ToolEnv(dataset=dataset, tools=[lookup], rubric=rubric, max_turns=max_turns)
+    return vf.ToolEnv(
+        dataset=questions("lookup_prompts.jsonl", num_rows),
+        eval_dataset=questions("lookup_eval.jsonl", num_rows),
+        tools=[lookup],
+        rubric=rubric,
+        max_turns=max_turns,
+    )
