@@ -269,13 +269,27 @@ class VerifiersEpisode:
         return [from_vf_message(m, self.names) for m in self.prompt]
 
     async def _reset(self, row: dict[str, Any]) -> Any:
-        row.setdefault("example_id", 0)
-        state = await self.env.init_state(row, _no_client(), "grimoire")
+        state = await self.env.init_state(self._input(row), _no_client(), "grimoire")
         state["timing"].generation.start = time.time()
         setup = await self.env.setup_state(state)
         state = setup if setup is not None else state
         self.prompt = self._normalized(await self.env.get_prompt_messages(state))
         return state
+
+    def _input(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The row as a ``RolloutInput``: a text ``prompt`` (or a ``question`` without one) is
+        formatted as verifiers formats its datasets (``system_prompt``, ``few_shot``, the text
+        as the user turn)."""
+        row.setdefault("example_id", 0)
+        text = row.get("prompt", row.get("question"))
+        if isinstance(text, str):
+            system = [{"role": "system", "content": self.env.system_prompt}]
+            row["prompt"] = [
+                *(system if self.env.system_prompt else []),
+                *(self.env.few_shot or []),
+                {"role": "user", "content": text},
+            ]
+        return row
 
     def _normalized(self, messages: Any) -> list[Any]:
         from verifiers.utils.message_utils import maybe_normalize_messages
