@@ -100,28 +100,9 @@ def build_agent(
             build_tools(functions)  # every schema now, not at the first episode
         except ConfigError as exc:
             problems.extend(f"{where}.{p}" for p in exc.problems)
-    factory = _resolved(environment, f"{where}.environment", problems)
-    if environment is not None and factory is not None and not callable(factory):
-        problems.append(f"{where}.environment: {environment!r} is not callable (a factory)")
-    trl_class = _resolved(environment_factory, f"{where}.environment_factory", problems)
-    if environment is not None and environment_factory is not None:
-        problems.append(f"{where}: give environment or environment_factory (TRL's), not both")
-    elif trl_class is not None and not problems:
-        try:
-            factory = trl_environment_factory(trl_class, functions)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    rewards: tuple[RewardFunction, ...] = ()
-    if verifiers is not None:
-        others = {
-            "tools": tools,
-            "environment": environment,
-            "environment_factory": environment_factory,
-        }
-        try:
-            factory, rewards = verifiers_parts(verifiers, max_turns, others, f"{where}.verifiers")
-        except ConfigError as exc:
-            problems.extend(exc.problems)
+    factory, rewards = _episode_source(
+        functions, tools, environment, environment_factory, verifiers, max_turns, problems
+    )
     parser: ToolCallParser | None = None
     try:
         parser = resolve_tool_call_parser(tool_call_parser)
@@ -142,11 +123,48 @@ def build_agent(
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:
         raise ConfigError(problems, title="invalid agentic rollout settings")
-    if environment is None and environment_factory is None and verifiers is None:
-        factory = partial(ToolEnvironment, functions)
-    # Resolved and checked callable above (a problem otherwise): the environment factory.
+    # Resolved and checked callable (a problem otherwise): the environment factory.
     env_factory = cast("Callable[[], Environment]", factory)
     return Agent(env_factory, parser, limits, tuple(stop_tokens), rewards)
+
+
+def _episode_source(
+    functions: list[Any],
+    tools: Any,
+    environment: Any,
+    environment_factory: Any,
+    verifiers: Any,
+    max_turns: int,
+    problems: list[str],
+) -> tuple[Any, tuple[RewardFunction, ...]]:
+    """:func:`build_agent`'s per-episode environment factory (problems added to
+    ``problems``) and the reward functions it brings: ``environment``, TRL's
+    ``environment_factory``, a ``verifiers`` environment, or a ToolEnvironment over the tools."""
+    where = "loss.args"
+    factory = _resolved(environment, f"{where}.environment", problems)
+    if environment is not None and factory is not None and not callable(factory):
+        problems.append(f"{where}.environment: {environment!r} is not callable (a factory)")
+    trl_class = _resolved(environment_factory, f"{where}.environment_factory", problems)
+    if environment is not None and environment_factory is not None:
+        problems.append(f"{where}: give environment or environment_factory (TRL's), not both")
+    elif trl_class is not None and not problems:
+        try:
+            factory = trl_environment_factory(trl_class, functions)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if verifiers is not None:
+        others = {
+            "tools": tools,
+            "environment": environment,
+            "environment_factory": environment_factory,
+        }
+        try:
+            return verifiers_parts(verifiers, max_turns, others, f"{where}.verifiers")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if environment is None and environment_factory is None and verifiers is None:
+        factory = partial(ToolEnvironment, functions)
+    return factory, ()
 
 
 def episode_rollout(
