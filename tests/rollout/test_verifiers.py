@@ -6,15 +6,17 @@ scores a group (``loss.args.verifiers``, in Python or YAML)."""
 from __future__ import annotations
 
 import sys
-from typing import ClassVar
 
 import pytest
 import torch
 import verifiers as vf
 from datasets import Dataset
 from tests.helpers.episodes import (
+    FirstTurnCalls,
     assert_only_model_tokens_get_gradient,
     episode_trainer,
+    first_call_letters,
+    grpo_advantages,
     one_episode_batch,
 )
 
@@ -26,7 +28,6 @@ from grimoire.rollout.agents.agent import build_agent
 from grimoire.rollout.agents.episode_batches import play_groups, score_episodes
 from grimoire.rollout.agents.tool_parsers import parse_tiny
 from grimoire.rollout.agents.verifiers_env import verifiers_rows
-from grimoire.rollout.engines.hf import HFGenerateEngine
 
 TOK = build_tokenizer()
 END = TOK.convert_tokens_to_ids("<|end|>")
@@ -209,26 +210,6 @@ def load_environment(num_rows: int = 8) -> vf.Environment:
     return vf.ToolEnv(dataset=Dataset.from_list(rows), tools=[add], rubric=rubric, max_turns=2)
 
 
-class FirstTurnCalls(HFGenerateEngine):
-    """Samples from the policy, but an episode's first turn is ``call: add(letters=a..)`` with
-    ``1 + i % 3`` letters (``i``: its place in the call), so the rewards vary in each group;
-    later turns are at most 4 of the policy's tokens. Every turn ends with the end token."""
-
-    end_id = 0
-    tokenizer: ClassVar = None
-
-    def _sample(self, prompts, n, greedy):
-        rows, tok = super()._sample(prompts, n, greedy), type(self).tokenizer
-        out = []
-        for i, r in enumerate(rows):
-            if "result:" in tok.decode(prompts[i // n]):
-                out.append([t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id])
-            else:
-                text = f"call: add(letters={'a' * (1 + i % 3)})"
-                out.append(tok(text, add_special_tokens=False)["input_ids"] + [self.end_id])
-        return out
-
-
 def test_verifiers_tool_env_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -242,26 +223,14 @@ def test_verifiers_tool_env_grpo_step_trains_only_model_tokens(tiny_dir, tmp_pat
     )
     try:
         batch, metrics = one_episode_batch(trainer, rows)
-        mask = batch["completion_mask"]
-        c = mask.shape[1]
-        ids, attended = batch["input_ids"][:, -c:], batch["attention_mask"][:, -c:] == 1
-        letters = []
-        for row in range(ids.shape[0]):
-            model_text = tok.decode(ids[row][mask[row] == 1])
-            context_text = tok.decode(ids[row][attended[row] & (mask[row] == 0)])
-            n = next(k for k in (3, 2, 1) if f"call: add(letters={'a' * k})<|end|>" in model_text)
-            letters.append(n)
-            # ToolEnv's answer is read (attended) but never trained (mask 0).
-            assert f"result: {n}" in context_text and "result:" not in model_text
+        # ToolEnv's answer is read (attended) but never trained (mask 0).
+        r = first_call_letters(batch, tok)
         assert metrics["episode/turns_mean"] == 2.0
         assert metrics["rewards/verifiers/add_calls/mean"] == 1.0  # ToolEnv's own metric
 
         # The rubric's reward (the tool's answers); GRPO's group advantages by hand.
-        r = torch.tensor(letters, dtype=torch.float32).view(2, 4)
         assert metrics["rewards/verifiers/mean"] == pytest.approx(float(r.mean()))
-        assert r.std(dim=1).min() > 0, "rewards vary in each group"
-        expected = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
-        torch.testing.assert_close(batch["advantages"].float().cpu(), expected)
+        torch.testing.assert_close(batch["advantages"].float().cpu(), grpo_advantages(r))
 
         assert_only_model_tokens_get_gradient(trainer, trainer.context.unwrapped_model, batch)
     finally:
