@@ -21,6 +21,7 @@ from tests.helpers.episodes import (
 )
 
 from grimoire.cli.main import main
+from grimoire.collate.prompts import GRPOCollator
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import build_tokenizer
@@ -28,6 +29,8 @@ from grimoire.rollout.agents.agent import build_agent
 from grimoire.rollout.agents.episode_batches import play_groups, score_episodes
 from grimoire.rollout.agents.tool_parsers import parse_tiny
 from grimoire.rollout.agents.verifiers_env import verifiers_rows
+from grimoire.rollout.stage import environment_rows
+from grimoire.rows.prompts import tokenize_grpo
 
 TOK = build_tokenizer()
 END = TOK.convert_tokens_to_ids("<|end|>")
@@ -54,17 +57,9 @@ def scripted(turns: dict[str, list[str]], cut: tuple[str, ...] = ()):
 
 
 def agent_of(env, **limits):
-    settings = dict(max_turns=3, max_episode_tokens=256, max_new_tokens=16)
+    settings = dict(max_turns=3, max_episode_tokens=256, max_new_tokens=16, failure_reward=0.0)
     settings.update(limits)
-    return build_agent(
-        None,
-        None,
-        "tiny",
-        verifiers=env,
-        env_timeout=10.0,
-        failure_reward=0.0,
-        **settings,
-    )
+    return build_agent(None, None, "tiny", verifiers=env, env_timeout=10.0, **settings)
 
 
 def play(agent, rows, generate_batch, group_size):
@@ -92,11 +87,19 @@ def group_size(completions) -> list[float]:
     return [float(len(completions))] * len(completions)
 
 
+def bonus(info) -> float:
+    return float(info["bonus"])
+
+
 def single_turn_env() -> vf.SingleTurnEnv:
     data = Dataset.from_list(
-        [{"question": "reverse ab=", "answer": "ba"}, {"question": "reverse xyz=", "answer": "zyx"}]
+        [
+            {"question": "reverse ab=", "answer": "ba", "info": {"bonus": 0.5}},
+            {"question": "reverse xyz=", "answer": "zyx", "info": {"bonus": 0.0}},
+        ]
     )
-    rubric = vf.Rubric(funcs=[correct, brevity, group_size], weights=[1.0, 0.5, 0.25])
+    funcs = [correct, brevity, group_size, bonus]
+    rubric = vf.Rubric(funcs=funcs, weights=[1.0, 0.5, 0.25, 1.0])
     return vf.SingleTurnEnv(dataset=data, system_prompt="answer briefly", rubric=rubric)
 
 
@@ -108,7 +111,12 @@ def test_verifiers_single_turn_rubric_scores_each_group_with_its_weights():
         {"role": "system", "content": "answer briefly"},
         {"role": "user", "content": "reverse ab="},
     ]
-    assert (rows[1]["answer"], rows[1]["example_id"]) == ("zyx", 1)
+    assert (rows[1]["answer"], rows[1]["example_id"], rows[1]["info"]) == ("zyx", 1, {"bonus": 0.0})
+    # The trainer's path: tokenized, collated, and back to rows for the episodes' reset.
+    batch = GRPOCollator(pad_token_id=TOK.pad_token_id)(
+        [tokenize_grpo(r, TOK, max_length=64) for r in rows]
+    )
+    rows = environment_rows(batch)
     agent = agent_of(env)
     turns = {"reverse ab=": ["ba", "b"], "reverse xyz=": ["zyx", "zy"]}
     episodes, total, per_func = play(agent, rows, scripted(turns), group_size=2)
@@ -118,8 +126,9 @@ def test_verifiers_single_turn_rubric_scores_each_group_with_its_weights():
     states = [e.columns["verifiers_episode"].state for e in episodes]
     assert {s["stop_condition"] for s in states} == {"max_turns_reached"}
     assert [s["completion"][-1].content for s in states] == ["ba", "b", "zyx", "zy"]
-    # By hand: 1 x correct + 0.5 / (1 + len) + 0.25 x 2 (the groups are a prompt's 2 episodes).
-    expected = [1 + 0.5 / 3 + 0.5, 0.5 / 2 + 0.5, 1 + 0.5 / 4 + 0.5, 0.5 / 3 + 0.5]
+    # By hand: 1 x correct + 0.5 / (1 + len) + 0.25 x 2 (the groups are a prompt's 2 episodes)
+    # + the row's info bonus.
+    expected = [1 + 0.5 / 3 + 0.5 + 0.5, 0.5 / 2 + 0.5 + 0.5, 1 + 0.5 / 4 + 0.5, 0.5 / 3 + 0.5]
     torch.testing.assert_close(total, torch.tensor(expected))
     torch.testing.assert_close(per_func["verifiers"], torch.tensor(expected))
     torch.testing.assert_close(per_func["verifiers/correct"], torch.tensor([1.0, 0, 1, 0]))
@@ -140,6 +149,10 @@ class Guess(vf.MultiTurnEnv):
 
     async def env_response(self, messages, state, **kwargs):
         state["answers"] += 1
+        if messages[-1].content == "err":  # verifiers' own error: recorded, has_error stops
+            raise vf.ToolCallError("err")
+        if messages[-1].content == "die":  # any other exception: the environment failed
+            raise RuntimeError("die")
         if messages[-1].content == state["answer"]:
             state["final_env_response"] = [vf.UserMessage(content="correct")]
             return []
@@ -152,14 +165,13 @@ def solved_quickly(state) -> float:
 
 
 def test_verifiers_multi_turn_env_response_state_and_grimoire_limits():
-    data = Dataset.from_list(
-        [{"question": f"guess {q}", "answer": a} for q, a in (("a", "ok"), ("b", "no"), ("c", "x"))]
-    )
+    data = Dataset.from_list([{"question": f"guess {q}", "answer": "ok"} for q in "abcde"])
     env = Guess(dataset=data, rubric=vf.Rubric(funcs=[solved_quickly]), max_turns=10)
     turns = {"guess a": ["x", "ok"], "guess b": ["x", "y", "z"], "guess c": ["abcdefgh"]}
-    agent = agent_of(env, max_new_tokens=4)
+    turns |= {"guess d": ["err"], "guess e": ["die"]}
+    agent = agent_of(env, max_new_tokens=4, failure_reward=-1.0)
     episodes, total, _ = play(agent, verifiers_rows(env), scripted(turns, cut=("abcdefgh",)), 1)
-    a, b, c = episodes
+    a, b, c, d, e = episodes
     states = [e.columns["verifiers_episode"].state for e in episodes]
 
     # a: "no" after the first guess, the final "correct" after the second ends it.
@@ -181,7 +193,11 @@ def test_verifiers_multi_turn_env_response_state_and_grimoire_limits():
     assert states[2]["stop_condition"] == "grimoire_truncated" and states[2]["is_truncated"]
     assert states[2]["trajectory"][-1]["is_truncated"]
     assert [m.content for m in states[2]["completion"]] == ["abcd"]
-    torch.testing.assert_close(total, torch.tensor([0.5, 0.0, 0.0]))
+    # d: a vf.Error ends the episode through verifiers' has_error; it is still scored.
+    assert (d.stop_reason, d.failure, states[3]["stop_condition"]) == ("done", None, "has_error")
+    # e: any other exception is an environment failure: failure_reward, not the rubric's.
+    assert e.stop_reason == "environment_error" and "RuntimeError: die" in e.failure
+    torch.testing.assert_close(total, torch.tensor([0.5, 0.0, 0.0, 0.0, -1.0]))
 
 
 # --------------------------------------------------------------------------- tools
