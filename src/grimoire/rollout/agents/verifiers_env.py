@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Coroutine, Iterator, Mapping
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 from grimoire.config.registry import resolve
@@ -218,6 +218,7 @@ def tool_schema(tool: Any) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
+@cache
 def _no_client() -> Any:
     """A ``vf.Client`` that refuses to sample: the state needs one, grimoire samples itself."""
     from verifiers.clients.client import Client
