@@ -85,6 +85,13 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         + ["--set", "eval_dataset.max_samples=4"],
         "output/openenv_reverse/final/model.safetensors",
     ),
+    "verifiers_environment.yaml": (
+        # Runs on its own: a verifiers ToolEnv from load_environment() (verifiers_lookup_env.py).
+        [GRIMOIRE, "train", "--config", "examples/verifiers_environment.yaml"],
+        ["--set", "training.max_steps=2", "--set", "training.eval_steps=2"]
+        + ["--set", "eval_dataset.max_samples=4"],
+        "output/verifiers_environment/final/model.safetensors",
+    ),
     "distill_toy.yaml": (
         # Runs on its own: a tiny:llama student, the bundled reverse_warm teacher.
         [GRIMOIRE, "train", "--config", "examples/distill_toy.yaml"],
@@ -177,6 +184,8 @@ NOT_RUN_HERE = {
     "accelerate/ds_zero3.json": "read through deepspeed_zero3.yaml by tests/test_docs.py",
     "trl_lookup_env.py": "the class trl_environment_factory.yaml names, run with it",
     "openenv_reverse_env.py": "the server openenv_reverse.yaml trains against, run with it",
+    "verifiers_lookup_env.py": "the load_environment() verifiers_environment.yaml names, run "
+    "with it",
 }
 RUN_YAML = """\
 # ddp.yaml's `run.yaml`: two CPU processes, a few steps of the tiny model.
@@ -259,6 +268,15 @@ def test_example_runs_as_written(example, tmp_path, request):
         assert any(r.get("openenv/steps", 0) > 0 for r in records), records
         assert any(r.get("episode/reward_mean", 0) > 0 for r in records), records
         assert sum('"WebSocket /ws" [accepted]' in line for line in server_log) >= 32
+    if example == "verifiers_environment.yaml":  # the rubric scored: its weighted sum is the
+        # reward (1 x exact_answer + 0 x looked_up_the_word), its metrics logged beside it
+        out = root / "output/verifiers_environment/metrics.jsonl"
+        records = [r for r in map(json.loads, out.open()) if "rewards/verifiers/mean" in r]
+        assert records and any(r["rewards/verifiers/lookup_calls/mean"] > 0 for r in records)
+        for r in records:
+            total, exact = r["rewards/verifiers/mean"], r["rewards/verifiers/exact_answer/mean"]
+            assert total == pytest.approx(exact) and r["reward"] == pytest.approx(total), r
+        assert any("eval/rewards/verifiers/mean" in r for r in map(json.loads, out.open()))
     if example == "distill_toy.yaml":
         records = [json.loads(x) for x in (root / "output/distill_toy/metrics.jsonl").open()]
         assert any("distill/reverse_kl" in r for r in records)

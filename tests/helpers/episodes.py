@@ -4,7 +4,7 @@ tests."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from tests.helpers.train_utils import quiet_config
@@ -104,6 +104,47 @@ def episode_trainer(
         model=model, tokenizer=tok, config=config, loss_fn=method, train_dataset=rows
     )
     return trainer, rows
+
+
+class FirstTurnCalls(HFGenerateEngine):
+    """Samples from the policy, but an episode's first turn is ``call: add(letters=a..)`` with
+    ``1 + i % 3`` letters (``i``: the episode's place in the call), so the rewards vary in each
+    group; later turns (after a ``result:``) are at most 4 of the policy's tokens. Every turn
+    ends with the template's end token. Set ``end_id`` and ``tokenizer`` first."""
+
+    end_id = 0
+    tokenizer: ClassVar = None
+
+    def _sample(self, prompts, n, greedy):
+        rows = super()._sample(prompts, n, greedy)
+        tok = type(self).tokenizer
+        out = []
+        for i, r in enumerate(rows):
+            if "result:" in tok.decode(prompts[i // n]):
+                out.append([t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id])
+            else:
+                text = f"call: add(letters={'a' * (1 + i % 3)})"
+                out.append(tok(text, add_special_tokens=False)["input_ids"] + [self.end_id])
+        return out
+
+
+def first_call_letters(batch, tok) -> torch.Tensor:
+    """The letters each episode of ``batch`` (played with :class:`FirstTurnCalls`, the tool
+    answering ``n``) passed to ``add``, as ``[2, 4]`` groups; asserts the tool's answer is read
+    (attended) and never trained (mask 0) and that the rewards vary in each group."""
+    letters = []
+    for model_text, context_text in model_and_context_texts(tok, batch):
+        n = next(k for k in (3, 2, 1) if f"call: add(letters={'a' * k})<|end|>" in model_text)
+        letters.append(n)
+        assert f"result: {n}" in context_text and "result:" not in model_text
+    r = torch.tensor(letters, dtype=torch.float32).view(2, 4)
+    assert r.std(dim=1).min() > 0, "rewards vary in each group"
+    return r
+
+
+def grpo_advantages(r: torch.Tensor) -> torch.Tensor:
+    """GRPO's advantages of ``[groups, G]`` rewards, by hand (flattened)."""
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
 
 
 def one_episode_batch(trainer, rows):

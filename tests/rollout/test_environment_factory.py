@@ -7,23 +7,22 @@ the model's own tokens.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pytest
 import torch
 from tests.helpers.episodes import (
+    FirstTurnCalls,
     assert_only_model_tokens_get_gradient,
     assert_validates,
     episode_trainer,
     episode_yaml,
-    model_and_context_texts,
+    first_call_letters,
+    grpo_advantages,
     one_episode_batch,
 )
 
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.rollout.agents.trl_environment import TRLEnvironment, trl_environment_factory
-from grimoire.rollout.engines.hf import HFGenerateEngine
 
 
 class CounterEnv:
@@ -233,35 +232,13 @@ def test_environment_factory_yaml_spec_validates(tmp_path, capsys):
     assert_validates(capsys, good, bad, "NoReset has no reset method")
 
 
-class ScriptedCalls(HFGenerateEngine):
-    """Samples from the policy, but an episode's first turn is ``call: add(letters=a..)`` with
-    ``1 + i % 3`` letters (``i``: the episode's place in the call), so the rewards vary in each
-    group; later turns are at most 4 of the policy's tokens. Every turn ends with the template's
-    end token."""
-
-    end_id = 0
-    tokenizer: ClassVar = None
-
-    def _sample(self, prompts, n, greedy):
-        rows = super()._sample(prompts, n, greedy)
-        tok = type(self).tokenizer
-        out = []
-        for i, r in enumerate(rows):
-            if "result:" in tok.decode(prompts[i // n]):
-                out.append([t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id])
-            else:
-                text = f"call: add(letters={'a' * (1 + i % 3)})"
-                out.append(tok(text, add_special_tokens=False)["input_ids"] + [self.end_id])
-        return out
-
-
 def test_environment_factory_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    engine = ScriptedCalls(max_new_tokens=32)
+    engine = FirstTurnCalls(max_new_tokens=32)
     engine.end_id = tok.convert_tokens_to_ids("<|end|>")
-    ScriptedCalls.tokenizer = tok
+    FirstTurnCalls.tokenizer = tok
     trainer, rows = episode_trainer(
         tiny_dir,
         tmp_path,
@@ -272,20 +249,13 @@ def test_environment_factory_grpo_step_trains_only_model_tokens(tiny_dir, tmp_pa
     )
     try:
         batch, metrics = one_episode_batch(trainer, rows)
-        letters = []
-        for model_text, context_text in model_and_context_texts(tok, batch):
-            n = next(k for k in (3, 2, 1) if f"call: add(letters={'a' * k})<|end|>" in model_text)
-            letters.append(n)
-            # The tool's answer is read (attended) but never trained (mask 0).
-            assert f"result: {n}" in context_text and "result:" not in model_text
+        # The tool's answer is read (attended) but never trained (mask 0).
+        r = first_call_letters(batch, tok)
         assert metrics["episode/turns_mean"] == 2.0
         assert metrics["tools/calls"] == 8.0
 
         # get_reward (the letters added) is the reward; GRPO's group advantages by hand.
-        r = torch.tensor(letters, dtype=torch.float32).view(2, 4)
-        assert r.std(dim=1).min() > 0, "rewards vary in each group"
-        expected = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).flatten()
-        torch.testing.assert_close(batch["advantages"].float().cpu(), expected)
+        torch.testing.assert_close(batch["advantages"].float().cpu(), grpo_advantages(r))
 
         assert_only_model_tokens_get_gradient(trainer, trainer.context.unwrapped_model, batch)
     finally:

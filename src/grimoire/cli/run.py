@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from accelerate import PartialState
 
+from grimoire.cli import verifiers_source
 from grimoire.cli.model import TINY_PREFIX, canonical_model, load_model, load_tokenizer
 from grimoire.cli.schema import (
     REF_MODEL_COPY,
@@ -96,13 +97,15 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
     raw_eval_rows: list[dict[str, Any]] | None = None
     datasets: dict[str, Any] = {}
     problems: list[str] = []
-    for where in ("dataset", "eval_dataset"):
-        if where not in raw:
-            continue
+    vf_env = verifiers_source.environment(raw)  # its dataset and episodes: loaded once
+    for where, given in verifiers_source.sections(raw).items():
         try:
             with phase(f"reading and tokenizing {where}"):
-                section = {k: v for k, v in raw[where].items() if k != "tokenize"}
-                source = read_source(section, where)
+                section = {k: v for k, v in given.items() if k != "tokenize"}
+                if verifiers_source.is_verifiers_section(section):
+                    source = verifiers_source.read(vf_env, section, where)
+                else:
+                    source = read_source(section, where)
                 if where == "eval_dataset":
                     raw_eval_rows = [dict(r) for r in source.dataset]
                 datasets[where] = tokenize(
@@ -119,6 +122,8 @@ def check_run(raw: Mapping[str, Any], validate_only: bool = False) -> Checked:
     args: dict[str, Any] = dict(loss_cfg.get("args") or {})
     if loss_cfg.get("ref_model") == REF_MODEL_COPY and not loss_cfg.get("cache_reference"):
         args["ref_model"] = REF_MODEL_COPY  # the loss freezes a copy of the policy it trains
+    if vf_env is not None:
+        args["verifiers"] = vf_env
     for key in getattr(loss_cls, "model_args", ()):
         if isinstance(args.get(key), str):  # a GGUF or tiny: source, as model.pretrained is
             args[key] = _materialize_model(args[key], config.output_dir, where=f"loss.args.{key}")

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from grimoire.cli import verifiers_source
 from grimoire.cli.model import REF_MODEL_COPY, TINY_PREFIX, canonical_model, model_problems
 from grimoire.cli.paths import reference_problems
 from grimoire.cli.sections import section_problems, unknown_keys
@@ -99,10 +100,12 @@ def validate_config(raw: Any) -> list[str]:
     p += _training_problems(raw.get("training") or {})
     loss_type, loss_problems = _loss_problems(raw.get("loss") or {"type": "sft"})
     p += loss_problems
-    if "dataset" not in raw:
+    if "dataset" not in raw and not verifiers_source.names_verifiers(raw):
         p.append("dataset: required (e.g. dataset: {jsonl: train.jsonl, tokenize: {type: sft}})")
     for where in ("dataset", "eval_dataset"):
-        if where in raw:
+        if verifiers_source.is_verifiers_section(raw.get(where)):
+            p += verifiers_source.section_problems(raw, raw[where], where)
+        elif where in raw:
             p += source_problems(raw[where], where, extra_keys=("tokenize",), check_hub=True)
             inherited = where == "eval_dataset" and "tokenize" not in (raw[where] or {})
             if isinstance(raw[where], Mapping) and not (inherited and "dataset" in raw):
@@ -157,7 +160,7 @@ def _loss_problems(loss: Any) -> tuple[str | None, list[str]]:
         p += engine_problems(args["engine"], "loss.args.engine")
     checked = _resolve_and_check(loss["type"], registry.LOSSES, "loss.type", args, "loss.args")
     p += [_trl_answer(m, args, "loss.args") for m in checked]
-    if "reward_funcs" in args:
+    if "reward_funcs" in args and not (args.get("verifiers") and args["reward_funcs"] == []):
         p += _reward_problems(args["reward_funcs"], args.get("reward_weights"))
     return loss["type"], p
 

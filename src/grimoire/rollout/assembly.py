@@ -64,6 +64,9 @@ class RolloutSettings:
         tools, environment, environment_factory, openenv, tool_call_parser, max_turns,
             max_episode_tokens, env_timeout, failure_reward, stop_tokens: multi-turn episodes
             (:func:`~grimoire.rollout.agents.agent.build_agent`).
+        verifiers: instead of ``environment``, a verifiers environment (``vf.Environment`` or a
+            loader spec, :mod:`grimoire.rollout.agents.verifiers_env`): it plays the episodes
+            and its rubric scores them, before ``reward_funcs`` (which may then be ``[]``).
     """
 
     reward_funcs: RewardSpec | Sequence[RewardSpec]
@@ -80,6 +83,7 @@ class RolloutSettings:
     environment: Any = None
     environment_factory: Any = None
     openenv: Any = None
+    verifiers: Any = None
     tool_call_parser: Any = "hermes"
     max_turns: int = 4
     max_episode_tokens: int = 2048
@@ -102,7 +106,11 @@ class RolloutSettings:
         the staleness, the reward functions, the engine (an engine object keeps its own sampler
         settings, which the sampling settings then hold) and the agent."""
         max_staleness = checked_staleness(owner, self.max_staleness)
-        reward_funcs = resolve_reward_funcs(self.reward_funcs, self.reward_weights)
+        rubric_only = self.verifiers is not None and _empty(self.reward_funcs)
+        rubric_only = rubric_only and not self.reward_weights
+        reward_funcs = (
+            [] if rubric_only else resolve_reward_funcs(self.reward_funcs, self.reward_weights)
+        )
         requested = SamplerConfig(
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
@@ -117,6 +125,7 @@ class RolloutSettings:
             self.tool_call_parser,
             environment_factory=self.environment_factory,
             openenv=self.openenv,
+            verifiers=self.verifiers,
             max_turns=self.max_turns,
             max_episode_tokens=self.max_episode_tokens,
             max_new_tokens=engine.sampler.max_new_tokens,
@@ -124,8 +133,19 @@ class RolloutSettings:
             failure_reward=self.failure_reward,
             stop_tokens=self.stop_tokens,
         )
+        if agent is not None:
+            reward_funcs = [*agent.rewards, *reward_funcs]
         sampling = SamplingConfig.of(engine.sampler, self.num_generations)
         return RolloutParts(engine, reward_funcs, sampling, agent, max_staleness)
+
+
+def _empty(reward_funcs: Any) -> bool:
+    """``reward_funcs: []``, allowed beside a verifiers environment (its rubric rewards)."""
+    return (
+        isinstance(reward_funcs, Sequence)
+        and not isinstance(reward_funcs, str)
+        and not reward_funcs
+    )
 
 
 __all__ = ["RolloutParts", "RolloutSettings"]

@@ -31,7 +31,9 @@ from grimoire.rollout.agents.openenv_environment import openenv_factory
 from grimoire.rollout.agents.tool_parsers import ToolCallParser, resolve_tool_call_parser
 from grimoire.rollout.agents.toolbox import build_tools
 from grimoire.rollout.agents.trl_environment import trl_environment_factory
+from grimoire.rollout.agents.verifiers_rubric import verifiers_parts
 from grimoire.rollout.engines.base import Rollout
+from grimoire.rollout.rewards.calls import RewardFunction
 
 #: Where an episode ended before its model was done with it (counted as a clipped completion).
 _CUT = ("max_turns", "token_budget", "truncated")
@@ -41,12 +43,14 @@ _CUT = ("max_turns", "token_budget", "truncated")
 class Agent:
     """How a method plays episodes: a fresh environment per episode from ``env_factory()``,
     the parser of its turns, the episode limits, and extra stop tokens (the chat template's
-    end-of-turn token, when it is not the tokenizer's EOS)."""
+    end-of-turn token, when it is not the tokenizer's EOS); ``rewards``: reward functions the
+    environment brings (a verifiers environment's rubric), scored before the method's own."""
 
     env_factory: Callable[[], Environment]
     parser: ToolCallParser
     limits: EpisodeLimits
     stop_tokens: tuple[str, ...] = field(default_factory=tuple)
+    rewards: tuple[RewardFunction, ...] = ()
 
 
 def _resolved(spec: Any, kind: str, problems: list[str]) -> Any:
@@ -59,11 +63,13 @@ def _resolved(spec: Any, kind: str, problems: list[str]) -> Any:
         return None
 
 
-def _openenv(settings: Any, env_timeout: float | None, problems: list[str], *others: Any) -> Any:
+def _openenv(
+    settings: Any, env_timeout: float | None, problems: list[str], others: dict[str, Any]
+) -> Any:
     """The OpenEnv episode factory of ``loss.args.openenv`` (None, problems added, when it is
-    wrong or given with one of ``others``: ``tools``, ``environment``, ``environment_factory``)."""
-    names = ("tools", "environment", "environment_factory")
-    given = [name for name, value in zip(names, others, strict=True) if value]
+    wrong or given with one of ``others``: ``tools``, ``environment``, ``environment_factory``,
+    ``verifiers``)."""
+    given = [name for name, value in others.items() if value]
     if given:
         problems.append(f"loss.args: give openenv or {' / '.join(given)}, not both")
     try:
@@ -88,6 +94,7 @@ def build_agent(
     *,
     environment_factory: Any = None,
     openenv: Any = None,
+    verifiers: Any = None,
     max_turns: int,
     max_episode_tokens: int,
     max_new_tokens: int,
@@ -104,9 +111,13 @@ def build_agent(
     ``environment_factory``: instead, a class (or spec) written to TRL's ``environment_factory``
     interface (:mod:`grimoire.rollout.agents.trl_environment`), its methods the tools beside
     ``tools``; ``openenv``: instead, an OpenEnv server's settings
-    (:mod:`grimoire.rollout.agents.openenv_environment`), exclusive with the three others.
+    (:mod:`grimoire.rollout.agents.openenv_environment`); ``verifiers``: instead, a verifiers
+    environment (an instance or a loader spec,
+    :func:`~grimoire.rollout.agents.verifiers_env.load_verifiers_environment`) whose rubric
+    becomes :attr:`Agent.rewards`. ``openenv`` and ``verifiers`` exclude the others.
     """
-    if not tools and environment is None and environment_factory is None and openenv is None:
+    sources = (environment, environment_factory, openenv, verifiers)
+    if not tools and all(source is None for source in sources):
         return None
     where = "loss.args"
     problems: list[str] = []
@@ -118,19 +129,16 @@ def build_agent(
             build_tools(functions)  # every schema now, not at the first episode
         except ConfigError as exc:
             problems.extend(f"{where}.{p}" for p in exc.problems)
-    factory = _resolved(environment, f"{where}.environment", problems)
-    if environment is not None and factory is not None and not callable(factory):
-        problems.append(f"{where}.environment: {environment!r} is not callable (a factory)")
-    trl_class = _resolved(environment_factory, f"{where}.environment_factory", problems)
-    if environment is not None and environment_factory is not None:
-        problems.append(f"{where}: give environment or environment_factory (TRL's), not both")
-    elif trl_class is not None and not problems:
-        try:
-            factory = trl_environment_factory(trl_class, functions)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    if openenv is not None:
-        factory = _openenv(openenv, env_timeout, problems, tools, environment, environment_factory)
+    given = {"tools": tools, "environment": environment, "environment_factory": environment_factory}
+    factory, rewards = _episode_source(
+        functions,
+        given,
+        openenv,
+        verifiers,
+        max_turns,
+        env_timeout,
+        problems,
+    )
     parser: ToolCallParser | None = None
     try:
         parser = resolve_tool_call_parser(tool_call_parser)
@@ -148,10 +156,48 @@ def build_agent(
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:
         raise ConfigError(problems, title="invalid agentic rollout settings")
-    if environment is None and environment_factory is None and openenv is None:
+    # Resolved and checked callable (a problem otherwise): the environment factory.
+    env_factory = cast("Callable[[], Environment]", factory)
+    return Agent(env_factory, parser, limits, tuple(stop_tokens), rewards)
+
+
+def _episode_source(
+    functions: list[Any],
+    given: dict[str, Any],
+    openenv: Any,
+    verifiers: Any,
+    max_turns: int,
+    env_timeout: float | None,
+    problems: list[str],
+) -> tuple[Any, tuple[RewardFunction, ...]]:
+    """:func:`build_agent`'s per-episode environment factory (problems added to
+    ``problems``) and the reward functions it brings: ``given``'s ``environment`` or TRL's
+    ``environment_factory``, an ``openenv`` server, a ``verifiers`` environment, or a
+    ToolEnvironment over ``given``'s tools. ``openenv`` and ``verifiers`` exclude ``given``."""
+    where = "loss.args"
+    environment, environment_factory = given["environment"], given["environment_factory"]
+    factory = _resolved(environment, f"{where}.environment", problems)
+    if environment is not None and factory is not None and not callable(factory):
+        problems.append(f"{where}.environment: {environment!r} is not callable (a factory)")
+    trl_class = _resolved(environment_factory, f"{where}.environment_factory", problems)
+    if environment is not None and environment_factory is not None:
+        problems.append(f"{where}: give environment or environment_factory (TRL's), not both")
+    elif trl_class is not None and not problems:
+        try:
+            factory = trl_environment_factory(trl_class, functions)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if openenv is not None:
+        others = {**given, "verifiers": verifiers}
+        return _openenv(openenv, env_timeout, problems, others), ()
+    if verifiers is not None:
+        try:
+            return verifiers_parts(verifiers, max_turns, given, f"{where}.verifiers")
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if environment is None and environment_factory is None and verifiers is None:
         factory = partial(ToolEnvironment, functions)
-    # Resolved and checked callable above (a problem otherwise): the environment factory.
-    return Agent(cast("Callable[[], Environment]", factory), parser, limits, tuple(stop_tokens))
+    return factory, ()
 
 
 def episode_rollout(

@@ -8,9 +8,11 @@ An environment follows :class:`Environment`::
 ``step`` answers the parsed assistant message (``{"role": "assistant", "content": ...,
 "tool_calls": [...]}``) with the messages to append (``tool`` results, a ``user`` turn), a
 reward contribution (summed over the episode), and whether the episode is over.
-``env.tools`` (optional) are the tool schemas the chat template shows the model;
-``env.close()`` (optional) is called once the episode is over, however it ended (a connection
-with a server to end); ``env.log_name`` (optional) names it in the log instead of its class.
+``env.tools`` (optional) are the tool schemas the chat template shows the model (read after
+``reset``); ``env.reward_columns()`` (optional) gives the reward functions columns of its own for
+the episode, read once when the episode ends; ``env.close()`` (optional) is called once the
+episode is over, however it ended (a connection with a server to end); ``env.log_name``
+(optional) names it in the log instead of its class.
 
 :class:`ToolEnvironment` is the default: built from plain Python functions, it runs the calls
 of each assistant turn and ends the episode at the first turn without a call.

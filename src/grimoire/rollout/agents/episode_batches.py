@@ -155,7 +155,7 @@ def episode_reward_inputs(
 ) -> tuple[list[str], list[str], dict[str, list[Any]]]:
     """``(prompts, completions, columns)`` for reward functions, one entry per episode:
     the first prompt as the model saw it, the final answer, and the row's fields with the
-    episode's ``messages``, ``tool_calls`` (per turn, as message entries), ``env_reward``,
+    environment's ``reward_columns()`` and the episode's ``messages``, ``tool_calls`` (per turn, as message entries), ``env_reward``,
     ``stop_reason`` and ``episode_failed``."""
     if len(rows) != len(episodes):
         raise ValueError(f"{len(rows)} rows for {len(episodes)} episodes")
@@ -164,6 +164,8 @@ def episode_reward_inputs(
     columns: dict[str, list[Any]] = {}
     for key in dict.fromkeys(k for row in rows for k in row):
         columns[key] = [row.get(key) for row in rows]
+    for key in dict.fromkeys(k for e in episodes for k in e.columns):  # the environment's
+        columns[key] = [e.columns.get(key) for e in episodes]
     columns["messages"] = [e.messages for e in episodes]
     columns["tool_calls"] = [
         [[c.as_message_call() for c in t] for t in e.tool_calls] for e in episodes

@@ -103,6 +103,8 @@ class Episode:
     stop_reason: str
     failure: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Columns the environment gives the reward functions (its optional ``reward_columns()``).
+    columns: dict[str, Any] = field(default_factory=dict)
 
     @property
     def turns(self) -> int:
@@ -167,6 +169,7 @@ class EpisodeRun:
             self._fail(first)
             return
         self.messages = [dict(m) for m in first]  # type: ignore[union-attr]
+        self.tools = environment_tools(env)  # again: an environment may pick them per row
         try:
             text = _render(tokenizer, self.messages, self.tools, True)
         except Exception as exc:  # jinja's TemplateError, or a template's raise_exception
@@ -351,6 +354,7 @@ class EpisodeRun:
             stop_reason=self.stop_reason,
             failure=self.failure,
             metrics=dict(self.metrics),
+            columns=dict(getattr(self.env, "reward_columns", dict)()),
         )
 
 
