@@ -61,7 +61,7 @@ class RolloutSettings:
             ``k >= 1`` samples them in a background producer with weights at most ``k``
             optimizer steps old, while the learner trains
             (:mod:`grimoire.rollout.async_rollouts`; the hf engine, or vllm-server).
-        tools, environment, environment_factory, tool_call_parser, max_turns,
+        tools, environment, environment_factory, mcp_servers, tool_call_parser, max_turns,
             max_episode_tokens, env_timeout, failure_reward, stop_tokens: multi-turn episodes
             (:func:`~grimoire.rollout.agents.agent.build_agent`).
     """
@@ -79,6 +79,7 @@ class RolloutSettings:
     tools: Sequence[Any] | None = None
     environment: Any = None
     environment_factory: Any = None
+    mcp_servers: Sequence[Any] | None = None
     tool_call_parser: Any = "hermes"
     max_turns: int = 4
     max_episode_tokens: int = 2048
@@ -115,6 +116,7 @@ class RolloutSettings:
             self.environment,
             self.tool_call_parser,
             environment_factory=self.environment_factory,
+            mcp_servers=self.mcp_servers,
             max_turns=self.max_turns,
             max_episode_tokens=self.max_episode_tokens,
             max_new_tokens=engine.sampler.max_new_tokens,

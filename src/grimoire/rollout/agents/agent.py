@@ -2,8 +2,8 @@
 
 :func:`build_agent` turns the method arguments (``tools``, ``environment`` or TRL's
 ``environment_factory``, ``tool_call_parser``, ``max_turns``, ``max_episode_tokens``,
-``env_timeout``, ``failure_reward``, ``stop_tokens``) into an :class:`Agent`, checked once, before any model is
-loaded: every unimportable spec, tool without a docstring or hint, unknown parser or bad limit
+``env_timeout``, ``failure_reward``, ``stop_tokens``, ``mcp_servers``) into an :class:`Agent`, checked
+once, before any model is loaded (MCP servers are started or reached and list their tools then): every unimportable spec, tool without a docstring or hint, unknown parser or bad limit
 is listed in one :class:`~grimoire.errors.ConfigError` naming its ``loss.args`` key.
 
 :func:`episode_rollout` lays a group's episodes out as a
@@ -27,6 +27,7 @@ from grimoire.errors import ConfigError
 from grimoire.rollout.agents.environment import Environment, ToolEnvironment
 from grimoire.rollout.agents.episode_batches import pad_episodes
 from grimoire.rollout.agents.episodes import Episode, EpisodeLimits
+from grimoire.rollout.agents.mcp_tools import McpToolset, connect_mcp_tools, parse_mcp_servers
 from grimoire.rollout.agents.tool_parsers import ToolCallParser, resolve_tool_call_parser
 from grimoire.rollout.agents.toolbox import build_tools
 from grimoire.rollout.agents.trl_environment import trl_environment_factory
@@ -46,6 +47,12 @@ class Agent:
     parser: ToolCallParser
     limits: EpisodeLimits
     stop_tokens: tuple[str, ...] = field(default_factory=tuple)
+    #: What the agent holds open for the run (MCP sessions), closed by :meth:`close`.
+    resources: tuple[McpToolset, ...] = field(default_factory=tuple)
+
+    def close(self) -> None:
+        for resource in self.resources:
+            resource.close()
 
 
 def _resolved(spec: Any, kind: str, problems: list[str]) -> Any:
@@ -64,6 +71,7 @@ def build_agent(
     tool_call_parser: Any,
     *,
     environment_factory: Any = None,
+    mcp_servers: Any = None,
     max_turns: int,
     max_episode_tokens: int,
     max_new_tokens: int,
@@ -79,9 +87,10 @@ def build_agent(
     default a :class:`~grimoire.rollout.agents.environment.ToolEnvironment` over ``tools``;
     ``environment_factory``: instead, a class (or spec) written to TRL's ``environment_factory``
     interface (:mod:`grimoire.rollout.agents.trl_environment`), its methods the tools beside
-    ``tools``.
+    ``tools``; ``mcp_servers``: MCP servers whose tools are offered beside ``tools``
+    (:mod:`grimoire.rollout.agents.mcp_tools`), not with a custom ``environment``.
     """
-    if not tools and environment is None and environment_factory is None:
+    if not tools and environment is None and environment_factory is None and not mcp_servers:
         return None
     where = "loss.args"
     problems: list[str] = []
@@ -93,6 +102,8 @@ def build_agent(
             build_tools(functions)  # every schema now, not at the first episode
         except ConfigError as exc:
             problems.extend(f"{where}.{p}" for p in exc.problems)
+    mcp = _mcp_toolset(mcp_servers, environment, functions, problems)
+    functions = [*functions, *(mcp.tools if mcp is not None else ())]
     factory = _resolved(environment, f"{where}.environment", problems)
     if environment is not None and factory is not None and not callable(factory):
         problems.append(f"{where}.environment: {environment!r} is not callable (a factory)")
@@ -123,11 +134,42 @@ def build_agent(
     if isinstance(stop_tokens, str) or not all(isinstance(s, str) for s in stop_tokens):
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:
+        if mcp is not None:
+            mcp.close()
         raise ConfigError(problems, title="invalid agentic rollout settings")
     if environment is None and environment_factory is None:
         factory = partial(ToolEnvironment, functions)
     # Resolved and checked callable above (a problem otherwise): the environment factory.
-    return Agent(cast("Callable[[], Environment]", factory), parser, limits, tuple(stop_tokens))
+    env_factory = cast("Callable[[], Environment]", factory)
+    held = (mcp,) if mcp is not None else ()
+    return Agent(env_factory, parser, limits, tuple(stop_tokens), held)
+
+
+def _mcp_toolset(
+    mcp_servers: Any, environment: Any, functions: list[Any], problems: list[str]
+) -> McpToolset | None:
+    """The tools of ``mcp_servers`` (started or reached now), when the rest of the tool
+    settings are sound; their problems added to ``problems``."""
+    if not mcp_servers:
+        return None
+    where = "loss.args.mcp_servers"
+    if environment is not None:
+        problems.append(
+            f"{where}: offered by the default tool environment or an environment_factory "
+            "class; a custom environment brings its own tools"
+        )
+    try:
+        servers = parse_mcp_servers(mcp_servers, where)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return None
+    if problems:  # a broken config starts no server
+        return None
+    try:
+        return connect_mcp_tools(servers, [getattr(f, "__name__", "") for f in functions], where)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return None
 
 
 def episode_rollout(
