@@ -4,6 +4,7 @@ tests."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,6 +67,29 @@ class ShortTurns(HFGenerateEngine):
             [t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id]
             for i, r in enumerate(rows)
         ]
+
+
+class ScriptedFirstTurn(HFGenerateEngine):
+    """Samples from the policy, but an episode's first turn (a prompt with no tool result yet)
+    is ``first_turn(i)`` (``i``: the episode's place in the sampling call), so the tool is
+    called whatever the untrained model writes; later turns are at most 4 of the policy's
+    tokens. Every turn ends with the template's end token."""
+
+    def __init__(self, tokenizer: Any, first_turn: Callable[[int], str], **kwargs: Any):
+        super().__init__(**kwargs)
+        self.tokenizer, self.first_turn = tokenizer, first_turn
+        self.end_id = tokenizer.convert_tokens_to_ids("<|end|>")
+
+    def _sample(self, prompts, n, greedy):
+        rows = super()._sample(prompts, n, greedy)
+        tok, out = self.tokenizer, []
+        for i, r in enumerate(rows):
+            if "result:" in tok.decode(prompts[i // n]):
+                out.append([t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id])
+            else:
+                ids = tok(self.first_turn(i), add_special_tokens=False)["input_ids"]
+                out.append(ids + [self.end_id])
+        return out
 
 
 def episode_trainer(

@@ -7,11 +7,10 @@ the model's own tokens.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import pytest
 import torch
 from tests.helpers.episodes import (
+    ScriptedFirstTurn,
     assert_only_model_tokens_get_gradient,
     episode_trainer,
     one_episode_batch,
@@ -21,7 +20,6 @@ from grimoire.cli.main import main
 from grimoire.errors import ConfigError
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.rollout.agents.trl_environment import TRLEnvironment, trl_environment_factory
-from grimoire.rollout.engines.hf import HFGenerateEngine
 
 
 class CounterEnv:
@@ -246,35 +244,14 @@ def test_environment_factory_yaml_spec_validates(tmp_path, capsys):
     assert "NoReset has no reset method" in captured.out + captured.err
 
 
-class ScriptedCalls(HFGenerateEngine):
-    """Samples from the policy, but an episode's first turn is ``call: add(letters=a..)`` with
-    ``1 + i % 3`` letters (``i``: the episode's place in the call), so the rewards vary in each
-    group; later turns are at most 4 of the policy's tokens. Every turn ends with the template's
-    end token."""
-
-    end_id = 0
-    tokenizer: ClassVar = None
-
-    def _sample(self, prompts, n, greedy):
-        rows = super()._sample(prompts, n, greedy)
-        tok = type(self).tokenizer
-        out = []
-        for i, r in enumerate(rows):
-            if "result:" in tok.decode(prompts[i // n]):
-                out.append([t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id])
-            else:
-                text = f"call: add(letters={'a' * (1 + i % 3)})"
-                out.append(tok(text, add_special_tokens=False)["input_ids"] + [self.end_id])
-        return out
-
-
 def test_environment_factory_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    engine = ScriptedCalls(max_new_tokens=32)
-    engine.end_id = tok.convert_tokens_to_ids("<|end|>")
-    ScriptedCalls.tokenizer = tok
+    # The first turn of episode i adds 1 + i % 3 letters: the rewards vary in each group.
+    engine = ScriptedFirstTurn(
+        tok, lambda i: f"call: add(letters={'a' * (1 + i % 3)})", max_new_tokens=32
+    )
     trainer, rows = episode_trainer(
         tiny_dir,
         tmp_path,

@@ -42,7 +42,7 @@ def import_mcp() -> Any:
     try:
         import mcp
         from mcp.client.stdio import stdio_client  # noqa: F401 (the transports: part of the check)
-        from mcp.client.streamable_http import streamablehttp_client  # noqa: F401
+        from mcp.client.streamable_http import streamable_http_client  # noqa: F401
     except ImportError as exc:
         raise ImportError(f"MCP tool servers need the MCP client: {EXTRA} ({exc})") from exc
     return mcp
@@ -64,14 +64,26 @@ class McpServer:
     tools: tuple[str, ...] | None = None
 
 
+@contextlib.asynccontextmanager
+async def _http(url: str, headers: Mapping[str, str] | None) -> Any:
+    """A streamable HTTP connection's streams, with the MCP SDK's HTTP client settings (30 s to
+    connect and send, 5 min to read an event stream)."""
+    import httpx
+    from mcp.client.streamable_http import streamable_http_client
+
+    timeout = httpx.Timeout(30.0, read=300.0)
+    client = httpx.AsyncClient(headers=dict(headers or {}), timeout=timeout, follow_redirects=True)
+    async with client, streamable_http_client(url, http_client=client) as streams:
+        yield streams
+
+
 def _transport(server: McpServer) -> Any:
     """The ``mcp`` client context manager that opens ``server``'s (read, write) streams."""
     from mcp import StdioServerParameters
     from mcp.client.stdio import stdio_client
-    from mcp.client.streamable_http import streamablehttp_client
 
     if server.url is not None:
-        return streamablehttp_client(server.url, headers=dict(server.headers or {}))
+        return _http(server.url, server.headers)
     command, *args = server.command
     env = None if server.env is None else dict(server.env)
     return stdio_client(StdioServerParameters(command=command, args=args, env=env, cwd=server.cwd))
@@ -129,6 +141,11 @@ class McpBridge:
         self._opening: dict[int, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ the caller's side
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop runs (started by a request, stopped by :meth:`close`)."""
+        return self._loop is not None
 
     def list_tools(self, index: int, timeout: float) -> list[Any]:
         """Every tool server ``index`` lists (``mcp.types.Tool``: name, description,
