@@ -77,6 +77,13 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         + ["--set", "eval_dataset.max_samples=4"],
         "output/trl_environment_factory/final/model.safetensors",
     ),
+    "mcp_tools.yaml": (
+        # Runs on its own: the lookup tool served by mcp_lookup_server.py over MCP (stdio).
+        [GRIMOIRE, "train", "--config", "examples/mcp_tools.yaml"],
+        ["--set", "training.max_steps=2", "--set", "training.eval_steps=2"]
+        + ["--set", "eval_dataset.max_samples=4"],
+        "output/mcp_tools/final/model.safetensors",
+    ),
     "distill_toy.yaml": (
         # Runs on its own: a tiny:llama student, the bundled reverse_warm teacher.
         [GRIMOIRE, "train", "--config", "examples/distill_toy.yaml"],
@@ -168,6 +175,7 @@ NOT_RUN_HERE = {
     "accelerate/deepspeed_zero3.yaml": "as above",
     "accelerate/ds_zero3.json": "read through deepspeed_zero3.yaml by tests/test_docs.py",
     "trl_lookup_env.py": "the class trl_environment_factory.yaml names, run with it",
+    "mcp_lookup_server.py": "the MCP server mcp_tools.yaml starts, run with it",
 }
 RUN_YAML = """\
 # ddp.yaml's `run.yaml`: two CPU processes, a few steps of the tiny model.
@@ -231,6 +239,10 @@ def test_example_runs_as_written(example, tmp_path, request):
         records = [json.loads(x) for x in out.open()]
         assert any(r.get("tools/calls", 0) > 0 for r in records), records
         assert any(r.get("episode/reward_mean", 0) > 0 for r in records), records
+    if example == "mcp_tools.yaml":  # the calls reached the server and were answered
+        records = [json.loads(x) for x in (root / "output/mcp_tools/metrics.jsonl").open()]
+        assert sum(r.get("tools/ok", 0) for r in records) > 0, records
+        assert not any(r.get("tools/exception", 0) for r in records), records
     if example == "distill_toy.yaml":
         records = [json.loads(x) for x in (root / "output/distill_toy/metrics.jsonl").open()]
         assert any("distill/reverse_kl" in r for r in records)
