@@ -195,7 +195,7 @@ class RolloutStage:
 
     def close(self) -> None:
         """Shut the engine down (the trainer's ``close``, before the process group goes) and
-        what the agent holds open (MCP sessions)."""
+        what the agent holds open (MCP connections)."""
         self.engine.close()
         if self.agent is not None:
             self.agent.close()

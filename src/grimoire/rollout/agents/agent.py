@@ -47,7 +47,7 @@ class Agent:
     parser: ToolCallParser
     limits: EpisodeLimits
     stop_tokens: tuple[str, ...] = field(default_factory=tuple)
-    #: What the agent holds open for the run (MCP sessions), closed by :meth:`close`.
+    #: What the agent holds open for the run (MCP connections), closed by :meth:`close`.
     resources: tuple[McpToolset, ...] = field(default_factory=tuple)
 
     def close(self) -> None:
@@ -94,16 +94,9 @@ def build_agent(
         return None
     where = "loss.args"
     problems: list[str] = []
-    if tools is not None and (isinstance(tools, str) or not isinstance(tools, Sequence)):
-        tools = [tools]
-    functions = [_resolved(t, f"{where}.tools[{i}]", problems) for i, t in enumerate(tools or ())]
-    if not problems and functions:
-        try:
-            build_tools(functions)  # every schema now, not at the first episode
-        except ConfigError as exc:
-            problems.extend(f"{where}.{p}" for p in exc.problems)
-    mcp = _mcp_toolset(mcp_servers, environment, functions, problems)
-    functions = [*functions, *(mcp.tools if mcp is not None else ())]
+    functions = _functions(tools, problems)
+    held = _mcp_toolsets(mcp_servers, environment, functions, problems)
+    functions = [*functions, *(tool for toolset in held for tool in toolset.tools)]
     factory = _resolved(environment, f"{where}.environment", problems)
     if environment is not None and factory is not None and not callable(factory):
         problems.append(f"{where}.environment: {environment!r} is not callable (a factory)")
@@ -134,24 +127,38 @@ def build_agent(
     if isinstance(stop_tokens, str) or not all(isinstance(s, str) for s in stop_tokens):
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:
-        if mcp is not None:
-            mcp.close()
+        for toolset in held:
+            toolset.close()
         raise ConfigError(problems, title="invalid agentic rollout settings")
     if environment is None and environment_factory is None:
         factory = partial(ToolEnvironment, functions)
     # Resolved and checked callable above (a problem otherwise): the environment factory.
-    env_factory = cast("Callable[[], Environment]", factory)
-    held = (mcp,) if mcp is not None else ()
-    return Agent(env_factory, parser, limits, tuple(stop_tokens), held)
+    return Agent(
+        cast("Callable[[], Environment]", factory), parser, limits, tuple(stop_tokens), held
+    )
 
 
-def _mcp_toolset(
+def _functions(tools: Any, problems: list[str]) -> list[Any]:
+    """The ``tools`` (functions or specs) resolved, their schemas built now (not at the first
+    episode); their problems added to ``problems``."""
+    if tools is not None and (isinstance(tools, str) or not isinstance(tools, Sequence)):
+        tools = [tools]
+    functions = [_resolved(t, f"loss.args.tools[{i}]", problems) for i, t in enumerate(tools or ())]
+    if not problems and functions:
+        try:
+            build_tools(functions)
+        except ConfigError as exc:
+            problems.extend(f"loss.args.{p}" for p in exc.problems)
+    return functions
+
+
+def _mcp_toolsets(
     mcp_servers: Any, environment: Any, functions: list[Any], problems: list[str]
-) -> McpToolset | None:
-    """The tools of ``mcp_servers`` (started or reached now), when the rest of the tool
-    settings are sound; their problems added to ``problems``."""
+) -> tuple[McpToolset, ...]:
+    """The tools of ``mcp_servers`` (started or reached now; none or one toolset), when the
+    rest of the tool settings are sound; their problems added to ``problems``."""
     if not mcp_servers:
-        return None
+        return ()
     where = "loss.args.mcp_servers"
     if environment is not None:
         problems.append(
@@ -162,14 +169,14 @@ def _mcp_toolset(
         servers = parse_mcp_servers(mcp_servers, where)
     except ConfigError as exc:
         problems.extend(exc.problems)
-        return None
+        return ()
     if problems:  # a broken config starts no server
-        return None
+        return ()
     try:
-        return connect_mcp_tools(servers, [getattr(f, "__name__", "") for f in functions], where)
+        return (connect_mcp_tools(servers, [getattr(f, "__name__", "") for f in functions], where),)
     except ConfigError as exc:
         problems.extend(exc.problems)
-        return None
+        return ()
 
 
 def episode_rollout(

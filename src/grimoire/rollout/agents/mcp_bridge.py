@@ -1,18 +1,18 @@
-"""A synchronous bridge to MCP servers: one background event loop owns every session of a run.
+"""A synchronous bridge to MCP servers: one background event loop owns a run's connections.
 
-The MCP client (the ``mcp`` package) is asynchronous and its sessions live inside ``anyio``
+The MCP client (the ``mcp`` package) is asynchronous and its connections live inside ``anyio``
 task groups, which must be entered and left by the same task. Episodes are played
 synchronously, from the learner's thread or an asynchronous rollout producer's, and each tool
 call runs in a thread of its own under the environment's timeout
 (:func:`~grimoire.rollout.agents.toolbox.call_with_timeout`). So :class:`McpBridge` runs one
-event loop in a daemon thread, started at the first request; each server's session is held
+event loop in a daemon thread, started at the first request; each server's connection is held
 open there by a task of its own (:meth:`McpBridge._hold`) until :meth:`McpBridge.close`, and
 any thread sends it requests with :func:`asyncio.run_coroutine_threadsafe`.
 
-A session that is found closed (the server process exited, the HTTP server went away) is
+A connection that is found closed (the server process exited, the HTTP server went away) is
 dropped and opened again at the next request, so one crash costs the calls in flight, not the
 rest of the run. Every bridge still open is closed at interpreter exit (its stdio servers are
-stopped), and a closed bridge reopens its sessions if it is used again.
+stopped), and a closed bridge reopens its connections if it is used again.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import concurrent.futures
 import contextlib
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -65,7 +65,7 @@ class McpServer:
 
 
 @contextlib.asynccontextmanager
-async def _http(url: str, headers: Mapping[str, str] | None) -> Any:
+async def _http(url: str, headers: Mapping[str, str] | None) -> AsyncIterator[Any]:
     """A streamable HTTP connection's streams, with the MCP SDK's HTTP client settings (30 s to
     connect and send, 5 min to read an event stream)."""
     import httpx
@@ -100,7 +100,7 @@ def describe(exc: BaseException) -> str:
 
 
 def _closed(exc: BaseException) -> bool:
-    """Whether ``exc`` says the session's connection is gone (reopen it at the next call)."""
+    """Whether ``exc`` says the connection is gone (open it again at the next call)."""
     import anyio
     from mcp.shared.exceptions import McpError
     from mcp.types import CONNECTION_CLOSED
@@ -113,7 +113,7 @@ def _closed(exc: BaseException) -> bool:
 
 @dataclass
 class _Link:
-    """An open session and how to close it (loop-owned)."""
+    """An open connection and how to close it (loop-owned)."""
 
     session: Any
     stop: asyncio.Event
@@ -149,7 +149,7 @@ class McpBridge:
 
     def list_tools(self, index: int, timeout: float) -> list[Any]:
         """Every tool server ``index`` lists (``mcp.types.Tool``: name, description,
-        inputSchema), all pages; opens its session. Raises :class:`McpServerError`."""
+        inputSchema), all pages; opens its connection. Raises :class:`McpServerError`."""
         return self._run(self._list(index), timeout, index)
 
     def call(self, index: int, name: str, arguments: Mapping[str, Any], timeout: float) -> Any:
@@ -158,7 +158,7 @@ class McpBridge:
         return self._run(self._call(index, name, dict(arguments), timeout), timeout + 1.0, index)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Close every session (stdio servers are asked to exit, then stopped) and the loop."""
+        """Close every connection (stdio servers are asked to exit, then stopped) and the loop."""
         with self._lock:
             loop, thread = self._loop, self._thread
             self._loop = self._thread = None
@@ -238,7 +238,7 @@ class McpBridge:
             return session
 
     async def _hold(self, server: McpServer, ready: asyncio.Future[Any], stop: asyncio.Event):
-        """Open ``server``'s session, hand it over through ``ready``, keep it until ``stop``:
+        """Open ``server``'s connection, hand it over through ``ready``, keep it until ``stop``:
         the transport's task group is entered and left by this one task."""
         from mcp import ClientSession
 

@@ -13,7 +13,7 @@ Each entry of ``mcp_servers`` is one server::
 ``inputSchema`` as the ``parameters`` of the chat template's function schema, and a function
 that routes the call to that server (:class:`~grimoire.rollout.agents.mcp_bridge.McpBridge`).
 This happens when the method is built, before any model is loaded, so a server that does not
-start is a config error, not a failure at the first episode. The sessions stay open for the
+start is a config error, not a failure at the first episode. The connections stay open for the
 run; the :class:`McpToolset` closes them (the rollout stage's ``close``, or interpreter exit).
 
 A call's text content is joined into the tool message. A result the server marks ``isError``
