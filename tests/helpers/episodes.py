@@ -130,6 +130,55 @@ def episode_trainer(
     return trainer, rows
 
 
+def scripted_call_trainer(
+    tiny_dir, tmp_path, reward_funcs, first_turn: Callable[[int], str], **method_args: Any
+):
+    """:func:`episode_trainer` whose engine is a :class:`ScriptedFirstTurn` writing
+    ``first_turn(i)`` (a tool call) as each episode's first turn; returns it, its rows and the
+    tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    engine = ScriptedFirstTurn(tok, first_turn, max_new_tokens=32)
+    trainer, rows = episode_trainer(
+        tiny_dir, tmp_path, reward_funcs, engine=engine, max_episode_tokens=128, **method_args
+    )
+    return trainer, rows, tok
+
+
+def model_and_context_texts(tokenizer, batch) -> list[tuple[str, str]]:
+    """Per row of a training batch, the text of its completion's model tokens (loss mask 1) and
+    of its context tokens (attended, loss mask 0: tool results, template tokens)."""
+    mask = batch["completion_mask"]
+    c = mask.shape[1]
+    ids = batch["input_ids"][:, -c:]
+    attended = batch["attention_mask"][:, -c:] == 1
+    return [
+        (
+            tokenizer.decode(ids[row][mask[row] == 1]),
+            tokenizer.decode(ids[row][attended[row] & (mask[row] == 0)]),
+        )
+        for row in range(ids.shape[0])
+    ]
+
+
+def agentic_grpo_yaml(tmp_path, agent_line: str) -> str:
+    """A one-step GRPO config of the tiny model on 4 reverse rows, the tiny parser and one more
+    ``loss.args`` line (``agent_line``, e.g. ``"environment_factory: 'pkg.mod:Env'"``): its path."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "reverse ab=", "answer": "ba"}\n' * 4)
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model: {pretrained: 'tiny:llama'}\n"
+        f"dataset: {{jsonl: {data}, tokenize: {{type: grpo}}}}\n"
+        "loss:\n  type: grpo\n  args:\n"
+        "    reward_funcs: [exact_match]\n    num_generations: 2\n    tool_call_parser: tiny\n"
+        f"    {agent_line}\n"
+        f"training: {{output_dir: {tmp_path / 'out'}, max_steps: 1, batch_size: 2}}\n"
+    )
+    return str(path)
+
+
 def one_episode_batch(trainer, rows):
     """The first training batch of one rollout step on the first two rows, and its metrics."""
     prompts = GRPOCollator(pad_token_id=trainer.tokenizer.pad_token_id)(rows[:2])

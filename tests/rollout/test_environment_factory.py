@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.helpers.episodes import (
-    ScriptedFirstTurn,
+    agentic_grpo_yaml,
     assert_only_model_tokens_get_gradient,
-    episode_trainer,
+    model_and_context_texts,
     one_episode_batch,
+    scripted_call_trainer,
 )
 
 from grimoire.cli.main import main
@@ -220,18 +221,7 @@ def test_environment_factory_malformed_classes_are_config_errors_naming_what_is_
 
 
 def _yaml(tmp_path, factory: str) -> str:
-    data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "reverse ab=", "answer": "ba"}\n' * 4)
-    path = tmp_path / "run.yaml"
-    path.write_text(
-        "model: {pretrained: 'tiny:llama'}\n"
-        f"dataset: {{jsonl: {data}, tokenize: {{type: grpo}}}}\n"
-        "loss:\n  type: grpo\n  args:\n"
-        "    reward_funcs: [exact_match]\n    num_generations: 2\n    tool_call_parser: tiny\n"
-        f"    environment_factory: '{factory}'\n"
-        f"training: {{output_dir: {tmp_path / 'out'}, max_steps: 1, batch_size: 2}}\n"
-    )
-    return str(path)
+    return agentic_grpo_yaml(tmp_path, f"environment_factory: '{factory}'")
 
 
 def test_environment_factory_yaml_spec_validates(tmp_path, capsys):
@@ -245,31 +235,18 @@ def test_environment_factory_yaml_spec_validates(tmp_path, capsys):
 
 
 def test_environment_factory_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
     # The first turn of episode i adds 1 + i % 3 letters: the rewards vary in each group.
-    engine = ScriptedFirstTurn(
-        tok, lambda i: f"call: add(letters={'a' * (1 + i % 3)})", max_new_tokens=32
-    )
-    trainer, rows = episode_trainer(
+    trainer, rows, _ = scripted_call_trainer(
         tiny_dir,
         tmp_path,
         [zero_reward],
+        lambda i: f"call: add(letters={'a' * (1 + i % 3)})",
         environment_factory=CounterEnv,
-        engine=engine,
-        max_episode_tokens=128,
     )
     try:
         batch, metrics = one_episode_batch(trainer, rows)
-        mask = batch["completion_mask"]
-        c = mask.shape[1]
-        ids = batch["input_ids"][:, -c:]
-        attended = batch["attention_mask"][:, -c:] == 1
         letters = []
-        for row in range(ids.shape[0]):
-            model_text = tok.decode(ids[row][mask[row] == 1])
-            context_text = tok.decode(ids[row][attended[row] & (mask[row] == 0)])
+        for model_text, context_text in model_and_context_texts(trainer.tokenizer, batch):
             n = next(k for k in (3, 2, 1) if f"call: add(letters={'a' * k})<|end|>" in model_text)
             letters.append(n)
             # The tool's answer is read (attended) but never trained (mask 0).

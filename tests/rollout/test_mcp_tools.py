@@ -16,11 +16,12 @@ import time
 import pytest
 from tests.helpers.commands import ROOT
 from tests.helpers.episodes import (
-    ScriptedFirstTurn,
+    agentic_grpo_yaml,
     answer_length,
     assert_only_model_tokens_get_gradient,
-    episode_trainer,
+    model_and_context_texts,
     one_episode_batch,
+    scripted_call_trainer,
 )
 from tests.helpers.train_utils import free_port
 
@@ -285,20 +286,8 @@ def test_mcp_missing_extra_is_one_error_naming_it(monkeypatch):
 
 
 def test_mcp_yaml_validates_and_a_bad_server_fails_validation(tmp_path, capsys):
-    data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "reverse ab=", "answer": "ba"}\n' * 4)
-
     def config(server: str) -> str:
-        path = tmp_path / "run.yaml"
-        path.write_text(
-            "model: {pretrained: 'tiny:llama'}\n"
-            f"dataset: {{jsonl: {data}, tokenize: {{type: grpo}}}}\n"
-            "loss:\n  type: grpo\n  args:\n"
-            "    reward_funcs: [exact_match]\n    num_generations: 2\n    tool_call_parser: tiny\n"
-            f"    mcp_servers: [{server}]\n"
-            f"training: {{output_dir: {tmp_path / 'out'}, max_steps: 1, batch_size: 2}}\n"
-        )
-        return str(path)
+        return agentic_grpo_yaml(tmp_path, f"mcp_servers: [{server}]")
 
     assert main(["validate", "--config", config(f"{{command: [python, '{SERVER}']}}")]) == 0
     assert "is valid" in capsys.readouterr().out
@@ -308,36 +297,25 @@ def test_mcp_yaml_validates_and_a_bad_server_fails_validation(tmp_path, capsys):
 
 
 def test_mcp_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
     words = ["ab", "abc", "abcd"]
     # Each episode's first turn calls the server's lookup: its answer is the tool message.
-    engine = ScriptedFirstTurn(
-        tok, lambda i: f"call: lookup(word={words[i % 3]})", max_new_tokens=32
-    )
-    trainer, rows = episode_trainer(
+    trainer, rows, tok = scripted_call_trainer(
         tiny_dir,
         tmp_path,
         [answer_length],
+        lambda i: f"call: lookup(word={words[i % 3]})",
         mcp_servers=[{"command": ["python", SERVER], "tools": ["lookup"]}],
-        engine=engine,
-        max_episode_tokens=128,
     )
     try:
         batch, metrics = one_episode_batch(trainer, rows)
         assert metrics["tools/calls"] == 8.0 and metrics["tools/ok"] == 8.0
         assert metrics["episode/turns_mean"] == 2.0
-        mask = batch["completion_mask"]
-        c = mask.shape[1]
-        ids = batch["input_ids"]
-        attended = batch["attention_mask"][:, -c:] == 1
-        for row in range(ids.shape[0]):
+        prompt_width = batch["input_ids"].shape[1] - batch["completion_mask"].shape[1]
+        texts = model_and_context_texts(tok, batch)
+        for row, (model_text, context_text) in enumerate(texts):
             # The server's tool is in the prompt the chat template wrote.
-            assert "<|system|>tools: lookup<|end|>" in tok.decode(ids[row][:-c])
-            completion = ids[row][-c:]
-            model_text = tok.decode(completion[mask[row] == 1])
-            context_text = tok.decode(completion[attended[row] & (mask[row] == 0)])
+            prompt = tok.decode(batch["input_ids"][row][:prompt_width])
+            assert "<|system|>tools: lookup<|end|>" in prompt
             word = next(w for w in reversed(words) if f"call: lookup(word={w})" in model_text)
             # The server's answer is read (attended), never trained (mask 0).
             assert f"result: {word[::-1]}<|end|>" in context_text
