@@ -15,6 +15,7 @@ from grimoire.collate.prompts import GRPOCollator
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.agents.environment import Step
+from grimoire.rollout.engines.base import Samples
 from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rollout.engines.vllm_server import read_frames
 from grimoire.rows.prompts import tokenize_grpo
@@ -82,6 +83,7 @@ class ScriptedFirstTurn(HFGenerateEngine):
 
     def _sample(self, prompts, n, greedy):
         rows = super()._sample(prompts, n, greedy)
+        rows = rows.ids if isinstance(rows, Samples) else rows  # the sampled turns are replaced
         tok, out = self.tokenizer, []
         for i, r in enumerate(rows):
             if "result:" in tok.decode(prompts[i // n]):

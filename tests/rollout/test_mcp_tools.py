@@ -8,17 +8,21 @@ trains only the model's own tokens.
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from tests.helpers.commands import ROOT
 from tests.helpers.episodes import (
+    ScriptedFirstTurn,
     agentic_grpo_yaml,
     answer_length,
     assert_only_model_tokens_get_gradient,
+    episode_trainer,
     model_and_context_texts,
     one_episode_batch,
     scripted_call_trainer,
@@ -164,6 +168,16 @@ def test_mcp_stdio_calls_reach_the_server_and_errors_are_tool_messages(stdio_too
         "tools/bad_arguments": 2,
         "tools/unknown_tool": 1,
     }
+
+
+def test_mcp_calls_from_many_threads_at_once(stdio_toolset):
+    # Episodes call tools from the learner's thread, an asynchronous rollout producer's and each
+    # call's own timeout thread: one bridge serves them all at once.
+    lookup_tool = next(t for t in stdio_toolset.tools if t.name == "lookup")
+    words = [f"word{i}x" for i in range(32)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda w: lookup_tool.function(word=w), words))
+    assert answers == [w[::-1] for w in words]
 
 
 def test_mcp_stdio_server_that_dies_mid_call_is_an_error_message_then_restarted(stdio_toolset):
@@ -326,3 +340,27 @@ def test_mcp_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
         trainer.close()
     # The trainer's close closed the sessions (and the loop that held them).
     assert not trainer.rollouts.agent.resources[0].bridge.running
+
+
+def test_mcp_tools_in_asynchronous_rollouts(tiny_dir, tmp_path):
+    # max_staleness=1: the episodes (and their tool calls) are played by the producer thread.
+    tok = build_tokenizer()
+    engine = ScriptedFirstTurn(
+        tok, lambda i: "call: lookup(word=abc)", max_new_tokens=32, async_sampler="thread"
+    )
+    trainer, _ = episode_trainer(
+        tiny_dir,
+        tmp_path,
+        [answer_length],
+        engine=engine,
+        max_staleness=1,
+        max_episode_tokens=128,
+        mcp_servers=[{"command": ["python", SERVER], "tools": ["lookup"]}],
+    )
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "tools/calls" in r]
+    assert steps and all(r["tools/ok"] == r["tools/calls"] == 8 for r in steps), records
