@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 
 import torch
+from tests.helpers.commands import ROOT
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer, TrainingConfig
@@ -24,7 +25,7 @@ from grimoire.model.tiny import ASSETS, build_tokenizer
 from grimoire.rows.prompts import tokenize_grpo
 
 WARM = ASSETS / "lookup_warm"
-MCP_LOOKUP = {"command": ["python", "tests/helpers/mcp_server.py"], "tools": ["lookup"]}
+MCP_LOOKUP = {"command": ["python", str(ROOT / "tests/helpers/mcp_server.py")], "tools": ["lookup"]}
 EVAL = "eval/rewards/exact_match_reward/mean"
 
 
@@ -88,10 +89,7 @@ def grpo_lookup_run(out, seed: int, steps: int, heldout: int = 32, **tools) -> l
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_with_the_lookup_tool_over_mcp_raises_the_success_rate(tmp_path, monkeypatch):
-    from tests.helpers.commands import ROOT
-
-    monkeypatch.chdir(ROOT)  # the server's path in MCP_LOOKUP
+def test_grpo_with_the_lookup_tool_over_mcp_raises_the_success_rate(tmp_path):
     records = grpo_lookup_run(tmp_path, seed=0, steps=30, mcp_servers=[MCP_LOOKUP])
     evals = [r[EVAL] for r in records if EVAL in r]
     calls = [r.get("tools/ok", 0.0) for r in records if "rewards/exact_match_reward/mean" in r]
