@@ -92,6 +92,13 @@ RUNS: dict[str, tuple[list[str], list[str], str]] = {
         + ["--set", "eval_dataset.max_samples=4"],
         "output/verifiers_environment/final/model.safetensors",
     ),
+    "mcp_tools.yaml": (
+        # Runs on its own: the lookup tool served by mcp_lookup_server.py over MCP (stdio).
+        [GRIMOIRE, "train", "--config", "examples/mcp_tools.yaml"],
+        ["--set", "training.max_steps=2", "--set", "training.eval_steps=2"]
+        + ["--set", "eval_dataset.max_samples=4"],
+        "output/mcp_tools/final/model.safetensors",
+    ),
     "distill_toy.yaml": (
         # Runs on its own: a tiny:llama student, the bundled reverse_warm teacher.
         [GRIMOIRE, "train", "--config", "examples/distill_toy.yaml"],
@@ -186,6 +193,7 @@ NOT_RUN_HERE = {
     "openenv_reverse_env.py": "the server openenv_reverse.yaml trains against, run with it",
     "verifiers_lookup_env.py": "the load_environment() verifiers_environment.yaml names, run "
     "with it",
+    "mcp_lookup_server.py": "the MCP server mcp_tools.yaml starts, run with it",
 }
 RUN_YAML = """\
 # ddp.yaml's `run.yaml`: two CPU processes, a few steps of the tiny model.
@@ -277,6 +285,10 @@ def test_example_runs_as_written(example, tmp_path, request):
             total, exact = r["rewards/verifiers/mean"], r["rewards/verifiers/exact_answer/mean"]
             assert total == pytest.approx(exact) and r["reward"] == pytest.approx(total), r
         assert any("eval/rewards/verifiers/mean" in r for r in map(json.loads, out.open()))
+    if example == "mcp_tools.yaml":  # the calls reached the server and were answered
+        records = [json.loads(x) for x in (root / "output/mcp_tools/metrics.jsonl").open()]
+        assert sum(r.get("tools/ok", 0) for r in records) > 0, records
+        assert not any(r.get("tools/exception", 0) for r in records), records
     if example == "distill_toy.yaml":
         records = [json.loads(x) for x in (root / "output/distill_toy/metrics.jsonl").open()]
         assert any("distill/reverse_kl" in r for r in records)

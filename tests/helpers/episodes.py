@@ -4,7 +4,8 @@ tests."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from tests.helpers.train_utils import quiet_config
@@ -14,6 +15,7 @@ from grimoire.collate.prompts import GRPOCollator
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.agents.environment import Step
+from grimoire.rollout.engines.base import Samples
 from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rollout.engines.vllm_server import read_frames
 from grimoire.rows.prompts import tokenize_grpo
@@ -68,6 +70,30 @@ class ShortTurns(HFGenerateEngine):
         ]
 
 
+class ScriptedFirstTurn(HFGenerateEngine):
+    """Samples from the policy, but an episode's first turn (a prompt with no tool result yet)
+    is ``first_turn(i)`` (``i``: the episode's place in the sampling call), so the tool is
+    called whatever the untrained model writes; later turns are at most 4 of the policy's
+    tokens. Every turn ends with the template's end token."""
+
+    def __init__(self, tokenizer: Any, first_turn: Callable[[int], str], **kwargs: Any):
+        super().__init__(**kwargs)
+        self.tokenizer, self.first_turn = tokenizer, first_turn
+        self.end_id = tokenizer.convert_tokens_to_ids("<|end|>")
+
+    def _sample(self, prompts, n, greedy):
+        rows = super()._sample(prompts, n, greedy)
+        rows = rows.ids if isinstance(rows, Samples) else rows  # the sampled turns are replaced
+        tok, out = self.tokenizer, []
+        for i, r in enumerate(rows):
+            if "result:" in tok.decode(prompts[i // n]):
+                out.append([t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id])
+            else:
+                ids = tok(self.first_turn(i), add_special_tokens=False)["input_ids"]
+                out.append(ids + [self.end_id])
+        return out
+
+
 def episode_trainer(
     tiny_dir, tmp_path, reward_funcs, padding_free=False, method_cls=GRPOMethod, **method_args: Any
 ):
@@ -106,30 +132,30 @@ def episode_trainer(
     return trainer, rows
 
 
-class FirstTurnCalls(HFGenerateEngine):
-    """Samples from the policy, but an episode's first turn is ``call: add(letters=a..)`` with
-    ``1 + i % 3`` letters (``i``: the episode's place in the call), so the rewards vary in each
-    group; later turns (after a ``result:``) are at most 4 of the policy's tokens. Every turn
-    ends with the template's end token. Set ``end_id`` and ``tokenizer`` first."""
+def scripted_call_trainer(
+    tiny_dir, tmp_path, reward_funcs, first_turn: Callable[[int], str], **method_args: Any
+):
+    """:func:`episode_trainer` whose engine is a :class:`ScriptedFirstTurn` writing
+    ``first_turn(i)`` (a tool call) as each episode's first turn; returns it, its rows and the
+    tokenizer."""
+    from transformers import AutoTokenizer
 
-    end_id = 0
-    tokenizer: ClassVar = None
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    engine = ScriptedFirstTurn(tok, first_turn, max_new_tokens=32)
+    trainer, rows = episode_trainer(
+        tiny_dir, tmp_path, reward_funcs, engine=engine, max_episode_tokens=128, **method_args
+    )
+    return trainer, rows, tok
 
-    def _sample(self, prompts, n, greedy):
-        rows = super()._sample(prompts, n, greedy)
-        tok = type(self).tokenizer
-        out = []
-        for i, r in enumerate(rows):
-            if "result:" in tok.decode(prompts[i // n]):
-                out.append([t for t in r if t != self.end_id][: 1 + i % 4] + [self.end_id])
-            else:
-                text = f"call: add(letters={'a' * (1 + i % 3)})"
-                out.append(tok(text, add_special_tokens=False)["input_ids"] + [self.end_id])
-        return out
+
+def add_call(i: int) -> str:
+    """A first turn for :class:`ScriptedFirstTurn`: ``call: add(letters=a..)`` with ``1 + i % 3``
+    letters, so the rewards of a tool that counts them vary in each group."""
+    return f"call: add(letters={'a' * (1 + i % 3)})"
 
 
 def first_call_letters(batch, tok) -> torch.Tensor:
-    """The letters each episode of ``batch`` (played with :class:`FirstTurnCalls`, the tool
+    """The letters each episode of ``batch`` (played with :func:`add_call` first turns, the tool
     answering ``n``) passed to ``add``, as ``[2, 4]`` groups; asserts the tool's answer is read
     (attended) and never trained (mask 0) and that the rewards vary in each group."""
     letters = []

@@ -10,14 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.helpers.episodes import (
-    FirstTurnCalls,
+    add_call,
     assert_only_model_tokens_get_gradient,
     assert_validates,
-    episode_trainer,
     episode_yaml,
     first_call_letters,
     grpo_advantages,
     one_episode_batch,
+    scripted_call_trainer,
 )
 
 from grimoire.errors import ConfigError
@@ -233,19 +233,13 @@ def test_environment_factory_yaml_spec_validates(tmp_path, capsys):
 
 
 def test_environment_factory_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    engine = FirstTurnCalls(max_new_tokens=32)
-    engine.end_id = tok.convert_tokens_to_ids("<|end|>")
-    FirstTurnCalls.tokenizer = tok
-    trainer, rows = episode_trainer(
+    # The first turn of episode i adds 1 + i % 3 letters: the rewards vary in each group.
+    trainer, rows, tok = scripted_call_trainer(
         tiny_dir,
         tmp_path,
         [zero_reward],
+        add_call,
         environment_factory=CounterEnv,
-        engine=engine,
-        max_episode_tokens=128,
     )
     try:
         batch, metrics = one_episode_batch(trainer, rows)

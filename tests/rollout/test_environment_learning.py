@@ -1,7 +1,14 @@
 """GRPO on the bundled tiny tool task learns: from ``grimoire://assets/lookup_warm`` (SFT on a mix
-of episodes that call ``lookup`` and episodes that answer without it), a short GRPO run with
-``tools=[lookup]`` through the trainer's rollout stage raises the held-out success rate of greedy
-episodes, because calling the tool and copying its answer pays and answering alone rarely does.
+of episodes that call ``lookup`` and episodes that answer without it), a short GRPO run through
+the trainer's rollout stage raises the held-out success rate of greedy episodes, because calling
+the tool and copying its answer pays and answering alone rarely does.
+
+The tool is served by an MCP server process (``tests/helpers/mcp_server.py`` over stdio, its
+``lookup`` only): the answer is in the tool's output, which comes from outside the trainer, so
+the rise is learning to use the environment. The same task with the tool as a plain Python
+function (``tools=[lookup]``) is ``examples/agentic_lookup.yaml``'s, run by
+``tests/test_examples.py``; plain-function tools through the stage are also
+``tests/rollout/test_environment_stage.py``'s.
 """
 
 from __future__ import annotations
@@ -9,14 +16,16 @@ from __future__ import annotations
 import json
 
 import torch
+from tests.helpers.commands import ROOT
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer, TrainingConfig
 from grimoire.losses.grpo import GRPOMethod
-from grimoire.model.tiny import ASSETS, build_tokenizer, lookup
+from grimoire.model.tiny import ASSETS, build_tokenizer
 from grimoire.rows.prompts import tokenize_grpo
 
 WARM = ASSETS / "lookup_warm"
+MCP_LOOKUP = {"command": ["python", str(ROOT / "tests/helpers/mcp_server.py")], "tools": ["lookup"]}
 EVAL = "eval/rewards/exact_match_reward/mean"
 
 
@@ -25,9 +34,10 @@ def read_jsonl(name: str, n: int) -> list[dict]:
         return [json.loads(line) for _, line in zip(range(n), f)]
 
 
-def grpo_lookup_run(out, seed: int, steps: int, heldout: int = 32) -> list[dict]:
-    """GRPO from the bundled warm start; the records of ``metrics.jsonl`` (greedy held-out
-    episodes scored before the first step and after the last)."""
+def grpo_lookup_run(out, seed: int, steps: int, heldout: int = 32, **tools) -> list[dict]:
+    """GRPO from the bundled warm start with the lookup tool given by ``tools`` (the method's
+    ``tools`` or ``mcp_servers``); the records of ``metrics.jsonl`` (greedy held-out episodes
+    scored before the first step and after the last)."""
     torch.set_num_threads(1)
     tok = build_tokenizer()
     model = AutoModelForCausalLM.from_pretrained(WARM, dtype=torch.float32)
@@ -39,7 +49,7 @@ def grpo_lookup_run(out, seed: int, steps: int, heldout: int = 32) -> list[dict]
         max_new_tokens=40,
         temperature=1.0,
         loss_type="dapo",
-        tools=[lookup],
+        **tools,
         tool_call_parser="tiny",
         stop_tokens=["<|end|>"],
         max_turns=3,
@@ -79,8 +89,8 @@ def grpo_lookup_run(out, seed: int, steps: int, heldout: int = 32) -> list[dict]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_with_the_lookup_tool_raises_the_success_rate(tmp_path):
-    records = grpo_lookup_run(tmp_path, seed=0, steps=30)
+def test_grpo_with_the_lookup_tool_over_mcp_raises_the_success_rate(tmp_path):
+    records = grpo_lookup_run(tmp_path, seed=0, steps=30, mcp_servers=[MCP_LOOKUP])
     evals = [r[EVAL] for r in records if EVAL in r]
     calls = [r.get("tools/ok", 0.0) for r in records if "rewards/exact_match_reward/mean" in r]
     assert len(evals) == 2 and len(calls) == 30, records

@@ -12,12 +12,12 @@ import torch
 import verifiers as vf
 from datasets import Dataset
 from tests.helpers.episodes import (
-    FirstTurnCalls,
+    add_call,
     assert_only_model_tokens_get_gradient,
-    episode_trainer,
     first_call_letters,
     grpo_advantages,
     one_episode_batch,
+    scripted_call_trainer,
 )
 
 from grimoire.cli.main import main
@@ -227,15 +227,10 @@ def load_environment(num_rows: int = 8) -> vf.Environment:
 
 
 def test_verifiers_tool_env_grpo_step_trains_only_model_tokens(tiny_dir, tmp_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    engine = FirstTurnCalls(max_new_tokens=32)
-    engine.end_id, FirstTurnCalls.tokenizer = tok.convert_tokens_to_ids("<|end|>"), tok
     # The trainer's rows are grimoire's reverse rows (text prompts): the environment formats
-    # them as its own dataset's.
-    trainer, rows = episode_trainer(
-        tiny_dir, tmp_path, [], verifiers=load_environment(), engine=engine, max_episode_tokens=128
+    # them as its own dataset's. The first turn of episode i adds 1 + i % 3 letters.
+    trainer, rows, tok = scripted_call_trainer(
+        tiny_dir, tmp_path, [], add_call, verifiers=load_environment()
     )
     try:
         batch, metrics = one_episode_batch(trainer, rows)

@@ -61,9 +61,9 @@ class RolloutSettings:
             ``k >= 1`` samples them in a background producer with weights at most ``k``
             optimizer steps old, while the learner trains
             (:mod:`grimoire.rollout.async_rollouts`; the hf engine, or vllm-server).
-        tools, environment, environment_factory, openenv, tool_call_parser, max_turns,
-            max_episode_tokens, env_timeout, failure_reward, stop_tokens: multi-turn episodes
-            (:func:`~grimoire.rollout.agents.agent.build_agent`).
+        tools, environment, environment_factory, openenv, mcp_servers, tool_call_parser,
+            max_turns, max_episode_tokens, env_timeout, failure_reward, stop_tokens: multi-turn
+            episodes (:func:`~grimoire.rollout.agents.agent.build_agent`).
         verifiers: instead of ``environment``, a verifiers environment (``vf.Environment`` or a
             loader spec, :mod:`grimoire.rollout.agents.verifiers_env`): it plays the episodes
             and its rubric scores them, before ``reward_funcs`` (which may then be ``[]``).
@@ -84,6 +84,7 @@ class RolloutSettings:
     environment_factory: Any = None
     openenv: Any = None
     verifiers: Any = None
+    mcp_servers: Sequence[Any] | None = None
     tool_call_parser: Any = "hermes"
     max_turns: int = 4
     max_episode_tokens: int = 2048
@@ -126,6 +127,7 @@ class RolloutSettings:
             environment_factory=self.environment_factory,
             openenv=self.openenv,
             verifiers=self.verifiers,
+            mcp_servers=self.mcp_servers,
             max_turns=self.max_turns,
             max_episode_tokens=self.max_episode_tokens,
             max_new_tokens=engine.sampler.max_new_tokens,

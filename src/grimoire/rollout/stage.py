@@ -194,8 +194,11 @@ class RolloutStage:
         self.sharded = ctx.sharded
 
     def close(self) -> None:
-        """Shut the engine down (the trainer's ``close``, before the process group goes)."""
+        """Shut the engine down (the trainer's ``close``, before the process group goes) and
+        what the agent holds open (MCP connections)."""
         self.engine.close()
+        if self.agent is not None:
+            self.agent.close()
 
     # ------------------------------------------------------------------ one step
 

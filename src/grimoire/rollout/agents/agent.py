@@ -1,9 +1,11 @@
 """An online method's agentic settings, and the rollout of one prompt micro-batch as episodes.
 
 :func:`build_agent` turns the method arguments (``tools``, ``environment`` or TRL's
-``environment_factory`` or an OpenEnv server's ``openenv``, ``tool_call_parser``,
-``max_turns``, ``max_episode_tokens``, ``env_timeout``, ``failure_reward``, ``stop_tokens``)
-into an :class:`Agent`, checked once, before any model is loaded: every unimportable spec, tool without a docstring or hint, unknown parser or bad limit
+``environment_factory``, an OpenEnv server's ``openenv`` or a ``verifiers`` environment,
+``mcp_servers``, ``tool_call_parser``, ``max_turns``, ``max_episode_tokens``, ``env_timeout``,
+``failure_reward``, ``stop_tokens``) into an :class:`Agent`, checked once, before any model is
+loaded (MCP servers are started or reached and list their tools then): every unimportable spec,
+tool without a docstring or hint, unknown parser or bad limit
 is listed in one :class:`~grimoire.errors.ConfigError` naming its ``loss.args`` key.
 
 :func:`episode_rollout` lays a group's episodes out as a
@@ -27,6 +29,7 @@ from grimoire.errors import ConfigError
 from grimoire.rollout.agents.environment import Environment, ToolEnvironment
 from grimoire.rollout.agents.episode_batches import pad_episodes
 from grimoire.rollout.agents.episodes import Episode, EpisodeLimits
+from grimoire.rollout.agents.mcp_tools import McpToolset, connect_mcp_tools, parse_mcp_servers
 from grimoire.rollout.agents.openenv_environment import openenv_factory
 from grimoire.rollout.agents.tool_parsers import ToolCallParser, resolve_tool_call_parser
 from grimoire.rollout.agents.toolbox import build_tools
@@ -51,6 +54,12 @@ class Agent:
     limits: EpisodeLimits
     stop_tokens: tuple[str, ...] = field(default_factory=tuple)
     rewards: tuple[RewardFunction, ...] = ()
+    #: What the agent holds open for the run (MCP connections), closed by :meth:`close`.
+    resources: tuple[McpToolset, ...] = field(default_factory=tuple)
+
+    def close(self) -> None:
+        for resource in self.resources:
+            resource.close()
 
 
 def _resolved(spec: Any, kind: str, problems: list[str]) -> Any:
@@ -95,6 +104,7 @@ def build_agent(
     environment_factory: Any = None,
     openenv: Any = None,
     verifiers: Any = None,
+    mcp_servers: Any = None,
     max_turns: int,
     max_episode_tokens: int,
     max_new_tokens: int,
@@ -115,29 +125,25 @@ def build_agent(
     environment (an instance or a loader spec,
     :func:`~grimoire.rollout.agents.verifiers_env.load_verifiers_environment`) whose rubric
     becomes :attr:`Agent.rewards`. ``openenv`` and ``verifiers`` exclude the others.
+    ``mcp_servers``: MCP servers whose tools are offered beside ``tools``
+    (:mod:`grimoire.rollout.agents.mcp_tools`), not with an environment of one's own.
     """
     sources = (environment, environment_factory, openenv, verifiers)
-    if not tools and all(source is None for source in sources):
+    if not tools and not mcp_servers and all(source is None for source in sources):
         return None
     where = "loss.args"
     problems: list[str] = []
-    if tools is not None and (isinstance(tools, str) or not isinstance(tools, Sequence)):
-        tools = [tools]
-    functions = [_resolved(t, f"{where}.tools[{i}]", problems) for i, t in enumerate(tools or ())]
-    if not problems and functions:
-        try:
-            build_tools(functions)  # every schema now, not at the first episode
-        except ConfigError as exc:
-            problems.extend(f"{where}.{p}" for p in exc.problems)
-    given = {"tools": tools, "environment": environment, "environment_factory": environment_factory}
+    functions = _functions(tools, problems)
+    own = {"environment": environment, "openenv": openenv, "verifiers": verifiers}
+    held = _mcp_toolsets(mcp_servers, own, functions, problems)
+    functions = [*functions, *(tool for toolset in held for tool in toolset.tools)]
+    given = {
+        "tools": tools or mcp_servers,
+        "environment": environment,
+        "environment_factory": environment_factory,
+    }
     factory, rewards = _episode_source(
-        functions,
-        given,
-        openenv,
-        verifiers,
-        max_turns,
-        env_timeout,
-        problems,
+        functions, given, openenv, verifiers, max_turns, env_timeout, problems
     )
     parser: ToolCallParser | None = None
     try:
@@ -155,10 +161,55 @@ def build_agent(
     if isinstance(stop_tokens, str) or not all(isinstance(s, str) for s in stop_tokens):
         problems.append(f"{where}.stop_tokens: a list of token strings, got {stop_tokens!r}")
     if problems or limits is None or parser is None:
+        for toolset in held:
+            toolset.close()
         raise ConfigError(problems, title="invalid agentic rollout settings")
     # Resolved and checked callable (a problem otherwise): the environment factory.
     env_factory = cast("Callable[[], Environment]", factory)
-    return Agent(env_factory, parser, limits, tuple(stop_tokens), rewards)
+    return Agent(env_factory, parser, limits, tuple(stop_tokens), rewards, held)
+
+
+def _functions(tools: Any, problems: list[str]) -> list[Any]:
+    """The ``tools`` (functions or specs) resolved, their schemas built now (not at the first
+    episode); their problems added to ``problems``."""
+    if tools is not None and (isinstance(tools, str) or not isinstance(tools, Sequence)):
+        tools = [tools]
+    functions = [_resolved(t, f"loss.args.tools[{i}]", problems) for i, t in enumerate(tools or ())]
+    if not problems and functions:
+        try:
+            build_tools(functions)
+        except ConfigError as exc:
+            problems.extend(f"loss.args.{p}" for p in exc.problems)
+    return functions
+
+
+def _mcp_toolsets(
+    mcp_servers: Any, own: dict[str, Any], functions: list[Any], problems: list[str]
+) -> tuple[McpToolset, ...]:
+    """The tools of ``mcp_servers`` (started or reached now; none or one toolset), when the
+    rest of the tool settings are sound; their problems added to ``problems``. ``own``: the
+    settings that bring an environment of one's own (``environment``, ``openenv``,
+    ``verifiers``), which take no MCP tools."""
+    if not mcp_servers:
+        return ()
+    where = "loss.args.mcp_servers"
+    for name in (k for k, v in own.items() if v is not None):
+        problems.append(
+            f"{where}: offered by the default tool environment or an environment_factory "
+            f"class; {name} brings its own tools"
+        )
+    try:
+        servers = parse_mcp_servers(mcp_servers, where)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return ()
+    if problems:  # a broken config starts no server
+        return ()
+    try:
+        return (connect_mcp_tools(servers, [getattr(f, "__name__", "") for f in functions], where),)
+    except ConfigError as exc:
+        problems.extend(exc.problems)
+        return ()
 
 
 def _episode_source(
