@@ -289,6 +289,22 @@ def test_mcp_servers_config_errors_name_the_key(tmp_path):
         )
 
 
+def test_mcp_servers_beside_openenv_or_verifiers_are_refused_without_starting_them(tmp_path):
+    """openenv and verifiers bring their own tools: one named error, and the stdio server is
+    never started (it would write its marker file)."""
+    marker = tmp_path / "started"
+    server = {"command": [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]}
+    others = {
+        "openenv": ({"base_url": "http://127.0.0.1:9"}, "loss.args: give openenv or mcp_servers"),
+        "verifiers": ("no_such_module:load_environment", "give verifiers or mcp_servers"),
+    }
+    for key, (value, error) in others.items():
+        with pytest.raises(ConfigError) as info:
+            GRPOMethod(["exact_match"], num_generations=2, mcp_servers=[server], **{key: value})
+        assert any(error in p for p in info.value.problems), info.value.problems
+    assert not marker.exists()
+
+
 def test_mcp_missing_extra_is_one_error_naming_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "mcp", None)
     with pytest.raises(ConfigError) as caught:

@@ -134,11 +134,13 @@ def build_agent(
     where = "loss.args"
     problems: list[str] = []
     functions = _functions(tools, problems)
-    own = {"environment": environment, "openenv": openenv, "verifiers": verifiers}
-    held = _mcp_toolsets(mcp_servers, own, functions, problems)
+    # With openenv or verifiers the servers are refused (below), not started.
+    servers = mcp_servers if openenv is None and verifiers is None else None
+    held = _mcp_toolsets(servers, environment, functions, problems)
     functions = [*functions, *(tool for toolset in held for tool in toolset.tools)]
     given = {
-        "tools": tools or mcp_servers,
+        "tools": tools,
+        "mcp_servers": mcp_servers or None,
         "environment": environment,
         "environment_factory": environment_factory,
     }
@@ -184,19 +186,18 @@ def _functions(tools: Any, problems: list[str]) -> list[Any]:
 
 
 def _mcp_toolsets(
-    mcp_servers: Any, own: dict[str, Any], functions: list[Any], problems: list[str]
+    mcp_servers: Any, environment: Any, functions: list[Any], problems: list[str]
 ) -> tuple[McpToolset, ...]:
     """The tools of ``mcp_servers`` (started or reached now; none or one toolset), when the
-    rest of the tool settings are sound; their problems added to ``problems``. ``own``: the
-    settings that bring an environment of one's own (``environment``, ``openenv``,
-    ``verifiers``), which take no MCP tools."""
+    rest of the tool settings are sound; their problems added to ``problems``. (``openenv`` and
+    ``verifiers``, which bring their own tools, refuse them in :func:`_episode_source`.)"""
     if not mcp_servers:
         return ()
     where = "loss.args.mcp_servers"
-    for name in (k for k, v in own.items() if v is not None):
+    if environment is not None:
         problems.append(
             f"{where}: offered by the default tool environment or an environment_factory "
-            f"class; {name} brings its own tools"
+            "class; a custom environment brings its own tools"
         )
     try:
         servers = parse_mcp_servers(mcp_servers, where)
