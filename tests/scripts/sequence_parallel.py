@@ -1,0 +1,128 @@
+"""Ulysses sequence parallelism against one process, on one packed row (run under torchrun).
+
+Usage: ``torchrun --nproc-per-node N sequence_parallel.py OUT_DIR``. Every rank scores the same
+packed row of several documents, one crossing the slice boundary, with the row split over the
+sequence group (``grimoire.forward.logprobs.compute_token_logps`` on a model with
+``grimoire_ulysses`` attention), and independently without any collective: each document alone
+through the plain sdpa model, log-softmax of its full logits. It then runs ``STEPS`` SGD steps of
+the SFT token-mean NLL both ways. Writes ``OUT_DIR/rank<r>.pt`` with both sides' numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from grimoire.columns import IGNORE_INDEX
+from grimoire.forward.logprobs import compute_token_logps
+from grimoire.forward.sequence_split import set_sequence_group
+from grimoire.model.tiny import build_model
+from grimoire.model.ulysses_attention import enable_ulysses_attention
+from grimoire.parallel.sequence import sequence_mesh, sum_sequence_grads
+
+#: Document lengths of the packed rows: 21 and 17 tokens, odd (the split pads them), with a
+#: document across the middle (tokens 5..13 of the first row).
+ROWS = ([5, 9, 4, 3], [3, 11, 3])
+STEPS = 3
+LR = 0.5
+
+
+def packed_row(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids, labels, position_ids`` ``[1, L]``; each document's first 2 tokens (its
+    prompt) have no label."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(8, 64, (1, sum(lengths)), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.masked_fill(positions < 2, IGNORE_INDEX)
+    return ids, labels, positions
+
+
+def reference_logps(
+    model: torch.nn.Module, ids, labels, lengths: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[1, L]`` log-probs and entropies: at position ``t``, ``log p(ids[t+1])`` from the
+    document alone, where ``t+1`` is in the same document and labelled; 0 elsewhere."""
+    out = torch.zeros(ids.shape, dtype=torch.float32)
+    entropy = torch.zeros(ids.shape, dtype=torch.float32)
+    start = 0
+    for n in lengths:
+        doc = ids[:, start : start + n]
+        logps = F.log_softmax(model(input_ids=doc).logits.float(), dim=-1)
+        picked = logps[0, :-1].gather(-1, doc[0, 1:, None])[:, 0]
+        keep = labels[0, start + 1 : start + n] != IGNORE_INDEX
+        out[0, start : start + n - 1] = picked * keep
+        ent = -(logps[0, :-1].exp() * logps[0, :-1]).sum(-1)
+        entropy[0, start : start + n - 1] = (ent * keep).detach()
+        start += n
+    return out, entropy
+
+
+def nll(logps: torch.Tensor, count: int) -> torch.Tensor:
+    return -logps.sum() / count
+
+
+def main(out_dir: Path) -> None:
+    dist.init_process_group("gloo")
+    _, sp = sequence_mesh(dist.get_world_size())
+    torch.manual_seed(0)
+    ref = build_model("llama", seed=0)
+    model = copy.deepcopy(ref)
+    enable_ulysses_attention(model, sp.size)
+    result: dict[str, list] = {k: [] for k in ("sp", "ref", "sp_full", "sp_entropy", "ref_entropy")}
+    result.update(loss_sp=[], loss_ref=[], grads_sp=[], grads_ref=[])
+    # What the model itself is given: this rank's slice, not the row.
+    result["local_lengths"] = []
+    model.get_input_embeddings().register_forward_pre_hook(
+        lambda _m, args: result["local_lengths"].append(args[0].shape[1])
+    )
+    opt_sp = torch.optim.SGD(model.parameters(), lr=LR)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
+    for step in range(STEPS):
+        lengths = ROWS[step % len(ROWS)]
+        ids, labels, positions = packed_row(lengths, seed=step)
+        set_sequence_group(sp)
+        out = compute_token_logps(model, ids, labels, position_ids=positions, uniform_grad=True)
+        count = int(out.mask.sum())
+        loss = nll(out.logps, count)
+        loss.backward()
+        sum_sequence_grads(model, sp)
+        if step == 0:  # the full-logits path and the entropy too, once
+            with torch.no_grad():
+                full = compute_token_logps(
+                    model, ids, labels, position_ids=positions, fused=False, return_entropy=True
+                )
+            result["sp_full"].append(full.logps)
+            result["sp_entropy"].append(full.entropy)
+            result["ref_entropy"].append(None)
+        set_sequence_group(None)
+        ref_logps, ref_entropy = reference_logps(ref, ids, labels, lengths)
+        # Each document's targets: its tokens after the 2-token prompt.
+        ref_loss = nll(ref_logps, sum(n - 2 for n in lengths))
+        ref_loss.backward()
+        if step == 0:
+            result["ref_entropy"][0] = ref_entropy
+        result["sp"].append(out.logps.detach())
+        result["ref"].append(ref_logps.detach())
+        result["loss_sp"].append(float(loss.detach()))
+        result["loss_ref"].append(float(ref_loss.detach()))
+        result["grads_sp"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        result["grads_ref"].append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        opt_sp.step()
+        opt_ref.step()
+        opt_sp.zero_grad()
+        opt_ref.zero_grad()
+    result["params_sp"] = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    result["params_ref"] = [{n: p.detach().clone() for n, p in ref.named_parameters()}]
+    result["count"] = [count, sum(n - 2 for n in ROWS[(STEPS - 1) % len(ROWS)])]
+    torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
