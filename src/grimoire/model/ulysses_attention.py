@@ -116,12 +116,12 @@ def ulysses_attention_forward(
         )
     # The model's mask was built from this rank's slice alone: it can only say "causal" (None,
     # or the packed marker), never anything this function could use; a real mask is refused.
-    if attention_mask is not None and attention_mask is not packed_attention.PACKED_CAUSAL:
-        if rows_hint(attention_mask) is None:
-            raise RuntimeError(
-                f"{NAME}: got an attention mask; sequence parallelism scores one packed row "
-                "with position_ids and no mask (padded rows and KV caches are not split)"
-            )
+    causal = attention_mask is None or attention_mask is packed_attention.PACKED_CAUSAL
+    if not causal and rows_hint(attention_mask) is None:
+        raise RuntimeError(
+            f"{NAME}: got an attention mask; sequence parallelism scores one packed row "
+            "with position_ids and no mask (padded rows and KV caches are not split)"
+        )
     local_positions = kwargs.pop("position_ids", None)
     if local_positions is None or local_positions.shape[-1] != query.shape[2]:
         raise RuntimeError(
