@@ -321,7 +321,6 @@ class TrainingConfig:
             )
         return p
 
-
     def _sequence_parallel_problems(self) -> list[str]:
         """``sequence_parallel_size``: >= 1, and the settings its first slice does not combine
         with (the world size, the model and the method are checked at start)."""
