@@ -4,7 +4,9 @@ One torchrun launch of tests/scripts/sequence_parallel.py (2 processes, one sequ
 scores packed rows of several documents, one of which crosses the slice boundary, with the row
 split over the group, and the same rows one document at a time through the plain sdpa model
 with no collective at all (the independent reference: it never sees a packed row); then 3 SGD
-steps of the SFT token-mean NLL both ways. The validation tests need no launch.
+steps of the SFT token-mean NLL both ways; then ``GrimoireTrainer`` itself, 3 steps of SFT and of
+DPO with ``sequence_parallel_size: 2``, against the same runs in this process
+(``sequence_parallel_size: 1``). The validation tests need no launch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from tests.helpers.train_utils import free_port
 from tests.scripts import sequence_parallel as worker
 from tests.test_distributed import _env
+from transformers import AutoModelForCausalLM
 
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError
@@ -29,12 +32,18 @@ SCRIPT = Path(worker.__file__)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
+def launched(tiny_dir, tmp_path_factory) -> Path:
+    """The one 2-process launch every test below reads."""
     out = tmp_path_factory.mktemp("sequence_parallel")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), str(SCRIPT), str(out)]
+    cmd += ["--master-port", str(free_port()), str(SCRIPT), str(out), str(tiny_dir)]
     subprocess.run(cmd, check=True, env=_env(), timeout=300)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(launched) -> list[dict]:
+    return [torch.load(launched / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 def test_sequence_parallel_each_rank_runs_its_slice(ranks):
@@ -112,3 +121,39 @@ def test_ulysses_refuses_heads_not_divisible_and_unsplittable_attention():
     assert "6 attention heads" in (unsupported_reason(six, 4) or "")
     gemma = build_model("gemma2")  # softcapping and sliding windows: not plain causal sdpa
     assert "not one grimoire can split" in (unsupported_reason(gemma, 2) or "")
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+@pytest.mark.parametrize("family", ["sft", "dpo"])
+def test_sequence_parallel_trainer_equals_one_process(launched, tiny_dir, tmp_path, family):
+    one, trainer = worker.train(str(tiny_dir), tmp_path, family, 1)
+    trainer.close()
+    start = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    assert any(not torch.equal(one["params"][k], start[k]) for k in start)  # it trained
+    for rank in range(2):
+        split = torch.load(launched / f"{family}.rank{rank}.pt", weights_only=False)
+        # The split really ran: the policy's attention was the Ulysses one.
+        assert (split["attention"], one["attention"]) == (
+            "grimoire_ulysses",
+            "grimoire_packed_sdpa",
+        )
+        # Tokens counted once per sequence group (not 2x), the same losses, the same weights.
+        assert split["tokens"] == one["tokens"]
+        assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        for name, param in one["params"].items():
+            torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
+
+
+def test_sequence_parallel_refuses_generating_methods_and_padded_rows():
+    from grimoire.losses import SFTLoss
+    from grimoire.losses.grpo import GRPOMethod
+    from grimoire.parallel.sequence import check_method
+
+    check_method(2, SFTLoss(), packed=True)
+    check_method(1, SFTLoss(), packed=False)  # off: nothing refused
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size=2 splits packed rows"):
+        check_method(2, SFTLoss(), packed=False)
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size=2: GRPOMethod generates"):
+        check_method(2, GRPOMethod(["exact_match"]), packed=True)

@@ -1,16 +1,23 @@
 """Ulysses sequence parallelism against one process, on one packed row (run under torchrun).
 
-Usage: ``torchrun --nproc-per-node N sequence_parallel.py OUT_DIR``. Every rank scores the same
+Usage: ``torchrun --nproc-per-node N sequence_parallel.py OUT_DIR TINY_DIR``. Every rank scores
+the same
 packed row of several documents, one crossing the slice boundary, with the row split over the
 sequence group (``grimoire.forward.logprobs.compute_token_logps`` on a model with
 ``grimoire_ulysses`` attention), and independently without any collective: each document alone
 through the plain sdpa model, log-softmax of its full logits. It then runs ``STEPS`` SGD steps of
 the SFT token-mean NLL both ways. Writes ``OUT_DIR/rank<r>.pt`` with both sides' numbers.
+
+Then the trainer itself: :func:`train` runs 3 steps of SFT and of DPO with
+``sequence_parallel_size = N`` (the whole world one sequence group, so one data rank), writing
+``OUT_DIR/<family>.pt`` (rank 0: the trained weights, the losses, the attention implementation);
+the test runs the same :func:`train` in one process.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -18,10 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from grimoire import GrimoireTrainer
 from grimoire.columns import IGNORE_INDEX
+from grimoire.data import tokenize_preference, tokenize_sft
 from grimoire.forward.logprobs import compute_token_logps
 from grimoire.forward.sequence_split import set_sequence_group
-from grimoire.model.tiny import build_model
+from grimoire.losses import DPOLoss, SFTLoss
+from grimoire.model.tiny import build_model, preference_rows, reverse_rows
 from grimoire.model.ulysses_attention import enable_ulysses_attention
 from grimoire.parallel.sequence import sequence_mesh, sum_sequence_grads
 
@@ -66,7 +76,48 @@ def nll(logps: torch.Tensor, count: int) -> torch.Tensor:
     return -logps.sum() / count
 
 
-def main(out_dir: Path) -> None:
+def train(
+    tiny_dir: str, out_dir: Path, family: str, sequence_parallel_size: int
+) -> tuple[dict, GrimoireTrainer]:
+    """3 SGD steps of ``family`` ("sft" or "dpo") on packed rows through ``GrimoireTrainer``;
+    the trained weights, the logged losses and the model's attention implementation, and the
+    trainer (the caller closes the last one: that releases the process group)."""
+    from tests.helpers.train_utils import quiet_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    if family == "sft":
+        rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(24, seed=5, max_len=9)]
+        loss_fn: object = SFTLoss()
+    else:
+        rows = [tokenize_preference(r, tok, max_length=64) for r in preference_rows(16, seed=4)]
+        loss_fn = DPOLoss(ref_model=copy.deepcopy(model))
+    config = quiet_config(
+        out_dir / family,
+        max_steps=3,
+        batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        optimizer="sgd",
+        padding_free=True,
+        sequence_parallel_size=sequence_parallel_size,
+    )
+    trainer = GrimoireTrainer(model, tok, config, loss_fn, rows)
+    trainer.train()
+    model = trainer.unwrapped_model
+    trainer.accelerator.wait_for_everyone()  # the main process has written metrics.jsonl
+    metrics = (out_dir / family / "metrics.jsonl").read_text().splitlines()
+    result = {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "losses": [json.loads(line)["loss"] for line in metrics],
+        "tokens": [json.loads(line)["tokens"] for line in metrics],
+        "attention": model.config._attn_implementation,
+    }
+    return result, trainer
+
+
+def main(out_dir: Path, tiny_dir: str) -> None:
     dist.init_process_group("gloo")
     _, sp = sequence_mesh(dist.get_world_size())
     torch.manual_seed(0)
@@ -119,10 +170,15 @@ def main(out_dir: Path) -> None:
     result["params_sp"] = [{n: p.detach().clone() for n, p in model.named_parameters()}]
     result["params_ref"] = [{n: p.detach().clone() for n, p in ref.named_parameters()}]
     result["count"] = [count, sum(n - 2 for n in ROWS[(STEPS - 1) % len(ROWS)])]
-    torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.save(result, out_dir / f"rank{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    set_sequence_group(None)
+    for family in ("sft", "dpo"):  # the trainer's own runs, on the same process group
+        trained, trainer = train(tiny_dir, out_dir, family, world)
+        torch.save(trained, out_dir / f"{family}.rank{rank}.pt")
+    trainer.close()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

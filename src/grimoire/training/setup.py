@@ -40,6 +40,7 @@ from grimoire.model.prepare import (
     prepare_kbit_model,
     resolve_checkpointing,
 )
+from grimoire.model.ulysses_attention import enable_ulysses_attention
 from grimoire.model.varlen_attention import cuda_route
 from grimoire.optim.optimizers import build_optimizer, build_scheduler
 from grimoire.parallel.accelerate import check_world_size, has_accelerator, reset_accelerate_state
@@ -51,6 +52,12 @@ from grimoire.parallel.deepspeed import (
     zero_stage,
 )
 from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
+from grimoire.parallel.sequence import (
+    check_method,
+    check_sequence_parallel,
+    data_parallel,
+    start_sequence_parallel,
+)
 from grimoire.rollout.async_rollouts import AsyncRolloutStage, async_problems
 from grimoire.rollout.stage import ReferenceLogps, RolloutStage
 from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
@@ -85,6 +92,7 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
         return_freed_memory()
     check_world_size(accelerator.num_processes)
     check_shard_group(config.fsdp_shard_group_size, accelerator.num_processes)
+    check_sequence_parallel(config.sequence_parallel_size, accelerator.num_processes)
     check_deepspeed(accelerator, config)
     set_seed(config.seed)
     return accelerator
@@ -171,13 +179,28 @@ def prepare_model(
         # L x L mask; on CUDA also right-padded rows, causally without a mask. The forward hands
         # it the collator's host-side lengths, so no mask is built or read back (a host sync
         # per forward on a GPU). Every other call is transformers' sdpa.
-        enable_packed_attention(model, torch_compile=config.torch_compile)
+        grimoire_attention(model, config)
     if config.neftune_noise_alpha is not None:
         attach_neftune(model, config.neftune_noise_alpha)
     hooks: list[Any] = []
     if config.osft:
         hooks.append(attach_osft(model, config, accelerator))
     return model, hooks
+
+
+def grimoire_attention(model: torch.nn.Module, config: TrainingConfig) -> None:
+    """Packed attention where it is exact; with ``sequence_parallel_size > 1`` the Ulysses
+    attention over it instead (refused, naming the key, where it cannot split the model)."""
+    if config.sequence_parallel_size > 1:
+        enable_ulysses_attention(model, config.sequence_parallel_size)
+    else:
+        enable_packed_attention(model, torch_compile=config.torch_compile)
+
+
+def sequence_parallel(config: TrainingConfig, method: Method, packed: bool) -> None:
+    """Refuse what the sequence split does not serve, then build its mesh (size > 1 only)."""
+    check_method(config.sequence_parallel_size, method, packed)
+    start_sequence_parallel(config.sequence_parallel_size)
 
 
 def _on_cuda(accelerator: Accelerator | None) -> bool:
@@ -193,7 +216,7 @@ def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerat
 
     def prepare(model: torch.nn.Module) -> torch.nn.Module:
         if packed or on_cuda:
-            enable_packed_attention(model, torch_compile=config.torch_compile)
+            grimoire_attention(model, config)
         if config.distributed == "fsdp2":
             return shard_model(model, config)
         return partition_frozen(model, accelerator)  # as it is unless under ZeRO-3
@@ -364,17 +387,16 @@ def build_loader(
     budget: TokenBudget | None,
     accelerator: Accelerator,
     batch_size: int,
+    sequence_parallel_size: int = 1,
     **kwargs: Any,
 ) -> StepLoader:
-    """This rank's step loader over ``dataset`` (planned once; see :class:`StepLoader`)."""
+    """This rank's step loader over ``dataset`` (planned once; see :class:`StepLoader`); the
+    ranks of a sequence group read the same micro-batches."""
+    world, rank = data_parallel(
+        sequence_parallel_size, accelerator.num_processes, accelerator.process_index
+    )
     return StepLoader.build(
-        dataset,
-        collator,
-        budget,
-        batch_size=batch_size,
-        world_size=accelerator.num_processes,
-        rank=accelerator.process_index,
-        **kwargs,
+        dataset, collator, budget, batch_size=batch_size, world_size=world, rank=rank, **kwargs
     )
 
 

@@ -85,6 +85,7 @@ class GrimoireTrainer:
         self.packed = packed = setup.decide_packing(
             loss_fn, config, pad_id, data_collator, model, train_dataset, acc
         )
+        setup.sequence_parallel(config, loss_fn, packed)  # sequence_parallel_size > 1 only
         #: Whether activations are checkpointed (gradient_checkpointing: auto / forced), and why.
         self.checkpointing = resolve_checkpointing(model, config, acc, loss_fn, train_dataset)
         model, self.step_hooks = setup.prepare_model(
@@ -129,7 +130,8 @@ class GrimoireTrainer:
         #: How the run was launched, for the model card: the CLI sets {"command", "config"}.
         self.launch: dict[str, Any] | None = None
         self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
-        self._reduction = StepReduction(acc)
+        # A sequence group's ranks report the same rows: their units and tokens count once.
+        self._reduction = StepReduction(acc, replicas=self.config.sequence_parallel_size)
         self.guard = NonFiniteGuard.for_run(self.config, acc, self.model)  # skips non-finite
         self._stop = self._stop_requested = False
         #: The signal that stopped the run with a checkpoint (preemption), else None.
@@ -375,7 +377,13 @@ class GrimoireTrainer:
 
     def _loader(self, dataset: Any, batch_size: int, **kwargs: Any) -> StepLoader:
         return setup.build_loader(
-            dataset, self.collator, self.budget, self.accelerator, batch_size, **kwargs
+            dataset,
+            self.collator,
+            self.budget,
+            self.accelerator,
+            batch_size,
+            self.config.sequence_parallel_size,
+            **kwargs,
         )
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
