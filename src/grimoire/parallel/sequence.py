@@ -65,9 +65,11 @@ def check_method(size: int, method: Method, packed: bool) -> None:
         raise ConfigError(problems)
 
 
-def start_sequence_parallel(size: int) -> SequenceGroup | None:
-    """Build the mesh and make its sequence group the one every forward splits over (None, and
-    nothing built, for ``size`` 1). :func:`grimoire.parallel.fsdp.release_process_group` ends it."""
+def start_sequence_parallel(size: int, method: Method, packed: bool) -> SequenceGroup | None:
+    """:func:`check_method`, then build the mesh and make its sequence group the one every
+    forward splits over (None, and nothing built, for ``size`` 1).
+    :func:`grimoire.parallel.fsdp.release_process_group` ends it."""
+    check_method(size, method, packed)
     if size == 1:
         set_sequence_group(None)
         return None

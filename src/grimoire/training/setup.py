@@ -53,7 +53,6 @@ from grimoire.parallel.deepspeed import (
 )
 from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
 from grimoire.parallel.sequence import (
-    check_method,
     check_sequence_parallel,
     data_parallel,
     start_sequence_parallel,
@@ -199,8 +198,7 @@ def grimoire_attention(model: torch.nn.Module, config: TrainingConfig) -> None:
 
 def sequence_parallel(config: TrainingConfig, method: Method, packed: bool) -> None:
     """Refuse what the sequence split does not serve, then build its mesh (size > 1 only)."""
-    check_method(config.sequence_parallel_size, method, packed)
-    start_sequence_parallel(config.sequence_parallel_size)
+    start_sequence_parallel(config.sequence_parallel_size, method, packed)
 
 
 def _on_cuda(accelerator: Accelerator | None) -> bool:
