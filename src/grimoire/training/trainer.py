@@ -130,7 +130,6 @@ class GrimoireTrainer:
         #: How the run was launched, for the model card: the CLI sets {"command", "config"}.
         self.launch: dict[str, Any] | None = None
         self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
-        # A sequence group's ranks report the same rows: their units and tokens count once.
         self._reduction = StepReduction(acc, replicas=self.config.sequence_parallel_size)
         self.guard = NonFiniteGuard.for_run(self.config, acc, self.model)  # skips non-finite
         self._stop = self._stop_requested = False
@@ -376,14 +375,9 @@ class GrimoireTrainer:
     # ------------------------------------------------------------------ data
 
     def _loader(self, dataset: Any, batch_size: int, **kwargs: Any) -> StepLoader:
+        acc, sp = self.accelerator, self.config.sequence_parallel_size
         return setup.build_loader(
-            dataset,
-            self.collator,
-            self.budget,
-            self.accelerator,
-            batch_size,
-            self.config.sequence_parallel_size,
-            **kwargs,
+            dataset, self.collator, self.budget, acc, batch_size, sp, **kwargs
         )
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:
