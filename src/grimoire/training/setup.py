@@ -172,28 +172,21 @@ def prepare_model(
         hf_config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
-    if packed or _on_cuda(accelerator):
+    if config.sequence_parallel_size > 1:  # the packed attention over a row split across ranks
+        enable_ulysses_attention(model, config.sequence_parallel_size)
+    elif packed or _on_cuda(accelerator):
         # grimoire's attention where it is exact: packed rows attend within their samples (one
         # varlen call per layer on CUDA, per-sample sdpa elsewhere) instead of through a dense
         # L x L mask; on CUDA also right-padded rows, causally without a mask. The forward hands
         # it the collator's host-side lengths, so no mask is built or read back (a host sync
         # per forward on a GPU). Every other call is transformers' sdpa.
-        grimoire_attention(model, config)
+        enable_packed_attention(model, torch_compile=config.torch_compile)
     if config.neftune_noise_alpha is not None:
         attach_neftune(model, config.neftune_noise_alpha)
     hooks: list[Any] = []
     if config.osft:
         hooks.append(attach_osft(model, config, accelerator))
     return model, hooks
-
-
-def grimoire_attention(model: torch.nn.Module, config: TrainingConfig) -> None:
-    """Packed attention where it is exact; with ``sequence_parallel_size > 1`` the Ulysses
-    attention over it instead (refused, naming the key, where it cannot split the model)."""
-    if config.sequence_parallel_size > 1:
-        enable_ulysses_attention(model, config.sequence_parallel_size)
-    else:
-        enable_packed_attention(model, torch_compile=config.torch_compile)
 
 
 def sequence_parallel(config: TrainingConfig, method: Method, packed: bool) -> None:
@@ -213,8 +206,10 @@ def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerat
     on_cuda = _on_cuda(accelerator)
 
     def prepare(model: torch.nn.Module) -> torch.nn.Module:
-        if packed or on_cuda:
-            grimoire_attention(model, config)
+        if config.sequence_parallel_size > 1:
+            enable_ulysses_attention(model, config.sequence_parallel_size)
+        elif packed or on_cuda:
+            enable_packed_attention(model, torch_compile=config.torch_compile)
         if config.distributed == "fsdp2":
             return shard_model(model, config)
         return partition_frozen(model, accelerator)  # as it is unless under ZeRO-3

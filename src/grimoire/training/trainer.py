@@ -70,8 +70,7 @@ class GrimoireTrainer:
         peft_config: Any = None,
         callbacks: Sequence[TrainerCallback] | None = None,
     ):
-        # The method's core checked first (a duck type without loss_weight is refused by name);
-        # duck-typed methods get the capabilities' defaults.
+        # The method's core first (no loss_weight: refused by name); capabilities get defaults.
         self.loss_fn = loss_fn = as_method(loss_fn)
         # The build steps of training/setup.py, in order; each names what it makes.
         self.config = config = setup.check_config(config)
