@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from grimoire import GrimoireTrainer
 from grimoire.columns import IGNORE_INDEX
 from grimoire.data import tokenize_preference, tokenize_sft
+from grimoire.forward.attention_hints import attention_impl
 from grimoire.forward.logprobs import compute_token_logps
 from grimoire.forward.sequence_split import set_sequence_group
 from grimoire.losses import DPOLoss, SFTLoss
@@ -96,7 +97,6 @@ def train(
     config = quiet_config(
         out_dir / family,
         max_steps=3,
-        batch_size=4,
         gradient_accumulation_steps=2,
         learning_rate=1e-2,
         optimizer="sgd",
@@ -112,7 +112,7 @@ def train(
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": [json.loads(line)["loss"] for line in metrics],
         "tokens": [json.loads(line)["tokens"] for line in metrics],
-        "attention": model.config._attn_implementation,
+        "attention": attention_impl(model),
     }
     return result, trainer
 
@@ -133,6 +133,7 @@ def main(out_dir: Path, tiny_dir: str) -> None:
     )
     opt_sp = torch.optim.SGD(model.parameters(), lr=LR)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
+    count = 0
     for step in range(STEPS):
         lengths = ROWS[step % len(ROWS)]
         ids, labels, positions = packed_row(lengths, seed=step)

@@ -68,8 +68,8 @@ class _GatherRow(torch.autograd.Function):
         return torch.cat(parts, dim=1)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        start = ctx.rank * ctx.width
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None]:
+        grad, start = grads[0], ctx.rank * ctx.width
         return grad[:, start : start + ctx.width].contiguous(), None
 
 

@@ -48,11 +48,14 @@ NAME = ULYSSES_ATTENTION
 def _all_to_all(x: Tensor, sp: SequenceGroup) -> Tensor:
     """``x`` ``[N, ...]``: chunk ``j`` goes to rank ``j``; returns ``[N, ...]``, chunk ``j`` from
     rank ``j`` (autograd: the backward is the inverse all-to-all)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
+    from torch.distributed._functional_collectives import (
+        AsyncCollectiveTensor,
+        all_to_all_single_autograd,
+    )
 
     out = all_to_all_single_autograd(x.contiguous(), None, None, sp.group)
     # The functional result is an async handle; waiting here keeps every later op ordinary.
-    return out.wait() if hasattr(out, "wait") else out
+    return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def seq_to_heads(x: Tensor, sp: SequenceGroup) -> Tensor:
