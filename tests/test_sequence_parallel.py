@@ -4,8 +4,9 @@ One torchrun launch of tests/scripts/sequence_parallel.py (2 processes, one sequ
 scores packed rows of several documents, one of which crosses the slice boundary, with the row
 split over the group, and the same rows one document at a time through the plain sdpa model
 with no collective at all (the independent reference: it never sees a packed row); then 3 SGD
-steps of the SFT token-mean NLL both ways; then ``GrimoireTrainer`` itself, 3 steps of SFT and of
-DPO with ``sequence_parallel_size: 2``, against the same runs in this process
+steps of the SFT token-mean NLL both ways; then ``GrimoireTrainer`` itself, 3 steps of SFT (with
+and without activation checkpointing) and of DPO with ``sequence_parallel_size: 2``, against the
+same runs in this process
 (``sequence_parallel_size: 1``). The validation tests need no launch.
 """
 
@@ -126,10 +127,19 @@ def test_ulysses_refuses_heads_not_divisible_and_unsplittable_attention():
 # --------------------------------------------------------------------------- the trainer
 
 
-@pytest.mark.parametrize("family", ["sft", "dpo"])
-def test_sequence_parallel_trainer_equals_one_process(launched, tiny_dir, tmp_path, family):
-    one, trainer = worker.train(str(tiny_dir), tmp_path, family, 1)
-    trainer.close()
+@pytest.fixture(scope="module")
+def one_process(tiny_dir, tmp_path_factory) -> dict[str, dict]:
+    """The trainer's SFT and DPO runs in this process (sequence_parallel_size: 1)."""
+    out, runs = tmp_path_factory.mktemp("one_process"), {}
+    for family in ("sft", "dpo"):
+        runs[family], trainer = worker.train(str(tiny_dir), out, family, 1)
+        trainer.close()
+    return runs
+
+
+@pytest.mark.parametrize("family", ["sft", "dpo", "sft_checkpointed"])
+def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tiny_dir, family):
+    one = one_process[family.removesuffix("_checkpointed")]  # checkpointing changes no number
     start = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
     assert any(not torch.equal(one["params"][k], start[k]) for k in start)  # it trained
     for rank in range(2):

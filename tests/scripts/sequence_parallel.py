@@ -80,7 +80,9 @@ def nll(logps: torch.Tensor, count: int) -> torch.Tensor:
 def train(
     tiny_dir: str, out_dir: Path, family: str, sequence_parallel_size: int
 ) -> tuple[dict, GrimoireTrainer]:
-    """3 SGD steps of ``family`` ("sft" or "dpo") on packed rows through ``GrimoireTrainer``;
+    """3 SGD steps of ``family`` ("sft", "dpo", or "sft_checkpointed": SFT with activation
+    checkpointing, whose recompute repeats the attention's collectives) on packed rows through
+    ``GrimoireTrainer``;
     the trained weights, the logged losses and the model's attention implementation, and the
     trainer (the caller closes the last one: that releases the process group)."""
     from tests.helpers.train_utils import quiet_config
@@ -88,7 +90,7 @@ def train(
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    if family == "sft":
+    if family.startswith("sft"):
         rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(24, seed=5, max_len=9)]
         loss_fn: object = SFTLoss()
     else:
@@ -101,6 +103,7 @@ def train(
         learning_rate=1e-2,
         optimizer="sgd",
         padding_free=True,
+        gradient_checkpointing=family == "sft_checkpointed",
         sequence_parallel_size=sequence_parallel_size,
     )
     trainer = GrimoireTrainer(model, tok, config, loss_fn, rows)
@@ -175,7 +178,11 @@ def main(out_dir: Path, tiny_dir: str) -> None:
     torch.save(result, out_dir / f"rank{rank}.pt")
     dist.barrier()
     set_sequence_group(None)
-    for family in ("sft", "dpo"):  # the trainer's own runs, on the same process group
+    for family in (
+        "sft",
+        "dpo",
+        "sft_checkpointed",
+    ):  # the trainer's own runs, on the same process group
         trained, trainer = train(tiny_dir, out_dir, family, world)
         torch.save(trained, out_dir / f"{family}.rank{rank}.pt")
     trainer.close()
