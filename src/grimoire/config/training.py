@@ -127,6 +127,9 @@ class TrainingConfig:
     # so all-gathers stay on a node's fast links), replicate across the groups. None: shard over
     # every process (flat FSDP2). The world size must be a multiple (checked at start).
     fsdp_shard_group_size: int | None = None
+    # Sequence parallelism (DeepSpeed-Ulysses, docs/multi-gpu.md): each packed row's tokens are
+    # split over this many consecutive processes, attention exchanges heads for tokens. 1: off.
+    sequence_parallel_size: int = 1
     # Signals that make every process checkpoint and stop at the next step boundary.
     checkpoint_signals: list[str] = dataclasses.field(default_factory=lambda: ["SIGTERM", "SIGINT"])
     # A step whose loss or gradient norm is not finite is skipped (no optimizer or scheduler
@@ -311,11 +314,33 @@ class TrainingConfig:
                 p.append(f"checkpoint_signals: {name!r} is not a signal name (e.g. 'SIGTERM')")
             elif name in ("SIGKILL", "SIGSTOP"):
                 p.append(f"checkpoint_signals: {name} cannot be caught")
+        p += self._sequence_parallel_problems()
         if self.osft_upcast_dtype not in ("float32", "float64"):
             p.append(
                 f"osft_upcast_dtype must be float32 or float64, got {self.osft_upcast_dtype!r}"
             )
         return p
+
+    def _sequence_parallel_problems(self) -> list[str]:
+        """``sequence_parallel_size``: >= 1, and the settings its first slice does not combine
+        with (the world size, the model and the method are checked at start)."""
+        n = self.sequence_parallel_size
+        if n < 1:
+            return [f"sequence_parallel_size must be >= 1 (1: off), got {n}"]
+        if n == 1:
+            return []
+        off = {
+            "distributed": (self.distributed != "ddp", "'ddp' (FSDP2 with it is not built yet)"),
+            "padding_free": (self.padding_free is False, "true or null: it splits packed rows"),
+            "torch_compile": (self.torch_compile, "false: the split reads lengths on the host"),
+            "use_liger": (self.use_liger, "false: Liger's head is not split"),
+            "osft": (self.osft, "false (not checked with it yet)"),
+        }
+        return [
+            f"sequence_parallel_size={n} needs {name} {need}"
+            for name, (bad, need) in off.items()
+            if bad
+        ]
 
 
 def _type_problems(cfg: Any) -> list[str]:

@@ -34,6 +34,8 @@ from grimoire.contract.layout import BatchLayout, Packed, Padded
 
 #: The attention implementation name :mod:`grimoire.model.packed_attention` registers under.
 PACKED_ATTENTION = "grimoire_packed_sdpa"
+#: The one :mod:`grimoire.model.ulysses_attention` registers under (sequence parallelism).
+ULYSSES_ATTENTION = "grimoire_ulysses"
 
 _ATTR = "_grimoire_rows"
 
@@ -122,6 +124,7 @@ def attention_hint(
 
 __all__ = [
     "PACKED_ATTENTION",
+    "ULYSSES_ATTENTION",
     "RowsHint",
     "attention_hint",
     "attention_impl",

@@ -30,9 +30,10 @@ from torch import Tensor
 
 from grimoire.columns import IGNORE_INDEX
 from grimoire.contract.layout import BatchLayout, shift_labels
-from grimoire.forward.attention_hints import attention_hint
+from grimoire.forward.attention_hints import ULYSSES_ATTENTION, attention_hint, attention_impl
 from grimoire.forward.fused_head import fused_parts, fused_token_logps
 from grimoire.forward.head.workspace import release_workspace
+from grimoire.forward.sequence_split import RowSplit, SequenceGroup, sequence_group
 
 
 @dataclass
@@ -209,6 +210,30 @@ def compute_token_logps(
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
+    num_targets = None if layout is None else layout.num_targets
+    sp = sequence_group()
+    if sp is not None:
+        return _split_token_logps(
+            sp, model, kwargs, targets, fused, chunk_size, return_entropy, uniform_grad
+        )
+    return _token_logps(
+        model, kwargs, targets, mask, fused, chunk_size, return_entropy, uniform_grad, num_targets
+    )
+
+
+def _token_logps(
+    model: torch.nn.Module,
+    kwargs: dict[str, Any],
+    targets: Tensor,
+    mask: Tensor,
+    fused: bool | Literal["require"],
+    chunk_size: int,
+    return_entropy: bool,
+    uniform_grad: bool,
+    num_targets: int | None,
+) -> TokenLogps:
+    """The forward on the model inputs ``kwargs``: the fused head where it serves, else the
+    model's full logits."""
     if fused:
         parts = fused_parts(model, require=fused == "require")
         if parts is not None:
@@ -223,11 +248,59 @@ def compute_token_logps(
                 chunk_size,
                 return_entropy,
                 uniform_grad,
-                None if layout is None else layout.num_targets,
+                num_targets,
             )
             if out is not None:
                 return TokenLogps(logps=out[0], mask=mask, entropy=out[1])
     return _full_token_logps(model, kwargs, targets, mask, return_entropy)
+
+
+def _split_token_logps(
+    sp: SequenceGroup,
+    model: torch.nn.Module,
+    kwargs: dict[str, Any],
+    targets: Tensor,
+    fused: bool | Literal["require"],
+    chunk_size: int,
+    return_entropy: bool,
+    uniform_grad: bool,
+) -> TokenLogps:
+    """Sequence parallelism (:mod:`grimoire.forward.sequence_split`): this rank runs the model
+    (and the head) on its slice of the packed row, targets shifted on the whole row first; the
+    slices' log-probs are gathered back into the whole row on every rank of the group."""
+    if attention_impl(model) != ULYSSES_ATTENTION:
+        raise ValueError(
+            f"training.sequence_parallel_size > 1 needs the model's attention to be "
+            f"{ULYSSES_ATTENTION!r} (grimoire.model.ulysses_attention), got "
+            f"{attention_impl(model)!r}: only that attention sees the other ranks' tokens"
+        )
+    input_ids, position_ids = kwargs["input_ids"], kwargs.get("position_ids")
+    if position_ids is None or input_ids.shape[0] != 1 or "attention_mask" in kwargs:
+        raise ValueError(
+            "training.sequence_parallel_size > 1 splits one packed [1, L] row with its "
+            "position_ids and no attention_mask; this forward got padded rows (set "
+            "training.padding_free: true, or sequence_parallel_size: 1)"
+        )
+    split = RowSplit.of(sp, input_ids.shape[1])
+    local_targets = split.local(targets, IGNORE_INDEX)
+    local_kwargs = {
+        **kwargs,
+        "input_ids": split.local(input_ids, 0),
+        "position_ids": split.local_positions(position_ids),
+    }
+    out = _token_logps(
+        model,
+        local_kwargs,
+        local_targets,
+        local_targets != IGNORE_INDEX,
+        fused,
+        chunk_size,
+        return_entropy,
+        uniform_grad,
+        None,
+    )
+    entropy = None if out.entropy is None else split.gather(out.entropy)
+    return TokenLogps(split.gather(out.logps), targets != IGNORE_INDEX, entropy)
 
 
 def _full_token_logps(

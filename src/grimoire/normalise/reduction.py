@@ -95,10 +95,15 @@ class StepReduction:
     first step (or a step where some rank logs a key the list lacks, flagged in the same tensor)
     agrees on the key union with one gather and reduces the metrics once more; every later step
     is one collective.
+
+    ``replicas``: how many ranks hold each rank's numbers (a sequence group's ranks all score the
+    same rows, :mod:`grimoire.parallel.sequence`): the summed scalars are divided by it, so loss
+    units and tokens are counted once; metric means are ratios of two sums, unchanged by it.
     """
 
-    def __init__(self, accelerator: Any):
+    def __init__(self, accelerator: Any, replicas: int = 1):
         self.accelerator = accelerator
+        self.replicas = replicas
         self.keys: list[str] = []
 
     def reduce(
@@ -121,7 +126,7 @@ class StepReduction:
         if acc.num_processes > 1:
             packed = acc.reduce(packed, reduction="sum")
         values = packed.tolist()  # the step's one host sync
-        totals = dict(zip(names, values))
+        totals = {k: v / self.replicas for k, v in zip(names, values)}
         body = values[len(names) + 1 :]
         if values[len(names)] > 0:  # some rank has a key the agreed list lacks: agree, redo
             self.keys = sorted({k for keys in _gather_keys(local) for k in keys} | set(self.keys))

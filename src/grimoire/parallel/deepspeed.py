@@ -110,6 +110,10 @@ def check_deepspeed(accelerator: Accelerator, config: TrainingConfig) -> None:
         # OSFT projects the gradients between the backward passes and the optimizer step;
         # DeepSpeed's engine steps inside the last backward, so there is no such point.
         problems.append("osft=True does not run under DeepSpeed: launch with DDP or FSDP2")
+    if config.sequence_parallel_size > 1:
+        problems.append(
+            "training.sequence_parallel_size > 1 does not run under DeepSpeed yet: launch with DDP"
+        )
     if problems:
         raise ConfigError(problems)
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from grimoire.errors import ConfigError
+from grimoire.forward.sequence_split import set_sequence_group
 from grimoire.model.blocks import block_modules
 from grimoire.model.precision import decide
 
@@ -270,6 +271,7 @@ def release_process_group(accelerator: Any) -> None:
         # objects must go too.
         accelerator.free_memory()
         _MESHES.clear()  # their groups die with the world group
+        set_sequence_group(None)  # so does the sequence group
         gc.collect()
         dist.destroy_process_group()
 

@@ -40,6 +40,7 @@ from grimoire.model.prepare import (
     prepare_kbit_model,
     resolve_checkpointing,
 )
+from grimoire.model.ulysses_attention import enable_ulysses_attention
 from grimoire.model.varlen_attention import cuda_route
 from grimoire.optim.optimizers import build_optimizer, build_scheduler
 from grimoire.parallel.accelerate import check_world_size, has_accelerator, reset_accelerate_state
@@ -51,6 +52,11 @@ from grimoire.parallel.deepspeed import (
     zero_stage,
 )
 from grimoire.parallel.fsdp import check_shard_group, is_sharded, shard_model
+from grimoire.parallel.sequence import (
+    check_sequence_parallel,
+    data_parallel,
+    start_sequence_parallel,
+)
 from grimoire.rollout.async_rollouts import AsyncRolloutStage, async_problems
 from grimoire.rollout.stage import ReferenceLogps, RolloutStage
 from grimoire.training.callbacks import CallbackList, ProgressCallback, TrainerCallback
@@ -85,6 +91,7 @@ def build_accelerator(config: TrainingConfig) -> Accelerator:
         return_freed_memory()
     check_world_size(accelerator.num_processes)
     check_shard_group(config.fsdp_shard_group_size, accelerator.num_processes)
+    check_sequence_parallel(config.sequence_parallel_size, accelerator.num_processes)
     check_deepspeed(accelerator, config)
     set_seed(config.seed)
     return accelerator
@@ -165,7 +172,9 @@ def prepare_model(
         hf_config.use_cache = False
     if config.disable_dropout:
         disable_dropout(model)
-    if packed or _on_cuda(accelerator):
+    if config.sequence_parallel_size > 1:  # the packed attention over a row split across ranks
+        enable_ulysses_attention(model, config.sequence_parallel_size)
+    elif packed or _on_cuda(accelerator):
         # grimoire's attention where it is exact: packed rows attend within their samples (one
         # varlen call per layer on CUDA, per-sample sdpa elsewhere) instead of through a dense
         # L x L mask; on CUDA also right-padded rows, causally without a mask. The forward hands
@@ -180,6 +189,11 @@ def prepare_model(
     return model, hooks
 
 
+def sequence_parallel(config: TrainingConfig, method: Method, packed: bool) -> None:
+    """Refuse what the sequence split does not serve, then build its mesh (size > 1 only)."""
+    start_sequence_parallel(config.sequence_parallel_size, method, packed)
+
+
 def _on_cuda(accelerator: Accelerator | None) -> bool:
     return accelerator is not None and accelerator.device.type == "cuda"
 
@@ -192,7 +206,9 @@ def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerat
     on_cuda = _on_cuda(accelerator)
 
     def prepare(model: torch.nn.Module) -> torch.nn.Module:
-        if packed or on_cuda:
+        if config.sequence_parallel_size > 1:
+            enable_ulysses_attention(model, config.sequence_parallel_size)
+        elif packed or on_cuda:
             enable_packed_attention(model, torch_compile=config.torch_compile)
         if config.distributed == "fsdp2":
             return shard_model(model, config)
@@ -364,17 +380,16 @@ def build_loader(
     budget: TokenBudget | None,
     accelerator: Accelerator,
     batch_size: int,
+    sequence_parallel_size: int = 1,
     **kwargs: Any,
 ) -> StepLoader:
-    """This rank's step loader over ``dataset`` (planned once; see :class:`StepLoader`)."""
+    """This rank's step loader over ``dataset`` (planned once; see :class:`StepLoader`); the
+    ranks of a sequence group read the same micro-batches."""
+    world, rank = data_parallel(
+        sequence_parallel_size, accelerator.num_processes, accelerator.process_index
+    )
     return StepLoader.build(
-        dataset,
-        collator,
-        budget,
-        batch_size=batch_size,
-        world_size=accelerator.num_processes,
-        rank=accelerator.process_index,
-        **kwargs,
+        dataset, collator, budget, batch_size=batch_size, world_size=world, rank=rank, **kwargs
     )
 
 

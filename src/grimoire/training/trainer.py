@@ -70,8 +70,7 @@ class GrimoireTrainer:
         peft_config: Any = None,
         callbacks: Sequence[TrainerCallback] | None = None,
     ):
-        # The method's core checked first (a duck type without loss_weight is refused by name);
-        # duck-typed methods get the capabilities' defaults.
+        # The method's core first (no loss_weight: refused by name); capabilities get defaults.
         self.loss_fn = loss_fn = as_method(loss_fn)
         # The build steps of training/setup.py, in order; each names what it makes.
         self.config = config = setup.check_config(config)
@@ -85,6 +84,7 @@ class GrimoireTrainer:
         self.packed = packed = setup.decide_packing(
             loss_fn, config, pad_id, data_collator, model, train_dataset, acc
         )
+        setup.sequence_parallel(config, loss_fn, packed)  # sequence_parallel_size > 1 only
         #: Whether activations are checkpointed (gradient_checkpointing: auto / forced), and why.
         self.checkpointing = resolve_checkpointing(model, config, acc, loss_fn, train_dataset)
         model, self.step_hooks = setup.prepare_model(
@@ -129,7 +129,7 @@ class GrimoireTrainer:
         #: How the run was launched, for the model card: the CLI sets {"command", "config"}.
         self.launch: dict[str, Any] | None = None
         self.records = RunLog(self.config, acc)  # metrics.jsonl + trackers
-        self._reduction = StepReduction(acc)
+        self._reduction = StepReduction(acc, replicas=self.config.sequence_parallel_size)
         self.guard = NonFiniteGuard.for_run(self.config, acc, self.model)  # skips non-finite
         self._stop = self._stop_requested = False
         #: The signal that stopped the run with a checkpoint (preemption), else None.
@@ -374,8 +374,9 @@ class GrimoireTrainer:
     # ------------------------------------------------------------------ data
 
     def _loader(self, dataset: Any, batch_size: int, **kwargs: Any) -> StepLoader:
+        acc, sp = self.accelerator, self.config.sequence_parallel_size
         return setup.build_loader(
-            dataset, self.collator, self.budget, self.accelerator, batch_size, **kwargs
+            dataset, self.collator, self.budget, acc, batch_size, sp, **kwargs
         )
 
     def _to_device(self, batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,132 @@
+"""Sequence parallelism's row split: each process of a sequence group scores a slice of a row.
+
+With ``training.sequence_parallel_size = N`` one packed ``[1, L]`` row is cut into ``N``
+contiguous slices: rank ``r`` of the sequence group runs the model on tokens
+``[r * L/N, (r+1) * L/N)`` (the row padded first to a multiple of ``N`` with a padding sample
+whose positions restart at 0 and which has no targets). Everything per token is cut the same
+way *after* the labels are shifted on the whole row, so the last token of slice ``r`` still
+predicts the first token of slice ``r + 1``; ``position_ids`` are the row's own (global), so the
+rotary embedding of every slice is the one-process one. Only attention needs the other slices'
+tokens: :mod:`grimoire.model.ulysses_attention` exchanges them there.
+
+After the forward, :func:`RowSplit.gather` puts the slices' per-token log-probs back into the
+whole ``[1, L]`` row on every rank of the group, so the loss, its token counts and the per-sample
+unpacking downstream are the one-process ones, unchanged (each rank computes the same loss
+from the same numbers; they are ``L`` floats, not activations). Its backward hands each rank
+only its own slice of the row's gradient: the row's loss is counted once, not once per rank, and
+the parameter gradients of the group's ranks then *sum* to the one-process gradient
+(:func:`grimoire.parallel.sequence.sum_sequence_grads`).
+
+The active group is process-wide state set by the parallel layer
+(:func:`set_sequence_group`), read by the forward and by the attention function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SequenceGroup:
+    """The processes that share one row: ``size`` of them; this process is ``rank`` among
+    them; ``group`` is their process group (a device mesh's ``"sequence"`` dimension)."""
+
+    group: Any
+    rank: int
+    size: int
+
+
+_ACTIVE: dict[str, SequenceGroup | None] = {"group": None}
+
+
+def set_sequence_group(group: SequenceGroup | None) -> None:
+    """Make ``group`` the sequence group of every following forward (None: no splitting)."""
+    _ACTIVE["group"] = group if group is not None and group.size > 1 else None
+
+
+def sequence_group() -> SequenceGroup | None:
+    """The active sequence group (None unless sequence parallelism is on, with size > 1)."""
+    return _ACTIVE["group"]
+
+
+class _GatherRow(torch.autograd.Function):
+    """All-gather of ``[B, L/N]`` slices into ``[B, L]`` on every rank; backward: this rank's own
+    slice of the incoming gradient, no communication (every rank's loss is the same function of
+    the gathered row, so summing the ranks' gradients, as an all-gather's usual reduce-scatter
+    backward would, counts the loss N times)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, sp: SequenceGroup) -> Tensor:
+        ctx.rank, ctx.width = sp.rank, local.shape[1]
+        parts = [torch.empty_like(local) for _ in range(sp.size)]
+        dist.all_gather(parts, local.contiguous(), group=sp.group)
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None]:
+        grad, start = grads[0], ctx.rank * ctx.width
+        return grad[:, start : start + ctx.width].contiguous(), None
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """How one ``[B, L]`` row is cut over a sequence group: ``length`` real tokens, padded to
+    ``padded`` (a multiple of the group's size), ``padded // size`` per rank."""
+
+    sp: SequenceGroup
+    length: int
+    padded: int
+
+    @classmethod
+    def of(cls, sp: SequenceGroup, length: int) -> RowSplit:
+        return cls(sp, length, -(-length // sp.size) * sp.size)
+
+    @property
+    def width(self) -> int:
+        return self.padded // self.sp.size
+
+    def local(self, row: Tensor, fill: int) -> Tensor:
+        """This rank's slice of ``row`` ``[B, L]``, the padding filled with ``fill``."""
+        pad = self.padded - self.length
+        if pad:
+            row = torch.cat([row, row.new_full((row.shape[0], pad), fill)], dim=1)
+        start = self.sp.rank * self.width
+        return row[:, start : start + self.width]
+
+    def local_positions(self, position_ids: Tensor) -> Tensor:
+        """This rank's slice of the row's ``position_ids``; the padding is a sample of its own
+        (positions ``0, 1, ...``), so no real token attends to it."""
+        pad = self.padded - self.length
+        if pad:
+            tail = torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype)
+            position_ids = torch.cat([position_ids, tail.expand(position_ids.shape[0], -1)], 1)
+        start = self.sp.rank * self.width
+        return position_ids[:, start : start + self.width]
+
+    def gather(self, local: Tensor) -> Tensor:
+        """The whole row ``[B, L]`` from every rank's ``[B, L/N]`` slice (autograd: see
+        :class:`_GatherRow`), the padding dropped."""
+        full = _GatherRow.apply(local, self.sp)
+        return full[:, : self.length]
+
+
+def gather_positions(local: Tensor, sp: SequenceGroup) -> Tensor:
+    """The whole row's ``position_ids`` ``[B, L]`` from this rank's ``[B, L/N]`` (no autograd:
+    integers)."""
+    parts = [torch.empty_like(local) for _ in range(sp.size)]
+    dist.all_gather(parts, local.contiguous(), group=sp.group)
+    return torch.cat(parts, dim=1)
+
+
+__all__ = [
+    "RowSplit",
+    "SequenceGroup",
+    "gather_positions",
+    "sequence_group",
+    "set_sequence_group",
+]

@@ -1,0 +1,169 @@
+"""Sequence parallelism (DeepSpeed-Ulysses) on CPU/gloo: exact against one process.
+
+One torchrun launch of tests/scripts/sequence_parallel.py (2 processes, one sequence group)
+scores packed rows of several documents, one of which crosses the slice boundary, with the row
+split over the group, and the same rows one document at a time through the plain sdpa model
+with no collective at all (the independent reference: it never sees a packed row); then 3 SGD
+steps of the SFT token-mean NLL both ways; then ``GrimoireTrainer`` itself, 3 steps of SFT (with
+and without activation checkpointing) and of DPO with ``sequence_parallel_size: 2``, against the
+same runs in this process
+(``sequence_parallel_size: 1``). The validation tests need no launch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tests.helpers.train_utils import free_port
+from tests.scripts import sequence_parallel as worker
+from tests.test_distributed import _env
+from transformers import AutoModelForCausalLM
+
+from grimoire.config.training import TrainingConfig
+from grimoire.errors import ConfigError
+from grimoire.model.tiny import build_model
+from grimoire.model.ulysses_attention import unsupported_reason
+from grimoire.parallel.sequence import check_sequence_parallel
+
+SCRIPT = Path(worker.__file__)
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_dir, tmp_path_factory) -> Path:
+    """The one 2-process launch every test below reads."""
+    out = tmp_path_factory.mktemp("sequence_parallel")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(SCRIPT), str(out), str(tiny_dir)]
+    subprocess.run(cmd, check=True, env=_env(), timeout=300)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(launched) -> list[dict]:
+    return [torch.load(launched / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_sequence_parallel_each_rank_runs_its_slice(ranks):
+    # The rows have 21, 17, 21 tokens: padded to 22, 18, 22 and halved (the fused head's forward
+    # and the full-logits forward of step 0 each run the model once).
+    assert ranks[0]["local_lengths"] == [11, 11, 9, 11]
+    assert ranks[1]["local_lengths"] == [11, 11, 9, 11]
+
+
+def test_ulysses_log_probs_equal_one_process(ranks):
+    for r in ranks:
+        for step, (sp, ref) in enumerate(zip(r["sp"], r["ref"], strict=True)):
+            assert sp.shape == ref.shape  # the whole row on every rank, padding dropped
+            torch.testing.assert_close(sp, ref, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+        # The full-logits path and its entropies too (step 0, before any update).
+        torch.testing.assert_close(r["sp_full"][0], r["ref"][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["sp_entropy"][0], r["ref_entropy"][0], rtol=1e-5, atol=1e-5)
+    # The document across the boundary (tokens 5..13 of the first row, slices 0..10 and 11..21)
+    # is trained on both sides of it.
+    assert bool((ranks[0]["sp"][0][0, 6:13] != 0).all())
+
+
+def test_sequence_parallel_sft_loss_counts_tokens_once(ranks):
+    for r in ranks:
+        # 3 + 7 + 2 + 1 targets (each document's tokens after its 2-token prompt), not 2x that.
+        assert r["count"] == [13, 13]
+        assert r["loss_sp"] == pytest.approx(r["loss_ref"], rel=1e-5)
+
+
+def test_sequence_parallel_sft_gradients_equal_one_process(ranks):
+    for r in ranks:
+        for step, (sp, ref) in enumerate(zip(r["grads_sp"], r["grads_ref"], strict=True)):
+            assert sp.keys() == ref.keys()
+            for name in sp:
+                torch.testing.assert_close(
+                    sp[name], ref[name], rtol=1e-4, atol=1e-5, msg=f"{name} step {step}"
+                )
+
+
+def test_sequence_parallel_sft_steps_train_the_same_weights(ranks):
+    for r in ranks:
+        start = build_model("llama", seed=0).state_dict()
+        moved = [n for n, p in r["params_ref"][0].items() if not torch.equal(p, start[n])]
+        assert moved  # the 3 steps changed the weights, so equality below is not vacuous
+        for name, param in r["params_sp"][0].items():
+            torch.testing.assert_close(param, r["params_ref"][0][name], rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_sequence_parallel_size_is_validated_with_its_key():
+    assert TrainingConfig().sequence_parallel_size == 1
+    with pytest.raises(ConfigError, match="sequence_parallel_size must be >= 1"):
+        TrainingConfig(sequence_parallel_size=0)
+    with pytest.raises(ConfigError) as err:
+        TrainingConfig(sequence_parallel_size=2, distributed="fsdp2", padding_free=False)
+    assert "sequence_parallel_size=2 needs distributed 'ddp'" in str(err.value)
+    assert "sequence_parallel_size=2 needs padding_free" in str(err.value)
+    with pytest.raises(ConfigError, match="sequence_parallel_size=2 needs torch_compile"):
+        TrainingConfig(sequence_parallel_size=2, torch_compile=True)
+
+
+def test_sequence_parallel_size_must_divide_the_world():
+    check_sequence_parallel(2, 4)
+    with pytest.raises(ConfigError, match=r"training.sequence_parallel_size=3 does not divide"):
+        check_sequence_parallel(3, 4)
+
+
+def test_ulysses_refuses_heads_not_divisible_and_unsplittable_attention():
+    llama = build_model("llama")  # 4 attention heads, 2 key/value heads
+    assert unsupported_reason(llama, 2) is None
+    assert "2 key/value heads" in (unsupported_reason(llama, 4) or "")
+    six = build_model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=6)
+    assert "6 attention heads" in (unsupported_reason(six, 4) or "")
+    gemma = build_model("gemma2")  # softcapping and sliding windows: not plain causal sdpa
+    assert "not one grimoire can split" in (unsupported_reason(gemma, 2) or "")
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_dir, tmp_path_factory) -> dict[str, dict]:
+    """The trainer's SFT and DPO runs in this process (sequence_parallel_size: 1)."""
+    out, runs = tmp_path_factory.mktemp("one_process"), {}
+    for family in ("sft", "dpo"):
+        runs[family], trainer = worker.train(str(tiny_dir), out, family, 1)
+        trainer.close()
+    return runs
+
+
+@pytest.mark.parametrize("family", ["sft", "dpo", "sft_checkpointed"])
+def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tiny_dir, family):
+    one = one_process[family.removesuffix("_checkpointed")]  # checkpointing changes no number
+    start = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
+    assert any(not torch.equal(one["params"][k], start[k]) for k in start)  # it trained
+    for rank in range(2):
+        split = torch.load(launched / f"{family}.rank{rank}.pt", weights_only=False)
+        # The split really ran: the policy's attention was the Ulysses one.
+        assert (split["attention"], one["attention"]) == (
+            "grimoire_ulysses",
+            "grimoire_packed_sdpa",
+        )
+        # Tokens counted once per sequence group (not 2x), the same losses, the same weights.
+        assert split["tokens"] == one["tokens"]
+        assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        for name, param in one["params"].items():
+            torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
+
+
+def test_sequence_parallel_refuses_generating_methods_and_padded_rows():
+    from grimoire.losses import SFTLoss
+    from grimoire.losses.grpo import GRPOMethod
+    from grimoire.parallel.sequence import check_method
+
+    check_method(2, SFTLoss(), packed=True)
+    check_method(1, SFTLoss(), packed=False)  # off: nothing refused
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size=2 splits packed rows"):
+        check_method(2, SFTLoss(), packed=False)
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size=2: GRPOMethod generates"):
+        check_method(2, GRPOMethod(["exact_match"]), packed=True)
