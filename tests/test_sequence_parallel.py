@@ -131,13 +131,13 @@ def test_ulysses_refuses_heads_not_divisible_and_unsplittable_attention():
 def one_process(tiny_dir, tmp_path_factory) -> dict[str, dict]:
     """The trainer's SFT and DPO runs in this process (sequence_parallel_size: 1)."""
     out, runs = tmp_path_factory.mktemp("one_process"), {}
-    for family in ("sft", "dpo"):
+    for family in ("sft", "dpo", "grpo"):
         runs[family], trainer = worker.train(str(tiny_dir), out, family, 1)
         trainer.close()
     return runs
 
 
-@pytest.mark.parametrize("family", ["sft", "dpo", "sft_checkpointed"])
+@pytest.mark.parametrize("family", ["sft", "dpo", "sft_checkpointed", "grpo"])
 def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tiny_dir, family):
     one = one_process[family.removesuffix("_checkpointed")]  # checkpointing changes no number
     start = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
@@ -154,16 +154,47 @@ def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tin
         assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
         for name, param in one["params"].items():
             torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
+        # GRPO: the groups' reference and old log-probs (split forwards at temperature 0.7)
+        # are the one-process ones, per token.
+        for key in ("ref_logps", "old_logps"):
+            assert len(split.get(key, [])) == len(one.get(key, []))
+            for got, want in zip(split.get(key, []), one.get(key, []), strict=True):
+                assert bool((want != 0).any())
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_parallel_grpo_samples_once_per_group(launched, one_process):
+    # 2 steps per rollout over 3 steps: 2 rollouts of 2 prompt groups (2 micro-batches each).
+    assert len(one_process["grpo"]["old_logps"]) == 4
+    # The engine's completions depend on the rank that samples: rank 1 scored rank 0's (had it
+    # sampled its own, its log-probs above would be of other tokens, and its shapes differ).
+    ranks = [torch.load(launched / f"grpo.rank{r}.pt", weights_only=False) for r in range(2)]
+    for a, b in zip(ranks[0]["old_logps"], ranks[1]["old_logps"], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_ulysses_model_samples_unsplit_with_its_kv_cache(launched):
+    for rank in range(2):
+        greedy = torch.load(launched / f"greedy.rank{rank}.pt", weights_only=False)
+        assert greedy["split"] == greedy["plain"]
+        assert len(greedy["split"]) == 3 and all(len(row) >= 1 for row in greedy["split"])
 
 
 def test_sequence_parallel_refuses_generating_methods_and_padded_rows():
     from grimoire.losses import SFTLoss
     from grimoire.losses.grpo import GRPOMethod
+    from grimoire.losses.online_dpo import OnlineDPOMethod
+    from grimoire.losses.rloo import RLOOMethod
     from grimoire.parallel.sequence import check_method
 
     check_method(2, SFTLoss(), packed=True)
     check_method(1, SFTLoss(), packed=False)  # off: nothing refused
     with pytest.raises(ConfigError, match=r"sequence_parallel_size=2 splits packed rows"):
         check_method(2, SFTLoss(), packed=False)
-    with pytest.raises(ConfigError, match=r"sequence_parallel_size=2: GRPOMethod generates"):
-        check_method(2, GRPOMethod(["exact_match"]), packed=True)
+    check_method(2, GRPOMethod(["exact_match"]), packed=True)  # synchronous HF rollouts
+    check_method(2, RLOOMethod(["exact_match"]), packed=True)
+    with pytest.raises(ConfigError, match=r"=2: OnlineDPOMethod runs forwards of its own"):
+        check_method(2, OnlineDPOMethod(["exact_match"]), packed=True)
+    with pytest.raises(ConfigError) as err:
+        check_method(2, GRPOMethod(["exact_match"], max_staleness=1), packed=True)
+    assert "loss.args.max_staleness=1" in str(err.value)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from grimoire import GrimoireTrainer
 from grimoire.columns import IGNORE_INDEX
-from grimoire.data import tokenize_preference, tokenize_sft
+from grimoire.data import tokenize_grpo, tokenize_preference, tokenize_sft
 from grimoire.forward.attention_hints import attention_impl
 from grimoire.forward.logprobs import compute_token_logps
 from grimoire.forward.sequence_split import set_sequence_group
@@ -35,6 +35,8 @@ from grimoire.losses import DPOLoss, SFTLoss
 from grimoire.model.tiny import build_model, preference_rows, reverse_rows
 from grimoire.model.ulysses_attention import enable_ulysses_attention
 from grimoire.parallel.sequence import sequence_mesh, sum_sequence_grads
+from grimoire.rollout.engines.base import RolloutEngine
+from grimoire.rollout.engines.hf import HFGenerateEngine
 
 #: Document lengths of the packed rows: 21 and 17 tokens, odd (the split pads them), with a
 #: document across the middle (tokens 5..13 of the first row).
@@ -73,6 +75,56 @@ def reference_logps(
     return out, entropy
 
 
+class RankedEngine(RolloutEngine):
+    """Completion ``j`` of a prompt: a fixed function of the prompt, ``j`` and this process's
+    rank, 6 to 13 tokens. The one-process run is rank 0; under sequence parallelism only rank
+    0 of the group may sample for it (a rank that sampled its own would score other tokens)."""
+
+    def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        out = []
+        for p in prompts:
+            for j in range(n):
+                seed = sum(p) * 31 + j * 17 + rank * 5
+                out.append([8 + (seed + 7 * k) % 56 for k in range(6 + (seed + j) % 8)])
+        return out
+
+
+def grpo_reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    return [len(c) + (sum(map(ord, c)) % 13) / 13 for c in completions]
+
+
+def grpo_method() -> tuple[object, dict[str, list]]:
+    """GRPO with a reference (split reference forward), 2 updates per rollout (split old
+    log-probs), temperature 0.7 (the full-logits path) and batch-scaled rewards (the step's
+    reward std over the data ranks); the groups' reference and old log-probs are recorded."""
+    from grimoire.losses.grpo import GRPOMethod
+
+    engine = RankedEngine(max_new_tokens=13, temperature=0.7)
+    method = GRPOMethod(
+        [grpo_reward],
+        engine=engine,
+        num_generations=4,
+        max_new_tokens=13,
+        temperature=0.7,
+        beta=0.05,
+        ref_model="copy",
+        num_iterations=2,
+        scale_rewards="batch",
+    )
+    seen: dict[str, list] = {"ref_logps": [], "old_logps": []}
+    build = method.build_batches
+
+    def recording(ctx, groups):
+        for g in groups:
+            seen["ref_logps"].append(g.ref_logps.detach().clone())
+            seen["old_logps"].append(g.rollout.old_logps.detach().clone())
+        return build(ctx, groups)
+
+    method.build_batches = recording  # type: ignore[method-assign]
+    return method, seen
+
+
 def nll(logps: torch.Tensor, count: int) -> torch.Tensor:
     return -logps.sum() / count
 
@@ -90,15 +142,20 @@ def train(
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    seen: dict[str, list] = {}
     if family.startswith("sft"):
         rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(24, seed=5, max_len=9)]
         loss_fn: object = SFTLoss()
+    elif family == "grpo":
+        rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=6)]
+        loss_fn, seen = grpo_method()
     else:
         rows = [tokenize_preference(r, tok, max_length=64) for r in preference_rows(16, seed=4)]
         loss_fn = DPOLoss(ref_model=copy.deepcopy(model))
     config = quiet_config(
         out_dir / family,
         max_steps=3,
+        batch_size=2 if family == "grpo" else 4,
         gradient_accumulation_steps=2,
         learning_rate=1e-2,
         optimizer="sgd",
@@ -116,6 +173,7 @@ def train(
         "losses": [json.loads(line)["loss"] for line in metrics],
         "tokens": [json.loads(line)["tokens"] for line in metrics],
         "attention": attention_impl(model),
+        **seen,
     }
     return result, trainer
 
@@ -178,14 +236,36 @@ def main(out_dir: Path, tiny_dir: str) -> None:
     torch.save(result, out_dir / f"rank{rank}.pt")
     dist.barrier()
     set_sequence_group(None)
-    for family in (
-        "sft",
-        "dpo",
-        "sft_checkpointed",
-    ):  # the trainer's own runs, on the same process group
+    torch.save(greedy_samples(tiny_dir, sp), out_dir / f"greedy.rank{rank}.pt")
+    for family in FAMILIES:  # the trainer's own runs, on the same process group
         trained, trainer = train(tiny_dir, out_dir, family, world)
         torch.save(trained, out_dir / f"{family}.rank{rank}.pt")
     trainer.close()
+
+
+#: The trainer's runs the launch makes (``sft_checkpointed``: SFT with activation checkpointing).
+FAMILIES = ("sft", "dpo", "sft_checkpointed", "grpo")
+
+
+def greedy_samples(tiny_dir: str, sp) -> dict[str, list[list[int]]]:
+    """The HF engine's greedy samples from a model with the Ulysses attention while the sequence
+    group is active (rank 0 of the group samples, unsplit, with its KV cache, and sends them),
+    and from the plain model with no group."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[5, 9, 11, 3], [7, 2], [13, 8, 21]]
+    out = {}
+    for name in ("split", "plain"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+        if name == "split":
+            enable_ulysses_attention(model, sp.size)
+        set_sequence_group(sp if name == "split" else None)
+        engine = HFGenerateEngine(max_new_tokens=6)
+        engine.bind(model, 0, None)
+        rollout = engine.generate(prompts, 1, with_old_logps=False, greedy=True)
+        out[name] = rollout.completion_ids.tolist()
+    set_sequence_group(None)
+    return out
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ class TrainingContext:
     prepare_frozen: Callable[[torch.nn.Module], torch.nn.Module] = _identity
     #: Whether the run's micro-batches are packed rows (the trainer's packing decision).
     packed: bool = False
+    #: The process group the sums below run over: None, every process; under sequence
+    #: parallelism the data dimension, since a sequence group's ranks hold the same rows and
+    #: groups, and a sum over them all would count each one once per rank of the group.
+    sum_group: Any = None
 
     @property
     def sharded(self) -> bool:
@@ -75,13 +79,13 @@ class TrainingContext:
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum floats over ranks in one collective (identity on one process); every rank must
         call it at the same point of the step."""
-        return all_reduce_sum(self.accelerator, values)
+        return all_reduce_sum(self.accelerator, values, self.sum_group)
 
     def all_reduce_sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place, on its device (no host sync), and return it;
         identity on one process. Every rank must call it at the same point of the step (e.g.
         KTO's KL estimate: the ranks' ``(sum, count)`` of mismatched pairs)."""
-        return all_reduce_sum_tensor(self.accelerator, tensor)
+        return all_reduce_sum_tensor(self.accelerator, tensor, self.sum_group)
 
 
 def all_reduce_max(accelerator: Any, value: int) -> int:
@@ -93,19 +97,26 @@ def all_reduce_max(accelerator: Any, value: int) -> int:
     return int(t.item())
 
 
-def all_reduce_sum_tensor(accelerator: Any, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` summed over ranks in place (identity on one process)."""
+def all_reduce_sum_tensor(
+    accelerator: Any, tensor: torch.Tensor, group: Any = None
+) -> torch.Tensor:
+    """``tensor`` summed over ranks in place (identity on one process); ``group``: over that
+    process group only (None: every rank)."""
     if accelerator is None or accelerator.num_processes == 1:
         return tensor
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def all_reduce_sum(accelerator: Any, values: list[float]) -> list[float]:
-    """The one host-side all-reduce helper: float64 sums of ``values`` over all ranks."""
+def all_reduce_sum(accelerator: Any, values: list[float], group: Any = None) -> list[float]:
+    """The one host-side all-reduce helper: float64 sums of ``values`` over all ranks (or over
+    the process group ``group``)."""
     if accelerator is None or accelerator.num_processes == 1:
         return [float(v) for v in values]
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=accelerator.device)
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return t.tolist()
     return accelerator.reduce(t, reduction="sum").tolist()
 
 

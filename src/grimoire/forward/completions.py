@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from grimoire.collate.packing import pack_samples
 from grimoire.columns import IGNORE_INDEX
 from grimoire.contract.layout import LAYOUT_KEY, Packed, Padded, layout_of, shift_labels
 from grimoire.forward.batch import LayoutRows, TokenLogpsFn
@@ -37,6 +38,7 @@ from grimoire.forward.logprobs import (
     logps_from_logits,
     token_entropy,
 )
+from grimoire.forward.sequence_split import sequence_group
 
 #: A padded completion batch's token columns, ``[N, P + C]``; its other tensors are ``[N, C]``.
 TOKEN_COLUMNS = ("input_ids", "attention_mask")
@@ -82,6 +84,26 @@ def select_rows(batch: dict[str, Any], rows: Sequence[int]) -> dict[str, Any]:
     return {**out, LAYOUT_KEY: Padded(rows=len(keep))}
 
 
+def packed_columns(
+    input_ids: Tensor, attention_mask: Tensor, labels: Tensor, completion_width: int
+) -> dict[str, Any]:
+    """The real tokens of ``[N, P + C]`` rows packed into ONE row by
+    :func:`~grimoire.collate.packing.pack_samples` (``input_ids``, ``labels``,
+    ``position_ids``, ``sample_index``, the :class:`~grimoire.contract.layout.Packed`
+    layout), and ``completion_index [N, C]``: each completion token's position in that row."""
+    keep = attention_mask.bool()
+    # The samples' host-side lengths: one small copy here, where the batch is built, so no
+    # forward or loss has to wait for one later.
+    lens = keep.sum(-1).tolist()
+    samples = [
+        {"input_ids": i, "labels": t}
+        for i, t in zip(input_ids[keep].split(lens), labels[keep].split(lens))
+    ]
+    where = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
+    where[keep] = torch.arange(sum(lens), device=keep.device)
+    return {**pack_samples(samples, 0), "completion_index": where[:, -completion_width:]}
+
+
 def _token_logps_fn(
     model: torch.nn.Module,
     temperature: float,
@@ -94,14 +116,18 @@ def _token_logps_fn(
     """The model call of :func:`batch_completion_logps`: per-token log-probs of the labels (the
     completion tokens) at ``temperature`` (module docstring).
 
-    ``T == 1`` goes through :func:`~grimoire.forward.logprobs.compute_token_logps` (its fused,
-    memory-lean LM-head path); other temperatures run the head on the positions that can hold a
-    completion's prediction: the last ``C + 1`` of padded rows (completions are right-aligned
-    after the left-padded prompts), all of a packed row. Shapes: ``[B, T]`` in, ``[B, T]``
-    out (0 where there is no target); the entropy detached, a metric."""
+    ``T == 1`` and packed rows go through :func:`~grimoire.forward.logprobs.compute_token_logps`
+    (at ``T == 1`` its fused, memory-lean LM-head path; otherwise the full logits over ``T``);
+    padded rows at other temperatures run the head on the positions that can hold a
+    completion's prediction only: their last ``C + 1`` (completions are right-aligned after the
+    left-padded prompts). Shapes: ``[B, T]`` in, ``[B, T]`` out (0 where there is no target);
+    the entropy detached, a metric."""
 
     def compute(ids, labels, attention_mask, position_ids, layout=None) -> TokenLogps:
-        if temperature == 1.0:
+        if temperature == 1.0 or attention_mask is None:
+            # A packed row (no mask: its samples lie along it) holds no padding to skip, so
+            # every position goes through the head; this path also splits it across a
+            # sequence group under sequence parallelism.
             return compute_token_logps(
                 model,
                 ids,
@@ -111,9 +137,9 @@ def _token_logps_fn(
                 fused=fused,
                 chunk_size=chunk_size,
                 return_entropy=with_entropy,
+                temperature=temperature,
             )
-        # Padded rows come with their mask (a packed row without: its samples lie along it).
-        window = completion_width + 1 if attention_mask is not None else 0
+        window = completion_width + 1
         logits = model(
             input_ids=ids,
             attention_mask=attention_mask,
@@ -205,7 +231,8 @@ def completion_logps(
 ) -> tuple[Tensor, Tensor | None]:
     """:func:`batch_completion_logps` of padded rows given as tensors: the last
     ``C = completion_width`` tokens of each ``[left-padded prompt | right-padded completion]``
-    row, the completion part of ``attention_mask`` marking its real tokens.
+    row, the completion part of ``attention_mask`` marking its real tokens (scored as one
+    packed row under sequence parallelism, which splits only such rows).
 
     Shapes: ``input_ids, attention_mask [N, P + C]`` -> ``logps [N, C]`` float32 (0 on
     completion padding) and, if ``with_entropy``, the DETACHED per-token entropy ``[N, C]``.
@@ -215,6 +242,10 @@ def completion_logps(
         "attention_mask": attention_mask,
         "completion_mask": attention_mask[:, -completion_width:],
     }
+    if sequence_group() is not None:  # sequence parallelism splits one packed row, not rows
+        labels = padded_labels(input_ids, attention_mask, completion_width)
+        packed = packed_columns(input_ids, attention_mask, labels, completion_width)
+        batch = {"completion_mask": batch["completion_mask"], **packed}
     return batch_completion_logps(
         model, batch, temperature, with_entropy, fused=fused, chunk_size=chunk_size
     )
@@ -225,6 +256,7 @@ __all__ = [
     "batch_completion_logps",
     "completion_logps",
     "completion_rows",
+    "packed_columns",
     "padded_labels",
     "position_ids_from_mask",
     "select_rows",

@@ -168,6 +168,7 @@ def compute_token_logps(
     return_entropy: bool = False,
     uniform_grad: bool = False,
     layout: BatchLayout | None = None,
+    temperature: float = 1.0,
 ) -> TokenLogps:
     """Run ``model`` and return the log-probs of ``labels`` (HF convention: labels aligned with
     ``input_ids``, ``-100`` = not trained; the shift happens here).
@@ -194,6 +195,8 @@ def compute_token_logps(
             (:mod:`grimoire.forward.attention_hints`, on a model with grimoire's attention) or to
             size the LM head's rows (the layout's target count). Without it, both are read from
             the device tensors, as before.
+        temperature: the log-probs of ``softmax(logits / temperature)`` (a sampling
+            temperature); other than 1, the full-logits path is taken (the fused head runs at 1).
 
     Call it inside the caller's autocast context: the head chunks run in the same context as the
     model (and are recomputed in it during backward).
@@ -211,14 +214,24 @@ def compute_token_logps(
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
     num_targets = None if layout is None else layout.num_targets
+    if temperature != 1.0 and fused == "require":
+        raise ValueError(f"fused='require' takes temperature 1 only, got {temperature}")
+    head = _Head(fused if temperature == 1.0 else False, chunk_size, return_entropy, temperature)
     sp = sequence_group()
     if sp is not None:
-        return _split_token_logps(
-            sp, model, kwargs, targets, fused, chunk_size, return_entropy, uniform_grad
-        )
-    return _token_logps(
-        model, kwargs, targets, mask, fused, chunk_size, return_entropy, uniform_grad, num_targets
-    )
+        return _split_token_logps(sp, model, kwargs, targets, head, uniform_grad)
+    return _token_logps(model, kwargs, targets, mask, head, uniform_grad, num_targets)
+
+
+@dataclass(frozen=True)
+class _Head:
+    """How the log-probs leave the decoder: the fused head or the full logits (``fused``), its
+    ``chunk_size``, with the entropy or not, at ``temperature`` (full logits only)."""
+
+    fused: bool | Literal["require"]
+    chunk_size: int
+    return_entropy: bool
+    temperature: float = 1.0
 
 
 def _token_logps(
@@ -226,16 +239,14 @@ def _token_logps(
     kwargs: dict[str, Any],
     targets: Tensor,
     mask: Tensor,
-    fused: bool | Literal["require"],
-    chunk_size: int,
-    return_entropy: bool,
+    head: _Head,
     uniform_grad: bool,
     num_targets: int | None,
 ) -> TokenLogps:
     """The forward on the model inputs ``kwargs``: the fused head where it serves, else the
     model's full logits."""
-    if fused:
-        parts = fused_parts(model, require=fused == "require")
+    if head.fused:
+        parts = fused_parts(model, require=head.fused == "require")
         if parts is not None:
             transforms = post_head_transforms(getattr(parts.base, "config", None))
             out = fused_token_logps(
@@ -245,14 +256,14 @@ def _token_logps(
                 kwargs,
                 targets,
                 mask,
-                chunk_size,
-                return_entropy,
+                head.chunk_size,
+                head.return_entropy,
                 uniform_grad,
                 num_targets,
             )
             if out is not None:
                 return TokenLogps(logps=out[0], mask=mask, entropy=out[1])
-    return _full_token_logps(model, kwargs, targets, mask, return_entropy)
+    return _full_token_logps(model, kwargs, targets, mask, head)
 
 
 def _split_token_logps(
@@ -260,9 +271,7 @@ def _split_token_logps(
     model: torch.nn.Module,
     kwargs: dict[str, Any],
     targets: Tensor,
-    fused: bool | Literal["require"],
-    chunk_size: int,
-    return_entropy: bool,
+    head: _Head,
     uniform_grad: bool,
 ) -> TokenLogps:
     """Sequence parallelism (:mod:`grimoire.forward.sequence_split`): this rank runs the model
@@ -288,32 +297,22 @@ def _split_token_logps(
         "input_ids": split.local(input_ids, 0),
         "position_ids": split.local_positions(position_ids),
     }
-    out = _token_logps(
-        model,
-        local_kwargs,
-        local_targets,
-        local_targets != IGNORE_INDEX,
-        fused,
-        chunk_size,
-        return_entropy,
-        uniform_grad,
-        None,
-    )
+    local_mask = local_targets != IGNORE_INDEX
+    out = _token_logps(model, local_kwargs, local_targets, local_mask, head, uniform_grad, None)
     entropy = None if out.entropy is None else split.gather(out.entropy)
     return TokenLogps(split.gather(out.logps), targets != IGNORE_INDEX, entropy)
 
 
 def _full_token_logps(
-    model: torch.nn.Module,
-    kwargs: dict[str, Any],
-    targets: Tensor,
-    mask: Tensor,
-    return_entropy: bool,
+    model: torch.nn.Module, kwargs: dict[str, Any], targets: Tensor, mask: Tensor, head: _Head
 ) -> TokenLogps:
-    """The reference path: the model's own ``[B, T, V]`` logits, log-softmax in fp32."""
+    """The reference path: the model's own ``[B, T, V]`` logits (over the temperature),
+    log-softmax in fp32."""
     logits = model(**kwargs).logits
+    if head.temperature != 1.0:
+        logits = logits / head.temperature
     safe = targets.clamp(min=0)
-    if return_entropy:
+    if head.return_entropy:
         logps, entropy = _logps_and_entropy(logits, safe)
         entropy = entropy.masked_fill(~mask, 0.0)
     else:

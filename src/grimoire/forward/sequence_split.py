@@ -19,12 +19,18 @@ the parameter gradients of the group's ranks then *sum* to the one-process gradi
 
 The active group is process-wide state set by the parallel layer
 (:func:`set_sequence_group`), read by the forward and by the attention function.
+
+Sampling is not split: :func:`from_leader` runs it on rank 0 of the group alone, with the split
+off (:func:`unsplit`: the attention is then the plain per-sample one, with its KV cache), and
+hands the result to the group's other ranks, so every rank of the group scores the same rollout.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,11 +40,14 @@ from torch import Tensor
 @dataclass(frozen=True)
 class SequenceGroup:
     """The processes that share one row: ``size`` of them; this process is ``rank`` among
-    them; ``group`` is their process group (a device mesh's ``"sequence"`` dimension)."""
+    them; ``group`` is their process group (a device mesh's ``"sequence"`` dimension).
+    ``data``: the process group of the other dimension (the ranks at this process's place in
+    every sequence group: each sequence group once), None when nothing split the data."""
 
     group: Any
     rank: int
     size: int
+    data: Any = None
 
 
 _ACTIVE: dict[str, SequenceGroup | None] = {"group": None}
@@ -52,6 +61,45 @@ def set_sequence_group(group: SequenceGroup | None) -> None:
 def sequence_group() -> SequenceGroup | None:
     """The active sequence group (None unless sequence parallelism is on, with size > 1)."""
     return _ACTIVE["group"]
+
+
+@contextmanager
+def unsplit() -> Iterator[None]:
+    """No sequence group inside the block: forwards see whole rows (sampling with a KV cache,
+    which is not split)."""
+    kept = _ACTIVE["group"]
+    _ACTIVE["group"] = None
+    try:
+        yield
+    finally:
+        _ACTIVE["group"] = kept
+
+
+_T = TypeVar("_T")
+
+
+def from_leader(fn: Callable[[], _T]) -> _T:
+    """``fn()`` run by rank 0 of the active sequence group alone, unsplit, and its result
+    (picklable) sent to the group's other ranks, which do not run it; plain ``fn()`` without
+    a group. For sampling: the group's ranks must score the same completions, and two ranks
+    drawing with their own random streams would not give them."""
+    sp = sequence_group()
+    if sp is None:
+        return fn()
+    box: list[Any] = [None, None]  # (result, the leader's error)
+    failure: BaseException | None = None
+    if sp.rank == 0:
+        try:
+            with unsplit():
+                box[0] = fn()
+        except Exception as err:  # the other ranks wait in the broadcast: tell them, then raise
+            failure, box[1] = err, f"{type(err).__name__}: {err}"
+    dist.broadcast_object_list(box, group=sp.group, group_src=0)
+    if failure is not None:
+        raise failure
+    if box[1] is not None:
+        raise RuntimeError(f"rank 0 of this sequence group failed while sampling: {box[1]}")
+    return box[0]
 
 
 class _GatherRow(torch.autograd.Function):
@@ -126,7 +174,9 @@ def gather_positions(local: Tensor, sp: SequenceGroup) -> Tensor:
 __all__ = [
     "RowSplit",
     "SequenceGroup",
+    "from_leader",
     "gather_positions",
     "sequence_group",
     "set_sequence_group",
+    "unsplit",
 ]

@@ -151,6 +151,8 @@ class GRPOMethod(OnlineMethod):
     :func:`~grimoire.losses.online_functional.reduce_token_loss`).
     """
 
+    splits_sequences = True
+
     def __init__(
         self,
         reward_funcs: RewardSpec | Sequence[RewardSpec],

@@ -109,6 +109,9 @@ class OnlineMethod(GrimoireLoss):
     steps_per_batch: int = 1
     #: Base arguments a subclass does not take (left out of its completed signature).
     hidden_args: tuple[str, ...] = ()
+    #: Every forward of the loss is completion log-probs of packed rollout rows (policy,
+    #: reference, old), which sequence parallelism splits (GRPO, RLOO set it).
+    splits_sequences: bool = False
     #: A tokenizer given the grimoire-rl way (checked against the trainer's in setup).
     peer_tokenizer: Any = None
     #: The run's context, set by :meth:`setup`.

@@ -39,6 +39,8 @@ class RLOOMethod(OnlineMethod):
     (divide by the micro-batch's advantage std; off by default, as the paper).
     """
 
+    splits_sequences = True
+
     def __init__(
         self,
         reward_funcs: RewardSpec | Sequence[RewardSpec],

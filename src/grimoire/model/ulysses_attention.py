@@ -16,6 +16,10 @@ row, so this attention function, registered with transformers as :data:`NAME`, d
    this rank's ``H/N`` heads;
 4. the inverse all-to-all: ``[B, L, H/N, D]`` -> ``[B, L/N, H, D]``, this rank's tokens again.
 
+With no sequence group active (sampling runs unsplit on one rank of the group:
+:func:`grimoire.forward.sequence_split.from_leader`) it is grimoire's packed attention, KV cache
+included, exactly as a model with that attention samples.
+
 The all-to-alls are torch's functional collectives (``all_to_all_single_autograd``), whose
 backward is the inverse all-to-all: gloo (CPU) and NCCL both implement it. Communication per
 layer: 4 all-to-alls of ``1/N`` of a slice's q/k/v/output each, independent of ``N`` per
@@ -112,10 +116,9 @@ def ulysses_attention_forward(
     ``([B, L/N, H, D], None)`` like transformers' attention functions.
     """
     sp = sequence_group()
-    if sp is None:
-        raise RuntimeError(
-            f"{NAME}: no sequence group is active (training.sequence_parallel_size > 1 sets it); "
-            "this attention only runs on a row split across processes"
+    if sp is None:  # whole rows (sampling, with its KV cache): the plain packed attention
+        return packed_attention.packed_sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     # The model's mask was built from this rank's slice alone: it can only say "causal" (None,
     # or the packed marker), never anything this function could use; a real mask is refused.

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from grimoire.contract.method import Method, generating
 from grimoire.errors import ConfigError
 from grimoire.forward.sequence_split import SequenceGroup, set_sequence_group
+from grimoire.losses.online import OnlineMethod
+from grimoire.rollout.engines.vllm_common import VLLMSamplerEngine
 
 #: Dimension names of the sequence-parallel mesh: dim 0 splits the data, dim 1 the rows' tokens.
 MESH_DIMS = ("data", "sequence")
@@ -39,18 +41,14 @@ def check_sequence_parallel(size: int, world_size: int) -> None:
 
 
 def check_method(size: int, method: Method, packed: bool) -> None:
-    """Refuse, before the model is prepared, what this first slice does not split: methods that
-    generate (online RL, episodes, async rollouts: their sampling and scoring are not split),
-    reward models, and padded micro-batches."""
+    """Refuse, before the model is prepared, what is not split: the online methods but GRPO and
+    RLOO with synchronous single-turn HF rollouts (:func:`_generating_problems`), reward
+    models, and padded micro-batches."""
     if size == 1:
         return
     problems = []
     if generating(method) is not None or method.needs_generation:
-        problems.append(
-            f"training.sequence_parallel_size={size}: {method.method_name} generates its own "
-            "data (online methods, episodes, async rollouts), which sequence parallelism does "
-            "not split yet; use sequence_parallel_size: 1"
-        )
+        problems += _generating_problems(size, method)
     if method.model_kind != "causal_lm":
         problems.append(
             f"training.sequence_parallel_size={size}: {method.method_name} trains a "
@@ -63,6 +61,37 @@ def check_method(size: int, method: Method, packed: bool) -> None:
         )
     if problems:
         raise ConfigError(problems)
+
+
+def _generating_problems(size: int, method: Method) -> list[str]:
+    """What an online method does that the split does not serve: every forward but the
+    completion log-probs of packed rollout rows (GRPO and RLOO have no other), episodes,
+    asynchronous rollouts, and vLLM samplers. An engine's sampling runs unsplit on rank 0 of
+    each sequence group, which sends the samples to the others (``RolloutEngine.generate``)."""
+    key, impl = f"training.sequence_parallel_size={size}", method.implementation
+    if not isinstance(impl, OnlineMethod) or not impl.splits_sequences:
+        return [
+            f"{key}: {method.method_name} runs forwards of its own besides the completion "
+            "log-probs of its rollouts (a teacher's logits, pairs, ...), which sequence "
+            "parallelism does not split: of the online methods GRPO and RLOO are split; use "
+            "sequence_parallel_size: 1"
+        ]
+    problems = []
+    if impl.agent is not None:
+        problems.append(
+            f"{key}: multi-turn episodes (loss.args tools / environments) are not split"
+        )
+    if impl.max_staleness >= 1:
+        problems.append(
+            f"{key}: asynchronous rollouts (loss.args.max_staleness={impl.max_staleness}) are "
+            "not split; set max_staleness: 0"
+        )
+    if isinstance(impl.engine, VLLMSamplerEngine):
+        problems.append(
+            f"{key}: loss.args.engine {type(impl.engine).__name__} (vLLM) is not split; the "
+            "'hf' engine is (rank 0 of each sequence group samples for the group)"
+        )
+    return problems
 
 
 def start_sequence_parallel(size: int, method: Method, packed: bool) -> SequenceGroup | None:
@@ -92,8 +121,8 @@ def sequence_mesh(size: int, device: str = "cpu") -> tuple[Any, SequenceGroup]:
     world = dist.get_world_size()
     check_sequence_parallel(size, world)
     mesh = init_device_mesh(device, (world // size, size), mesh_dim_names=MESH_DIMS)
-    group = mesh.get_group("sequence")
-    return mesh, SequenceGroup(group, mesh.get_local_rank("sequence"), size)
+    group, data = mesh.get_group("sequence"), mesh.get_group("data")
+    return mesh, SequenceGroup(group, mesh.get_local_rank("sequence"), size, data)
 
 
 def sum_sequence_grads(model: torch.nn.Module, sp: SequenceGroup) -> None:

@@ -26,10 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grimoire.collate.packing import pack_samples
 from grimoire.collate.prompts import prompt_token_lists
 from grimoire.contract.layout import LAYOUT_KEY, Padded
-from grimoire.forward.completions import padded_labels, select_rows
+from grimoire.forward.completions import packed_columns, padded_labels, select_rows
 from grimoire.rollout.engines.base import Rollout
 
 
@@ -77,26 +76,6 @@ def with_token_columns(
     return {**batch, **packed_columns(input_ids, attention_mask, labels, c)}
 
 
-def packed_columns(
-    input_ids: Tensor, attention_mask: Tensor, labels: Tensor, completion_width: int
-) -> dict[str, Any]:
-    """The real tokens of ``[N, P + C]`` rows packed into ONE row by
-    :func:`~grimoire.collate.packing.pack_samples` (``input_ids``, ``labels``,
-    ``position_ids``, ``sample_index``, the :class:`~grimoire.contract.layout.Packed`
-    layout), and ``completion_index [N, C]``: each completion token's position in that row."""
-    keep = attention_mask.bool()
-    # The samples' host-side lengths: one small copy here, where the batch is built, so no
-    # forward or loss has to wait for one later.
-    lens = keep.sum(-1).tolist()
-    samples = [
-        {"input_ids": i, "labels": t}
-        for i, t in zip(input_ids[keep].split(lens), labels[keep].split(lens))
-    ]
-    where = torch.full(keep.shape, -1, dtype=torch.long, device=keep.device)
-    where[keep] = torch.arange(sum(lens), device=keep.device)
-    return {**pack_samples(samples, 0), "completion_index": where[:, -completion_width:]}
-
-
 def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
     """A padded training batch as ONE packed row of its ``N`` real prompt+completion samples
     (see the module docstring); the per-token ``[N, C]`` columns are kept as they are.
@@ -110,7 +89,6 @@ def pack_rollout_batch(batch: dict[str, Any]) -> dict[str, Any]:
 
 __all__ = [
     "pack_rollout_batch",
-    "packed_columns",
     "placeholder_batch",
     "training_batch",
     "with_token_columns",

@@ -28,6 +28,7 @@ from grimoire.contract.method import GeneratingMethod, Method, generating
 from grimoire.errors import ConfigError
 from grimoire.forward.precomputed import precompute_reference
 from grimoire.forward.reference import is_quantized
+from grimoire.forward.sequence_split import sequence_group
 from grimoire.model.host_allocator import return_freed_memory
 from grimoire.model.liger import apply_liger
 from grimoire.model.neftune import attach_neftune
@@ -259,6 +260,8 @@ def setup_method(
     before DDP wraps the policy (the context holds the unwrapped model).
     """
     context = TrainingContext(config, accelerator, tokenizer, model, *datasets, packed=packed)
+    sp = sequence_group()
+    context.sum_group = None if sp is None else sp.data  # each sequence group counted once
     context.prepare_frozen = frozen_preparer(config, packed, accelerator)
     method.setup(context)
     return context

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from grimoire.collate.common import pad_sequences
 from grimoire.forward.completions import completion_logps
+from grimoire.forward.sequence_split import from_leader
 from grimoire.rollout.engines.sampler import SamplerConfig
 
 
@@ -258,7 +259,8 @@ class RolloutEngine(ABC):
         device = self.device  # unbound: the error names bind()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs a non-empty list of non-empty prompts")
-        samples = self._sample(prompts, n, greedy)
+        # Under sequence parallelism one rank of the group samples (unsplit) for the group.
+        samples = from_leader(lambda: self._sample(prompts, n, greedy))
         if not isinstance(samples, Samples):
             samples = Samples(samples)
         rows = [self._cut_at_eos(c[: self.sampler.max_new_tokens]) for c in samples.ids]
