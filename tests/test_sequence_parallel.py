@@ -32,26 +32,40 @@ from grimoire.parallel.sequence import check_sequence_parallel
 SCRIPT = Path(worker.__file__)
 
 
-@pytest.fixture(scope="module")
-def launched(tiny_dir, tmp_path_factory) -> Path:
-    """The one 2-process launch every test below reads."""
-    out = tmp_path_factory.mktemp("sequence_parallel")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+def _launch(tiny_dir: Path, out: Path, processes: int) -> Path:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
     cmd += ["--master-port", str(free_port()), str(SCRIPT), str(out), str(tiny_dir)]
-    subprocess.run(cmd, check=True, env=_env(), timeout=300)
+    subprocess.run(cmd, check=True, env=_env(), timeout=400)
     return out
 
 
 @pytest.fixture(scope="module")
-def ranks(launched) -> list[dict]:
-    return [torch.load(launched / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def launched(tiny_dir, tmp_path_factory) -> Path:
+    """The 2-process launch (one sequence group of 2) most tests below read."""
+    return _launch(tiny_dir, tmp_path_factory.mktemp("sequence_parallel"), 2)
+
+
+@pytest.fixture(scope="module")
+def launched4(tiny_dir, tmp_path_factory) -> Path:
+    """The 4-process launch: one sequence group of 4, then a 2 data x 2 sequence mesh."""
+    return _launch(tiny_dir, tmp_path_factory.mktemp("sequence_parallel4"), 4)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["n2", "n4"])
+def ranks(request) -> list[dict]:
+    """Every rank's numbers of the row split over a group of 2, or of 4."""
+    n = request.param
+    out = request.getfixturevalue("launched" if n == 2 else "launched4")
+    prefix = "" if n == 2 else "n4."
+    return [torch.load(out / f"{prefix}rank{r}.pt", weights_only=False) for r in range(n)]
 
 
 def test_sequence_parallel_each_rank_runs_its_slice(ranks):
-    # The rows have 21, 17, 21 tokens: padded to 22, 18, 22 and halved (the fused head's forward
-    # and the full-logits forward of step 0 each run the model once).
-    assert ranks[0]["local_lengths"] == [11, 11, 9, 11]
-    assert ranks[1]["local_lengths"] == [11, 11, 9, 11]
+    # The rows have 21, 17, 21 tokens: padded to a multiple of N and cut in N (the fused head's
+    # forward and the full-logits forward of step 0 each run the model once): N = 2: 22, 18,
+    # 22 halved; N = 4: 24, 20, 24 quartered.
+    want = [11, 11, 9, 11] if len(ranks) == 2 else [6, 6, 5, 6]
+    assert [r["local_lengths"] for r in ranks] == [want] * len(ranks)
 
 
 def test_ulysses_log_probs_equal_one_process(ranks):
@@ -85,8 +99,10 @@ def test_sequence_parallel_sft_gradients_equal_one_process(ranks):
 
 
 def test_sequence_parallel_sft_steps_train_the_same_weights(ranks):
+    # N = 4 splits the heads 4 ways: its model has 4 key/value heads.
+    kv = {} if len(ranks) == 2 else {"num_key_value_heads": 4}
     for r in ranks:
-        start = build_model("llama", seed=0).state_dict()
+        start = build_model("llama", seed=0, **kv).state_dict()
         moved = [n for n, p in r["params_ref"][0].items() if not torch.equal(p, start[n])]
         assert moved  # the 3 steps changed the weights, so equality below is not vacuous
         for name, param in r["params_sp"][0].items():
@@ -161,6 +177,21 @@ def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tin
             for got, want in zip(split.get(key, []), one.get(key, []), strict=True):
                 assert bool((want != 0).any())
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["sft", "grpo"])
+def test_sequence_parallel_on_a_2x2_mesh_equals_one_process(launched4, one_process, family):
+    # 4 processes = 2 data x 2 sequence ranks, each data rank reading half the global batch:
+    # the same tokens (each sequence group counted once), losses and weights as one process;
+    # GRPO's batch-scaled rewards take their std over the 2 data ranks' groups.
+    one = one_process[family]
+    for rank in range(4):
+        split = torch.load(launched4 / f"mesh2x2.{family}.rank{rank}.pt", weights_only=False)
+        assert split["attention"] == "grimoire_ulysses"
+        assert split["tokens"] == one["tokens"]
+        assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        for name, param in one["params"].items():
+            torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
 
 
 def test_sequence_parallel_grpo_samples_once_per_group(launched, one_process):

@@ -77,11 +77,12 @@ def reference_logps(
 
 class RankedEngine(RolloutEngine):
     """Completion ``j`` of a prompt: a fixed function of the prompt, ``j`` and this process's
-    rank, 6 to 13 tokens. The one-process run is rank 0; under sequence parallelism only rank
-    0 of the group may sample for it (a rank that sampled its own would score other tokens)."""
+    place in its sequence group of 2, 6 to 13 tokens. The one-process run is place 0; under
+    sequence parallelism only place 0 may sample for the group (a rank that sampled its own
+    would score other tokens)."""
 
     def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = dist.get_rank() % 2 if dist.is_initialized() else 0
         out = []
         for p in prompts:
             for j in range(n):
@@ -130,7 +131,7 @@ def nll(logps: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def train(
-    tiny_dir: str, out_dir: Path, family: str, sequence_parallel_size: int
+    tiny_dir: str, out_dir: Path, family: str, sequence_parallel_size: int, data_ranks: int = 1
 ) -> tuple[dict, GrimoireTrainer]:
     """3 SGD steps of ``family`` ("sft", "dpo", or "sft_checkpointed": SFT with activation
     checkpointing, whose recompute repeats the attention's collectives) on packed rows through
@@ -155,7 +156,8 @@ def train(
     config = quiet_config(
         out_dir / family,
         max_steps=3,
-        batch_size=2 if family == "grpo" else 4,
+        # The same global batch whatever the data ranks: each reads its share.
+        batch_size=(2 if family == "grpo" else 4) // data_ranks,
         gradient_accumulation_steps=2,
         learning_rate=1e-2,
         optimizer="sgd",
@@ -179,10 +181,34 @@ def train(
 
 
 def main(out_dir: Path, tiny_dir: str) -> None:
+    """2 processes: one sequence group of 2 (the row split, greedy sampling, the trainer's
+    :data:`FAMILIES`). 4 processes: one group of 4 (the row split, on a model with 4 key/value
+    heads), then the trainer's SFT and GRPO on a 2 data x 2 sequence mesh."""
     dist.init_process_group("gloo")
-    _, sp = sequence_mesh(dist.get_world_size())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world == 2:
+        split_rows(out_dir, "", sequence_mesh(2)[1], build_model("llama", seed=0))
+        torch.save(greedy_samples(tiny_dir, sequence_mesh(2)[1]), out_dir / f"greedy.rank{rank}.pt")
+        families, prefix = FAMILIES, ""
+    else:
+        model = build_model("llama", seed=0, num_key_value_heads=4)
+        split_rows(out_dir, "n4.", sequence_mesh(world)[1], model)
+        families, prefix = ("sft", "grpo"), "mesh2x2."
+    for family in families:  # the trainer's own runs, on the same process group
+        trained, trainer = train(tiny_dir, out_dir, family, 2, data_ranks=world // 2)
+        torch.save(trained, out_dir / f"{prefix}{family}.rank{rank}.pt")
+    trainer.close()
+
+
+#: The trainer's runs the 2-process launch makes (``sft_checkpointed``: SFT with activation
+#: checkpointing).
+FAMILIES = ("sft", "dpo", "sft_checkpointed", "grpo")
+
+
+def split_rows(out_dir: Path, prefix: str, sp, ref: torch.nn.Module) -> None:
+    """:data:`STEPS` SGD steps of the SFT NLL on packed rows split over ``sp``, against ``ref``
+    scoring each document alone; writes ``OUT_DIR/<prefix>rank<r>.pt``."""
     torch.manual_seed(0)
-    ref = build_model("llama", seed=0)
     model = copy.deepcopy(ref)
     enable_ulysses_attention(model, sp.size)
     result: dict[str, list] = {k: [] for k in ("sp", "ref", "sp_full", "sp_entropy", "ref_entropy")}
@@ -232,19 +258,9 @@ def main(out_dir: Path, tiny_dir: str) -> None:
     result["params_sp"] = [{n: p.detach().clone() for n, p in model.named_parameters()}]
     result["params_ref"] = [{n: p.detach().clone() for n, p in ref.named_parameters()}]
     result["count"] = [count, sum(n - 2 for n in ROWS[(STEPS - 1) % len(ROWS)])]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.save(result, out_dir / f"rank{rank}.pt")
+    torch.save(result, out_dir / f"{prefix}rank{dist.get_rank()}.pt")
     dist.barrier()
     set_sequence_group(None)
-    torch.save(greedy_samples(tiny_dir, sp), out_dir / f"greedy.rank{rank}.pt")
-    for family in FAMILIES:  # the trainer's own runs, on the same process group
-        trained, trainer = train(tiny_dir, out_dir, family, world)
-        torch.save(trained, out_dir / f"{family}.rank{rank}.pt")
-    trainer.close()
-
-
-#: The trainer's runs the launch makes (``sft_checkpointed``: SFT with activation checkpointing).
-FAMILIES = ("sft", "dpo", "sft_checkpointed", "grpo")
 
 
 def greedy_samples(tiny_dir: str, sp) -> dict[str, list[list[int]]]:
