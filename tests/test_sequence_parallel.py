@@ -32,17 +32,28 @@ from grimoire.parallel.sequence import check_sequence_parallel
 SCRIPT = Path(worker.__file__)
 
 
-def _launch(tiny_dir: Path, out: Path, processes: int) -> Path:
+def _launch(tiny_dir: Path, out: Path, processes: int, *extra: Path) -> Path:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
-    cmd += ["--master-port", str(free_port()), str(SCRIPT), str(out), str(tiny_dir)]
+    cmd += ["--master-port", str(free_port()), str(SCRIPT), str(out), str(tiny_dir), *extra]
     subprocess.run(cmd, check=True, env=_env(), timeout=400)
     return out
 
 
 @pytest.fixture(scope="module")
-def launched(tiny_dir, tmp_path_factory) -> Path:
+def stopped_one_process(tiny_dir, tmp_path_factory) -> Path:
+    """One-process SFT stopped at step 2 with a checkpoint (the 2-process launch resumes it)."""
+    out = tmp_path_factory.mktemp("one_to_sp2")
+    _, trainer = worker.train(str(tiny_dir), out, "sft", 1, stop_after=2)
+    trainer.close()
+    assert (out / "sft" / "checkpoint-2").is_dir()
+    return out
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_dir, tmp_path_factory, stopped_one_process) -> Path:
     """The 2-process launch (one sequence group of 2) most tests below read."""
-    return _launch(tiny_dir, tmp_path_factory.mktemp("sequence_parallel"), 2)
+    out = tmp_path_factory.mktemp("sequence_parallel")
+    return _launch(tiny_dir, out, 2, stopped_one_process)
 
 
 @pytest.fixture(scope="module")
@@ -192,6 +203,25 @@ def test_sequence_parallel_on_a_2x2_mesh_equals_one_process(launched4, one_proce
         assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
         for name, param in one["params"].items():
             torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
+
+
+def test_sequence_parallel_resume_on_another_size_equals_the_uninterrupted_run(
+    launched, one_process, tiny_dir
+):
+    want = one_process["sft"]["params"]
+    # sequence_parallel_size 2 stopped at step 2; one process resumes to step 3.
+    assert (launched / "sp2_to_1" / "sft" / "checkpoint-2").is_dir()
+    resumed, trainer = worker.train(str(tiny_dir), launched / "sp2_to_1", "sft", 1, resume=True)
+    trainer.close()
+    # One process stopped at step 2; sequence_parallel_size 2 resumed to step 3.
+    runs = [resumed] + [
+        torch.load(launched / f"one_to_sp2.rank{r}.pt", weights_only=False) for r in range(2)
+    ]
+    for run in runs:
+        assert run["steps_run"] == [3]  # resumed after the checkpoint, not trained again
+        for name, param in want.items():
+            torch.testing.assert_close(run["params"][name], param, rtol=1e-4, atol=1e-6)
+    assert runs[2]["attention"] == "grimoire_ulysses"
 
 
 def test_sequence_parallel_grpo_samples_once_per_group(launched, one_process):

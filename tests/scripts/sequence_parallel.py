@@ -1,17 +1,21 @@
-"""Ulysses sequence parallelism against one process, on one packed row (run under torchrun).
+"""Ulysses sequence parallelism against one process (run under torchrun, 2 or 4 processes).
 
-Usage: ``torchrun --nproc-per-node N sequence_parallel.py OUT_DIR TINY_DIR``. Every rank scores
-the same
-packed row of several documents, one crossing the slice boundary, with the row split over the
-sequence group (``grimoire.forward.logprobs.compute_token_logps`` on a model with
-``grimoire_ulysses`` attention), and independently without any collective: each document alone
-through the plain sdpa model, log-softmax of its full logits. It then runs ``STEPS`` SGD steps of
-the SFT token-mean NLL both ways. Writes ``OUT_DIR/rank<r>.pt`` with both sides' numbers.
+Usage: ``torchrun --nproc-per-node N sequence_parallel.py OUT_DIR TINY_DIR [ONE_RUN]``
+(``ONE_RUN``, with N = 2: a one-process SFT run's folder holding its step-2 checkpoint).
 
-Then the trainer itself: :func:`train` runs 3 steps of SFT and of DPO with
-``sequence_parallel_size = N`` (the whole world one sequence group, so one data rank), writing
-``OUT_DIR/<family>.pt`` (rank 0: the trained weights, the losses, the attention implementation);
-the test runs the same :func:`train` in one process.
+:func:`split_rows`: every rank scores the same packed rows of several documents, some crossing
+slice boundaries, with each row split over a sequence group of N
+(``grimoire.forward.logprobs.compute_token_logps`` on a model with ``grimoire_ulysses``
+attention), and independently without any collective: each document alone through the plain
+sdpa model, log-softmax of its full logits; then ``STEPS`` SGD steps of the SFT token-mean NLL
+both ways. Writes ``OUT_DIR/[n4.]rank<r>.pt`` with both sides' numbers.
+
+Then the trainer itself (:func:`train`, 3 steps, ``sequence_parallel_size: 2``), writing
+``OUT_DIR/<family>.rank<r>.pt`` (the trained weights, the losses, the attention
+implementation); the test runs the same :func:`train` in one process. N = 2: SFT (with and
+without activation checkpointing), DPO and GRPO, HF greedy sampling with the Ulysses model
+(:func:`greedy_samples`), and checkpoints resumed on another N (:func:`resume_across_sizes`).
+N = 4: SFT and GRPO on a 2 data x 2 sequence mesh (``OUT_DIR/mesh2x2.<family>.rank<r>.pt``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from grimoire import GrimoireTrainer
+from grimoire import GrimoireTrainer, TrainerCallback
 from grimoire.columns import IGNORE_INDEX
 from grimoire.data import tokenize_grpo, tokenize_preference, tokenize_sft
 from grimoire.forward.attention_hints import attention_impl
@@ -130,14 +134,32 @@ def nll(logps: torch.Tensor, count: int) -> torch.Tensor:
     return -logps.sum() / count
 
 
+class StepsRun(TrainerCallback):
+    """The optimizer steps this ``train()`` call ran (a resumed run starts after its checkpoint)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def on_step_end(self, trainer, step, loss, metrics) -> None:
+        self.steps.append(step)
+
+
 def train(
-    tiny_dir: str, out_dir: Path, family: str, sequence_parallel_size: int, data_ranks: int = 1
+    tiny_dir: str,
+    out_dir: Path,
+    family: str,
+    sequence_parallel_size: int,
+    data_ranks: int = 1,
+    *,
+    stop_after: int | None = None,
+    resume: bool = False,
 ) -> tuple[dict, GrimoireTrainer]:
-    """3 SGD steps of ``family`` ("sft", "dpo", or "sft_checkpointed": SFT with activation
-    checkpointing, whose recompute repeats the attention's collectives) on packed rows through
-    ``GrimoireTrainer``;
-    the trained weights, the logged losses and the model's attention implementation, and the
-    trainer (the caller closes the last one: that releases the process group)."""
+    """3 SGD steps of ``family`` ("sft", "dpo", "grpo", or "sft_checkpointed": SFT with
+    activation checkpointing, whose recompute repeats the attention's collectives) on packed
+    rows through ``GrimoireTrainer`` (``stop_after``: that many, with a checkpoint there;
+    ``resume``: from the latest checkpoint in ``OUT_DIR/<family>`` to step 3); the trained
+    weights, the logged losses and the model's attention implementation, and the trainer (the
+    caller closes the last one: that releases the process group)."""
     from tests.helpers.train_utils import quiet_config
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -155,7 +177,9 @@ def train(
         loss_fn = DPOLoss(ref_model=copy.deepcopy(model))
     config = quiet_config(
         out_dir / family,
-        max_steps=3,
+        max_steps=stop_after or 3,
+        save_steps=stop_after,
+        resume_from_checkpoint="latest" if resume else None,
         # The same global batch whatever the data ranks: each reads its share.
         batch_size=(2 if family == "grpo" else 4) // data_ranks,
         gradient_accumulation_steps=2,
@@ -165,7 +189,8 @@ def train(
         gradient_checkpointing=family == "sft_checkpointed",
         sequence_parallel_size=sequence_parallel_size,
     )
-    trainer = GrimoireTrainer(model, tok, config, loss_fn, rows)
+    steps = StepsRun()
+    trainer = GrimoireTrainer(model, tok, config, loss_fn, rows, callbacks=[steps])
     trainer.train()
     model = trainer.unwrapped_model
     trainer.accelerator.wait_for_everyone()  # the main process has written metrics.jsonl
@@ -175,6 +200,7 @@ def train(
         "losses": [json.loads(line)["loss"] for line in metrics],
         "tokens": [json.loads(line)["tokens"] for line in metrics],
         "attention": attention_impl(model),
+        "steps_run": steps.steps,
         **seen,
     }
     return result, trainer
@@ -190,6 +216,7 @@ def main(out_dir: Path, tiny_dir: str) -> None:
         split_rows(out_dir, "", sequence_mesh(2)[1], build_model("llama", seed=0))
         torch.save(greedy_samples(tiny_dir, sequence_mesh(2)[1]), out_dir / f"greedy.rank{rank}.pt")
         families, prefix = FAMILIES, ""
+        resume_across_sizes(tiny_dir, out_dir, Path(sys.argv[3]))
     else:
         model = build_model("llama", seed=0, num_key_value_heads=4)
         split_rows(out_dir, "n4.", sequence_mesh(world)[1], model)
@@ -203,6 +230,16 @@ def main(out_dir: Path, tiny_dir: str) -> None:
 #: The trainer's runs the 2-process launch makes (``sft_checkpointed``: SFT with activation
 #: checkpointing).
 FAMILIES = ("sft", "dpo", "sft_checkpointed", "grpo")
+
+
+def resume_across_sizes(tiny_dir: str, out_dir: Path, one_run: Path) -> None:
+    """SFT under ``sequence_parallel_size: 2`` stopped at step 2 with a checkpoint in
+    ``OUT_DIR/sp2_to_1`` (the test resumes it in one process), and the one-process run
+    stopped at step 2 in ``one_run`` resumed here, under 2, to step 3 (its weights in
+    ``OUT_DIR/one_to_sp2.rank<r>.pt``)."""
+    train(tiny_dir, out_dir / "sp2_to_1", "sft", 2, stop_after=2)  # main closes the last
+    trained, _ = train(tiny_dir, one_run, "sft", 2, resume=True)
+    torch.save(trained, out_dir / f"one_to_sp2.rank{dist.get_rank()}.pt")
 
 
 def split_rows(out_dir: Path, prefix: str, sp, ref: torch.nn.Module) -> None:
