@@ -1,13 +1,15 @@
 """Sequence parallelism (DeepSpeed-Ulysses) on CPU/gloo: exact against one process.
 
-One torchrun launch of tests/scripts/sequence_parallel.py (2 processes, one sequence group)
-scores packed rows of several documents, one of which crosses the slice boundary, with the row
-split over the group, and the same rows one document at a time through the plain sdpa model
-with no collective at all (the independent reference: it never sees a packed row); then 3 SGD
-steps of the SFT token-mean NLL both ways; then ``GrimoireTrainer`` itself, 3 steps of SFT (with
-and without activation checkpointing) and of DPO with ``sequence_parallel_size: 2``, against the
-same runs in this process
-(``sequence_parallel_size: 1``). The validation tests need no launch.
+Two torchrun launches of tests/scripts/sequence_parallel.py. The 2-process one (one sequence
+group of 2) scores packed rows of several documents, some crossing the slice boundary, with
+the row split over the group, and the same rows one document at a time through the plain sdpa
+model with no collective at all (the independent reference: it never sees a packed row); then
+3 SGD steps of the SFT token-mean NLL both ways; then ``GrimoireTrainer`` itself, 3 steps of SFT
+(with and without activation checkpointing), DPO and GRPO with ``sequence_parallel_size: 2``,
+against the same runs in this process (``sequence_parallel_size: 1``); HF greedy sampling with
+the Ulysses model; and checkpoints resumed across ``N = 2`` and one process. The 4-process one
+repeats the row split for ``N = 4`` and trains SFT and GRPO on a 2 data x 2 sequence mesh. The
+validation tests need no launch.
 """
 
 from __future__ import annotations
