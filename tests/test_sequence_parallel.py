@@ -5,7 +5,8 @@ group of 2) scores packed rows of several documents, some crossing the slice bou
 the row split over the group, and the same rows one document at a time through the plain sdpa
 model with no collective at all (the independent reference: it never sees a packed row); then
 3 SGD steps of the SFT token-mean NLL both ways; then ``GrimoireTrainer`` itself, 3 steps of SFT
-(with and without activation checkpointing), DPO and GRPO with ``sequence_parallel_size: 2``,
+(with and without activation checkpointing), DPO, GRPO and RLOO with
+``sequence_parallel_size: 2``,
 against the same runs in this process (``sequence_parallel_size: 1``); HF greedy sampling with
 the Ulysses model; and checkpoints resumed across ``N = 2`` and one process. The 4-process one
 repeats the row split for ``N = 4`` and trains SFT and GRPO on a 2 data x 2 sequence mesh. The
@@ -160,13 +161,13 @@ def test_ulysses_refuses_heads_not_divisible_and_unsplittable_attention():
 def one_process(tiny_dir, tmp_path_factory) -> dict[str, dict]:
     """The trainer's SFT and DPO runs in this process (sequence_parallel_size: 1)."""
     out, runs = tmp_path_factory.mktemp("one_process"), {}
-    for family in ("sft", "dpo", "grpo"):
+    for family in ("sft", "dpo", "grpo", "rloo"):
         runs[family], trainer = worker.train(str(tiny_dir), out, family, 1)
         trainer.close()
     return runs
 
 
-@pytest.mark.parametrize("family", ["sft", "dpo", "sft_checkpointed", "grpo"])
+@pytest.mark.parametrize("family", ["sft", "dpo", "sft_checkpointed", "grpo", "rloo"])
 def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tiny_dir, family):
     one = one_process[family.removesuffix("_checkpointed")]  # checkpointing changes no number
     start = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
@@ -183,8 +184,8 @@ def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tin
         assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
         for name, param in one["params"].items():
             torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
-        # GRPO: the groups' reference and old log-probs (split forwards at temperature 0.7)
-        # are the one-process ones, per token.
+        # GRPO, RLOO: the groups' reference and (GRPO) old log-probs, split forwards at
+        # temperature 0.7, are the one-process ones, per token.
         for key in ("ref_logps", "old_logps"):
             assert len(split.get(key, [])) == len(one.get(key, []))
             for got, want in zip(split.get(key, []), one.get(key, []), strict=True):

@@ -13,7 +13,7 @@ both ways. Writes ``OUT_DIR/[n4.]rank<r>.pt`` with both sides' numbers.
 Then the trainer itself (:func:`train`, 3 steps, ``sequence_parallel_size: 2``), writing
 ``OUT_DIR/<family>.rank<r>.pt`` (the trained weights, the losses, the attention
 implementation); the test runs the same :func:`train` in one process. N = 2: SFT (with and
-without activation checkpointing), DPO and GRPO, HF greedy sampling with the Ulysses model
+without activation checkpointing), DPO, GRPO and RLOO, HF greedy sampling with the Ulysses model
 (:func:`greedy_samples`), and checkpoints resumed on another N (:func:`resume_across_sizes`).
 N = 4: SFT and GRPO on a 2 data x 2 sequence mesh (``OUT_DIR/mesh2x2.<family>.rank<r>.pt``).
 """
@@ -99,31 +99,35 @@ def grpo_reward(prompts: list[str], completions: list[str], **_: object) -> list
     return [len(c) + (sum(map(ord, c)) % 13) / 13 for c in completions]
 
 
-def grpo_method() -> tuple[object, dict[str, list]]:
-    """GRPO with a reference (split reference forward), 2 updates per rollout (split old
-    log-probs), temperature 0.7 (the full-logits path) and batch-scaled rewards (the step's
-    reward std over the data ranks); the groups' reference and old log-probs are recorded."""
+def online_method(family: str) -> tuple[object, dict[str, list]]:
+    """GRPO or RLOO with a reference (split reference forward), temperature 0.7 (the
+    full-logits path) and step statistics over the data ranks (GRPO's batch-scaled rewards,
+    RLOO's normalised advantages); GRPO updates twice per rollout (split old log-probs). The
+    groups' reference and old log-probs are recorded."""
     from grimoire.losses.grpo import GRPOMethod
+    from grimoire.losses.rloo import RLOOMethod
 
+    common = dict(num_generations=4, max_new_tokens=13, temperature=0.7, ref_model="copy")
     engine = RankedEngine(max_new_tokens=13, temperature=0.7)
-    method = GRPOMethod(
-        [grpo_reward],
-        engine=engine,
-        num_generations=4,
-        max_new_tokens=13,
-        temperature=0.7,
-        beta=0.05,
-        ref_model="copy",
-        num_iterations=2,
-        scale_rewards="batch",
-    )
+    if family == "grpo":
+        method = GRPOMethod(
+            [grpo_reward],
+            engine=engine,
+            beta=0.05,
+            num_iterations=2,
+            scale_rewards="batch",
+            **common,
+        )
+    else:
+        method = RLOOMethod([grpo_reward], engine=engine, normalize_advantages=True, **common)
     seen: dict[str, list] = {"ref_logps": [], "old_logps": []}
     build = method.build_batches
 
     def recording(ctx, groups):
         for g in groups:
             seen["ref_logps"].append(g.ref_logps.detach().clone())
-            seen["old_logps"].append(g.rollout.old_logps.detach().clone())
+            if g.rollout.old_logps is not None:
+                seen["old_logps"].append(g.rollout.old_logps.detach().clone())
         return build(ctx, groups)
 
     method.build_batches = recording  # type: ignore[method-assign]
@@ -154,7 +158,7 @@ def train(
     stop_after: int | None = None,
     resume: bool = False,
 ) -> tuple[dict, GrimoireTrainer]:
-    """3 SGD steps of ``family`` ("sft", "dpo", "grpo", or "sft_checkpointed": SFT with
+    """3 SGD steps of ``family`` ("sft", "dpo", "grpo", "rloo", or "sft_checkpointed": SFT with
     activation checkpointing, whose recompute repeats the attention's collectives) on packed
     rows through ``GrimoireTrainer`` (``stop_after``: that many, with a checkpoint there;
     ``resume``: from the latest checkpoint in ``OUT_DIR/<family>`` to step 3); the trained
@@ -169,9 +173,9 @@ def train(
     if family.startswith("sft"):
         rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(24, seed=5, max_len=9)]
         loss_fn: object = SFTLoss()
-    elif family == "grpo":
+    elif family in ("grpo", "rloo"):
         rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=6)]
-        loss_fn, seen = grpo_method()
+        loss_fn, seen = online_method(family)
     else:
         rows = [tokenize_preference(r, tok, max_length=64) for r in preference_rows(16, seed=4)]
         loss_fn = DPOLoss(ref_model=copy.deepcopy(model))
@@ -181,7 +185,7 @@ def train(
         save_steps=stop_after,
         resume_from_checkpoint="latest" if resume else None,
         # The same global batch whatever the data ranks: each reads its share.
-        batch_size=(2 if family == "grpo" else 4) // data_ranks,
+        batch_size=(2 if family in ("grpo", "rloo") else 4) // data_ranks,
         gradient_accumulation_steps=2,
         learning_rate=1e-2,
         optimizer="sgd",
@@ -229,7 +233,7 @@ def main(out_dir: Path, tiny_dir: str) -> None:
 
 #: The trainer's runs the 2-process launch makes (``sft_checkpointed``: SFT with activation
 #: checkpointing).
-FAMILIES = ("sft", "dpo", "sft_checkpointed", "grpo")
+FAMILIES = ("sft", "dpo", "sft_checkpointed", "grpo", "rloo")
 
 
 def resume_across_sizes(tiny_dir: str, out_dir: Path, one_run: Path) -> None:
