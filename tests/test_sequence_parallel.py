@@ -241,6 +241,8 @@ def test_ulysses_model_samples_unsplit_with_its_kv_cache(launched):
     for rank in range(2):
         greedy = torch.load(launched / f"greedy.rank{rank}.pt", weights_only=False)
         assert greedy["split"] == greedy["plain"]
+        assert greedy["split_texts"] == greedy["plain_texts"]  # the callbacks' generation
+        assert len(greedy["split_texts"]) == 2 and all(greedy["split_texts"])
         assert len(greedy["split"]) == 3 and all(len(row) >= 1 for row in greedy["split"])
 
 

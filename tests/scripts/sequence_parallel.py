@@ -304,14 +304,18 @@ def split_rows(out_dir: Path, prefix: str, sp, ref: torch.nn.Module) -> None:
     set_sequence_group(None)
 
 
-def greedy_samples(tiny_dir: str, sp) -> dict[str, list[list[int]]]:
+def greedy_samples(tiny_dir: str, sp) -> dict[str, list]:
     """The HF engine's greedy samples from a model with the Ulysses attention while the sequence
     group is active (rank 0 of the group samples, unsplit, with its KV cache, and sends them),
-    and from the plain model with no group."""
-    from transformers import AutoModelForCausalLM
+    and from the plain model with no group; and the held-out callbacks' greedy texts (every
+    rank generates whole rows) both ways."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grimoire.rollout.engines.generation import greedy_generate_texts
 
     prompts = [[5, 9, 11, 3], [7, 2], [13, 8, 21]]
-    out = {}
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    out: dict[str, list] = {}
     for name in ("split", "plain"):
         model = AutoModelForCausalLM.from_pretrained(tiny_dir)
         if name == "split":
@@ -321,6 +325,7 @@ def greedy_samples(tiny_dir: str, sp) -> dict[str, list[list[int]]]:
         engine.bind(model, 0, None)
         rollout = engine.generate(prompts, 1, with_old_logps=False, greedy=True)
         out[name] = rollout.completion_ids.tolist()
+        out[f"{name}_texts"] = greedy_generate_texts(model, tok, ["abc", "hello"], 5)
     set_sequence_group(None)
     return out
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from grimoire.columns import pad_token_id_of
+from grimoire.forward.sequence_split import unsplit
 
 
 def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
@@ -23,7 +24,9 @@ def encode_prompt(tokenizer, prompt: str | list[dict[str, str]]) -> list[int]:
 
 @contextmanager
 def generation_mode(model: torch.nn.Module):
-    """Eval mode with the KV cache on for generation; restores training state afterwards.
+    """Eval mode with the KV cache on for generation, whole rows (no sequence-parallel split:
+    a KV cache is not split, so each process generates, or scores, whole rows); restores
+    training state afterwards.
 
     Gradient checkpointing forces ``use_cache=False`` in training; generation wants the cache.
     """
@@ -34,7 +37,8 @@ def generation_mode(model: torch.nn.Module):
     if config is not None:
         config.use_cache = True
     try:
-        yield model
+        with unsplit():
+            yield model
     finally:
         if config is not None:
             config.use_cache = old_cache
