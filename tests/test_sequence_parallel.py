@@ -130,9 +130,10 @@ def test_sequence_parallel_size_is_validated_with_its_key():
     assert TrainingConfig().sequence_parallel_size == 1
     with pytest.raises(ConfigError, match="sequence_parallel_size must be >= 1"):
         TrainingConfig(sequence_parallel_size=0)
+    TrainingConfig(sequence_parallel_size=2, distributed="fsdp2")
     with pytest.raises(ConfigError) as err:
-        TrainingConfig(sequence_parallel_size=2, distributed="fsdp2", padding_free=False)
-    assert "sequence_parallel_size=2 needs distributed 'ddp'" in str(err.value)
+        TrainingConfig(sequence_parallel_size=2, fsdp_shard_group_size=2, padding_free=False)
+    assert "sequence_parallel_size=2 needs fsdp_shard_group_size null" in str(err.value)
     assert "sequence_parallel_size=2 needs padding_free" in str(err.value)
     with pytest.raises(ConfigError, match="sequence_parallel_size=2 needs torch_compile"):
         TrainingConfig(sequence_parallel_size=2, torch_compile=True)
@@ -193,17 +194,22 @@ def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tin
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["sft", "grpo"])
+@pytest.mark.parametrize("family", ["sft", "grpo", "sft_fsdp2"])
 def test_sequence_parallel_on_a_2x2_mesh_equals_one_process(launched4, one_process, family):
     # 4 processes = 2 data x 2 sequence ranks, each data rank reading half the global batch:
     # the same tokens (each sequence group counted once), losses and weights as one process;
-    # GRPO's batch-scaled rewards take their std over the 2 data ranks' groups.
-    one = one_process[family]
+    # GRPO's batch-scaled rewards take their std over the 2 data ranks' groups. sft_fsdp2:
+    # FSDP2 (HSDP) replicates over each sequence group ({0, 1}, {2, 3}) and shards over the
+    # data ranks ({0, 2}, {1, 3}); its gathered weights are on rank 0.
+    one = one_process[family.removesuffix("_fsdp2")]
     for rank in range(4):
         split = torch.load(launched4 / f"mesh2x2.{family}.rank{rank}.pt", weights_only=False)
         assert split["attention"] == "grimoire_ulysses"
+        assert split["mesh"] == ([[0, 2], [1, 3]] if family == "sft_fsdp2" else None)
         assert split["tokens"] == one["tokens"]
         assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+        if family == "sft_fsdp2" and rank > 0:
+            continue
         for name, param in one["params"].items():
             torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
 
@@ -264,3 +270,6 @@ def test_sequence_parallel_refuses_generating_methods_and_padded_rows():
     with pytest.raises(ConfigError) as err:
         check_method(2, GRPOMethod(["exact_match"], max_staleness=1), packed=True)
     assert "loss.args.max_staleness=1" in str(err.value)
+    check_method(2, SFTLoss(), packed=True, sharded=True)
+    with pytest.raises(ConfigError, match=r"GRPOMethod samples on one rank per sequence group"):
+        check_method(2, GRPOMethod(["exact_match"]), packed=True, sharded=True)

@@ -15,7 +15,8 @@ Then the trainer itself (:func:`train`, 3 steps, ``sequence_parallel_size: 2``),
 implementation); the test runs the same :func:`train` in one process. N = 2: SFT (with and
 without activation checkpointing), DPO, GRPO and RLOO, HF greedy sampling with the Ulysses model
 (:func:`greedy_samples`), and checkpoints resumed on another N (:func:`resume_across_sizes`).
-N = 4: SFT and GRPO on a 2 data x 2 sequence mesh (``OUT_DIR/mesh2x2.<family>.rank<r>.pt``).
+N = 4: SFT and GRPO on a 2 data x 2 sequence mesh, and SFT with FSDP2 sharding over the data
+ranks (``OUT_DIR/mesh2x2.<family>.rank<r>.pt``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from grimoire.forward.sequence_split import set_sequence_group
 from grimoire.losses import DPOLoss, SFTLoss
 from grimoire.model.tiny import build_model, preference_rows, reverse_rows
 from grimoire.model.ulysses_attention import enable_ulysses_attention
+from grimoire.parallel.fsdp import full_state_dict, is_sharded
 from grimoire.parallel.sequence import sequence_mesh, sum_sequence_grads
 from grimoire.rollout.engines.base import RolloutEngine
 from grimoire.rollout.engines.hf import HFGenerateEngine
@@ -191,6 +193,7 @@ def train(
         optimizer="sgd",
         padding_free=True,
         gradient_checkpointing=family == "sft_checkpointed",
+        distributed="fsdp2" if family == "sft_fsdp2" else "ddp",
         sequence_parallel_size=sequence_parallel_size,
     )
     steps = StepsRun()
@@ -199,12 +202,15 @@ def train(
     model = trainer.unwrapped_model
     trainer.accelerator.wait_for_everyone()  # the main process has written metrics.jsonl
     metrics = (out_dir / family / "metrics.jsonl").read_text().splitlines()
+    state = full_state_dict(model) if is_sharded(model) else model.state_dict()
     result = {
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "params": {k: v.detach().clone() for k, v in state.items()},
         "losses": [json.loads(line)["loss"] for line in metrics],
         "tokens": [json.loads(line)["tokens"] for line in metrics],
         "attention": attention_impl(model),
         "steps_run": steps.steps,
+        # FSDP2: the ranks of the mesh its parameters are sharded on (None: not sharded).
+        "mesh": next(model.parameters()).device_mesh.mesh.tolist() if is_sharded(model) else None,
         **seen,
     }
     return result, trainer
@@ -224,7 +230,7 @@ def main(out_dir: Path, tiny_dir: str) -> None:
     else:
         model = build_model("llama", seed=0, num_key_value_heads=4)
         split_rows(out_dir, "n4.", sequence_mesh(world)[1], model)
-        families, prefix = ("sft", "grpo"), "mesh2x2."
+        families, prefix = ("sft", "grpo", "sft_fsdp2"), "mesh2x2."
     for family in families:  # the trainer's own runs, on the same process group
         trained, trainer = train(tiny_dir, out_dir, family, 2, data_ranks=world // 2)
         torch.save(trained, out_dir / f"{prefix}{family}.rank{rank}.pt")

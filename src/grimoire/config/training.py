@@ -330,7 +330,10 @@ class TrainingConfig:
         if n == 1:
             return []
         off = {
-            "distributed": (self.distributed != "ddp", "'ddp' (FSDP2 with it is not built yet)"),
+            "fsdp_shard_group_size": (
+                self.fsdp_shard_group_size is not None,
+                "null: FSDP2 shards over the data ranks of the sequence-parallel mesh",
+            ),
             "padding_free": (self.padding_free is False, "true or null: it splits packed rows"),
             "torch_compile": (self.torch_compile, "false: the split reads lengths on the host"),
             "use_liger": (self.use_liger, "false: Liger's head is not split"),

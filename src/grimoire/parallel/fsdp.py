@@ -130,21 +130,29 @@ def shard_mesh(config: Any) -> Any:
     process) unless ``fsdp_shard_group_size`` is set, then torch's 2-D HSDP mesh
     ``(world // k, k)`` named :data:`MESH_DIMS`. Its rows are consecutive ranks, which launchers
     place on one node: parameters are sharded (and all-gathered / reduce-scattered) within a
-    node and only the gradient all-reduce crosses nodes."""
-    from torch.distributed.device_mesh import init_device_mesh
+    node and only the gradient all-reduce crosses nodes. Under sequence parallelism
+    (``sequence_parallel_size = N``) the HSDP mesh replicates over each sequence group (whose
+    ranks hold the same parameters and sum their gradients) and shards over the data ranks:
+    ``(N, world // N)``, rank ``r`` at ``(r % N, r // N)``."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    k = config.fsdp_shard_group_size
-    if k is None:
+    k, sp = config.fsdp_shard_group_size, getattr(config, "sequence_parallel_size", 1)
+    if k is None and sp == 1:
         return None
     ensure_process_group()
     world = dist.get_world_size()
     check_shard_group(k, world)
     current = torch.accelerator.current_accelerator()
     device = current.type if current is not None else "cpu"  # fully_shard's default choice
-    cached = _MESHES.get((k, device))
+    key = (k, device) if sp == 1 else (-sp, device)
+    cached = _MESHES.get(key)
     if cached is None or cached[0] is not dist.group.WORLD:
-        mesh = init_device_mesh(device, (world // k, k), mesh_dim_names=MESH_DIMS)
-        cached = _MESHES[(k, device)] = (dist.group.WORLD, mesh)
+        if sp == 1:
+            mesh = init_device_mesh(device, (world // k, k), mesh_dim_names=MESH_DIMS)
+        else:  # replicate over each sequence group (consecutive ranks), shard over the data ranks
+            ranks = torch.arange(world).reshape(world // sp, sp).T
+            mesh = DeviceMesh(device, ranks, mesh_dim_names=MESH_DIMS)
+        cached = _MESHES[key] = (dist.group.WORLD, mesh)
     return cached[1]
 
 
