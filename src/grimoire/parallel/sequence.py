@@ -8,7 +8,9 @@ are replicated across a sequence group; each rank's gradient covers the tokens i
 group's gradients are *summed*. In the trainer that is DDP's own all-reduce over every process
 (the sequence groups' sum inside it; the step's rescale by the global loss units, counted once
 per group by ``StepReduction(replicas=N)``, undoes DDP's extra ``1/N``); outside it,
-:func:`sum_sequence_grads`. FSDP2 on the data dimension is not wired yet.
+:func:`sum_sequence_grads`. With FSDP2 (``distributed: fsdp2``) the parameters are sharded
+over the data dimension and replicated over each sequence group, whose gradients FSDP2's own
+HSDP all-reduce sums (:func:`grimoire.parallel.fsdp.shard_mesh`).
 """
 
 from __future__ import annotations
