@@ -136,7 +136,8 @@ def shard_mesh(config: Any) -> Any:
     ``(N, world // N)``, rank ``r`` at ``(r % N, r // N)``."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    k, sp = config.fsdp_shard_group_size, getattr(config, "sequence_parallel_size", 1)
+    k: int | None = config.fsdp_shard_group_size
+    sp: int = getattr(config, "sequence_parallel_size", 1)
     if k is None and sp == 1:
         return None
     ensure_process_group()
@@ -144,10 +145,10 @@ def shard_mesh(config: Any) -> Any:
     check_shard_group(k, world)
     current = torch.accelerator.current_accelerator()
     device = current.type if current is not None else "cpu"  # fully_shard's default choice
-    key = (k, device) if sp == 1 else (-sp, device)
+    key = (k if k is not None else -sp, device)  # a sequence-parallel mesh: keyed by -N
     cached = _MESHES.get(key)
     if cached is None or cached[0] is not dist.group.WORLD:
-        if sp == 1:
+        if k is not None:
             mesh = init_device_mesh(device, (world // k, k), mesh_dim_names=MESH_DIMS)
         else:  # replicate over each sequence group (consecutive ranks), shard over the data ranks
             ranks = torch.arange(world).reshape(world // sp, sp).T
