@@ -5,7 +5,8 @@ a test computes every expected score by hand. The path before ``/v1`` picks a be
 
 - ``/v1``: answer at once; ``/delay/<seconds>/v1``: answer after that long;
 - ``/fail/v1``: HTTP 500; ``/garbage/v1``: 200 with a body that is not JSON;
-- ``/noscore/v1``: a well-formed completion whose text holds no number.
+- ``/noscore/v1``: a well-formed completion whose text holds no number;
+- ``/chunked/v1``: the answer in ``Transfer-Encoding: chunked`` (as some servers stream it).
 
 Every request is recorded (:attr:`JudgeServer.requests`: arrival time, path, body), for tests
 that observe when the judge was asked.
@@ -23,6 +24,12 @@ from typing import Any
 def judge_score(text: str) -> float:
     """The stand-in judge's score of a message (its length)."""
     return float(len(text))
+
+
+def mode_url(root: str, mode: str) -> str:
+    """The ``base_url`` of a behaviour ``mode`` of the judge at ``root`` (``http://h:p/v1``)."""
+    prefix = f"/{mode.strip('/')}" if mode else ""
+    return root.removesuffix("/v1") + prefix + "/v1"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -46,13 +53,19 @@ class _Handler(BaseHTTPRequestHandler):
             text = "I cannot tell" if mode == "noscore" else None
             text = text or f"Score: {judge_score(body['messages'][-1]['content']):g}"
             reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
-            self._send(200, json.dumps(reply).encode())
+            self._send(200, json.dumps(reply).encode(), chunked=mode == "chunked")
 
-    def _send(self, status: int, payload: bytes) -> None:
+    def _send(self, status: int, payload: bytes, chunked: bool = False) -> None:
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
+            if chunked:  # two chunks, then the empty one
+                self.send_header("Transfer-Encoding", "chunked")
+                half = len(payload) // 2
+                parts = [payload[:half], payload[half:], b""]
+                payload = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts)
+            else:
+                self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
         except OSError:  # the client gave up (its timeout): nothing to answer
@@ -64,6 +77,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # a whole micro-batch of requests connects at once
     requests: list[dict[str, Any]]
     lock: threading.Lock
 
@@ -84,10 +98,24 @@ class JudgeServer:
 
     def url(self, mode: str = "") -> str:
         host, port = self._server.server_address[:2]
-        prefix = f"/{mode.strip('/')}" if mode else ""
-        return f"http://{host}:{port}{prefix}/v1"
+        return mode_url(f"http://{host}:{port}/v1", mode)
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
+
+
+def main() -> None:
+    """Serve in this process until killed, the first line of stdout its root URL (the
+    benchmark's judge runs apart, as a real one does, not sharing the trainer's GIL)."""
+    server = JudgeServer()
+    print(server.url(), flush=True)
+    try:
+        threading.Event().wait()
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()

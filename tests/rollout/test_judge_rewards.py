@@ -68,6 +68,12 @@ def test_judge_scores_are_the_endpoints_replies_read_as_numbers(judge_server, mo
     assert sent[0]["path"] == "/v1/chat/completions"
 
 
+def test_a_chunked_reply_is_read_as_well(judge_server):
+    judge = LLMJudge(base_url=judge_server.url("chunked"), model="m", prompt="Rate {completion}")
+    scores = judge(prompts=["p", "p"], completions=["ok", "longer"])
+    assert list(scores) == [judge_score("Rate ok"), judge_score("Rate longer")]
+
+
 @pytest.mark.parametrize(
     ("text", "parse", "score"),
     [

@@ -6,9 +6,13 @@ answer it) whose user message is ``prompt`` formatted with ``{prompt}``, ``{comp
 any dataset column it names (``{answer}``: the column becomes required, checked before
 training). The score is read from the reply's text by ``parse``.
 
-The requests of one call run concurrently (``max_concurrency`` threads; the standard library's
-``urllib``, so no HTTP package is needed), each with ``timeout`` seconds for connecting and for
-every read. A timeout, a refused connection, an HTTP error status, a reply that is not a chat
+The requests of one call run concurrently (at most ``max_concurrency`` at once) on one asyncio
+event loop, each given ``timeout`` seconds in all (connecting, sending, the whole reply). One
+thread, not one per request: the stage scores beside the sampler (below), whose Python loop
+holds the GIL, and every thread waking for a reply waits its turn for it (64 threaded requests
+took 0.76 s beside a busy Python thread, 0.44 s on one event loop, against 0.3 s of judge time).
+The HTTP/1.1 client is the few lines of :func:`post_json` (the standard library's streams and
+``ssl``, so no HTTP package is needed; it connects directly: no proxy, no redirects). A timeout, a refused connection, an HTTP error status, a reply that is not a chat
 completion or whose text holds no score gives that completion ``failure_reward``: the judge
 never raises or hangs on the endpoint's behalf. The call's failures come back with its rewards
 (:class:`~grimoire.rollout.rewards.calls.RewardBatch`) and are logged as
@@ -23,19 +27,19 @@ Its calls are thread-safe (no state but the one-warning flag, under a lock).
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import logging
 import math
 import os
 import re
+import ssl
 import string
 import threading
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import SplitResult, urlsplit
 
 from grimoire.rollout.rewards.calls import RewardBatch
 
@@ -49,8 +53,10 @@ PARSERS = {
 }
 #: The template fields every call fills; any other field is a dataset column.
 FILLED = ("prompt", "completion")
-#: What a failed request raised: the endpoint's problems, never the judge's own bugs.
-ENDPOINT_ERRORS = (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError)
+#: What a failed request raised: the endpoint's problems (a timeout, a connection error, a reply
+#: that is not JSON or not shaped as a chat completion), never an error of the trainer's own.
+ENDPOINT_ERRORS = (OSError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError)
+T = TypeVar("T")
 
 
 class JudgeFailure(Exception):
@@ -85,6 +91,59 @@ def read_score(text: str, parse: str) -> float:
     return value
 
 
+def dechunk(data: bytes) -> bytes:
+    """An HTTP/1.1 ``Transfer-Encoding: chunked`` body's bytes (a ValueError when malformed)."""
+    out = bytearray()
+    while True:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += data[:size]
+        data = data[size + 2 :]
+
+
+async def post_json(
+    url: SplitResult, body: bytes, headers: Mapping[str, str], tls: ssl.SSLContext | None
+) -> Any:
+    """``POST`` JSON ``body`` to ``url`` on a connection of its own (closed after) and return the
+    reply's JSON; a :class:`JudgeFailure` for a status that is not 2xx."""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    reader, writer = await asyncio.open_connection(url.hostname, port, ssl=tls)
+    try:
+        lines = [f"POST {url.path or '/'} HTTP/1.1", f"Host: {url.netloc}", "Connection: close"]
+        lines += [f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
+        writer.write("\r\n".join(lines).encode() + b"\r\n\r\n" + body)
+        await writer.drain()
+        raw = await reader.read()  # to the end: the server closes the connection
+    finally:
+        writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    parts = status_line.split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/"):
+        raise JudgeFailure(f"not an HTTP reply: {raw[:80]!r}")
+    fields = {
+        k.strip().lower(): v.strip().lower() for k, _, v in (h.partition(":") for h in header_lines)
+    }
+    if fields.get("transfer-encoding") == "chunked":
+        payload = dechunk(payload)
+    if not parts[1].startswith("2"):
+        raise JudgeFailure(f"HTTP {parts[1]}: {payload[:120]!r}")
+    return json.loads(payload)
+
+
+def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on a new event loop: here, or on a thread of its own when this
+    thread already runs one (a notebook's)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 class LLMJudge:
     """``llm_judge``: each completion scored by an LLM over HTTP (see the module docstring).
 
@@ -95,7 +154,7 @@ class LLMJudge:
             ``{prompt}`` and dataset columns (``{answer}``).
         system: an optional system message.
         api_key_env: the environment variable holding a bearer token (read once, here).
-        timeout: seconds for connecting and for each read of one request.
+        timeout: seconds one request may take in all (its wait for a free slot not counted).
         failure_reward: the reward of a completion the judge gave no score for.
         max_concurrency: requests in flight at once within a call.
         parse: how the score is read: ``number`` (the first), ``last_number``, ``yes_no``, or a
@@ -145,6 +204,8 @@ class LLMJudge:
                 raise ValueError(f"api_key_env: the environment variable {api_key_env} is not set")
             self.headers["Authorization"] = f"Bearer {key}"
         self.url = str(base_url).rstrip("/") + "/chat/completions"
+        self._split = urlsplit(self.url)
+        self._tls = ssl.create_default_context() if self._split.scheme == "https" else None
         self.model, self.prompt, self.system = model, prompt, system
         self.timeout, self.failure_reward = float(timeout), float(failure_reward)
         self.max_concurrency, self.parse = max_concurrency, parse
@@ -166,21 +227,32 @@ class LLMJudge:
         ]
         if not messages:
             return RewardBatch([], {"failures": 0.0})
-        with ThreadPoolExecutor(min(self.max_concurrency, len(messages))) as pool:
-            outcomes = list(pool.map(self._ask, messages))
+        outcomes = run_coroutine(self._ask_all(messages))
         failures = [why for _, why in outcomes if why is not None]
         if failures:
             self._warn_once(f"{failures[0]} ({len(failures)} of {len(messages)} in this call)")
         return RewardBatch([score for score, _ in outcomes], {"failures": float(len(failures))})
 
-    def _ask(self, message: str) -> tuple[float, str | None]:
+    async def _ask_all(self, messages: list[str]) -> list[tuple[float, str | None]]:
+        slots = asyncio.Semaphore(self.max_concurrency)
+
+        async def ask(message: str) -> tuple[float, str | None]:
+            async with slots:
+                return await self._ask(message)
+
+        return list(await asyncio.gather(*(ask(m) for m in messages)))
+
+    async def _ask(self, message: str) -> tuple[float, str | None]:
         """``(score, None)``, or ``(failure_reward, why)`` when the endpoint gave no score."""
         try:
-            return read_score(self.reply(message), self.parse), None
+            text = await asyncio.wait_for(self.reply(message), self.timeout)
+            return read_score(text, self.parse), None
+        except asyncio.TimeoutError:
+            return self.failure_reward, f"no reply within timeout={self.timeout} s"
         except (JudgeFailure, *ENDPOINT_ERRORS) as exc:
             return self.failure_reward, f"{type(exc).__name__}: {exc}"
 
-    def reply(self, message: str) -> str:
+    async def reply(self, message: str) -> str:
         """The judge's answer text to one user ``message`` (raises on any endpoint problem)."""
         turns = [{"role": "user", "content": message}]
         if self.system is not None:
@@ -191,11 +263,7 @@ class LLMJudge:
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
         }
-        request = urllib.request.Request(
-            self.url, data=json.dumps(body).encode(), headers=self.headers, method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            data = json.loads(response.read())
+        data = await post_json(self._split, json.dumps(body).encode(), self.headers, self._tls)
         text = data["choices"][0]["message"]["content"]
         if not isinstance(text, str):
             raise JudgeFailure(f"the reply's content is {type(text).__name__}, not text")
@@ -215,4 +283,13 @@ class LLMJudge:
         )
 
 
-__all__ = ["PARSERS", "JudgeFailure", "LLMJudge", "read_score", "template_fields"]
+__all__ = [
+    "PARSERS",
+    "JudgeFailure",
+    "LLMJudge",
+    "dechunk",
+    "post_json",
+    "read_score",
+    "run_coroutine",
+    "template_fields",
+]
