@@ -17,7 +17,8 @@ Both rows train on the same rewards: the script checks that each step's mean rew
 are equal in the two.
 
 Expected: without overlap a step's rollout is ``sum_k (sample_k + delay)``; with it about
-``sum_k max(sample_k, delay) + min(sample_k, delay)`` for the last (nothing to overlap with).
+``sum_k max(sample_k, delay) + min(sample_k, delay)`` for the last (nothing to overlap with):
+the script prints that bound, taking the sampling time from the row without overlap.
 
     python benchmarks/judge_overlap.py                     # 6 steps, delay 0.3 s, 4 micro-batches
     python benchmarks/judge_overlap.py --steps 3 --rounds 1   # seconds: the table's shape only
@@ -170,6 +171,16 @@ def main() -> None:
         step = statistics.median(r["step_s"] for r in rs)
         roll = statistics.median(r["rollout_s"] for r in rs)
         print(f"| {str(overlap).lower()} | {step:.3f} | {roll:.3f} |")
+    # The bound: the judge's time per step is micro x delay (all of a micro-batch's requests at
+    # once); what the row without overlap took besides it is sampling, of which all but the
+    # first micro-batch's can hide behind a judge call at most.
+    plain = statistics.median(r["rollout_s"] for r in runs[False])
+    sample = max(0.0, plain - args.micro * args.delay) / args.micro
+    ideal = plain - (args.micro - 1) * min(sample, args.delay)
+    print(
+        f"rollout s/step without overlap: {args.micro} x {args.delay} s of judge + "
+        f"{plain - args.micro * args.delay:.3f} s of sampling; with a perfect overlap: {ideal:.3f}"
+    )
     ratios = [a["step_s"] / b["step_s"] for a, b in zip(runs[False], runs[True])]
     print(
         "step time without / with overlap, round by round: "
