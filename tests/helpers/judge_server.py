@@ -6,6 +6,7 @@ a test computes every expected score by hand. The path before ``/v1`` picks a be
 - ``/v1``: answer at once; ``/delay/<seconds>/v1``: answer after that long;
 - ``/fail/v1``: HTTP 500; ``/garbage/v1``: 200 with a body that is not JSON;
 - ``/noscore/v1``: a well-formed completion whose text holds no number;
+- ``/hangup/v1``: a reply cut off mid-body (the connection closed);
 - ``/chunked/v1``: the answer in ``Transfer-Encoding: chunked`` (as some servers stream it).
 
 Every request is recorded (:attr:`JudgeServer.requests`: arrival time, path, body), for tests
@@ -47,6 +48,9 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(float(rest.split("/")[0]))
         if mode == "fail":
             self._send(500, b'{"error": "overloaded"}')
+        elif mode == "hangup":
+            self.wfile.write(b"HTTP/1.0 200 OK\r\nContent-Length: 100\r\n\r\n{")
+            self.close_connection = True
         elif mode == "garbage":
             self._send(200, b"<html>not a chat completion</html>")
         else:

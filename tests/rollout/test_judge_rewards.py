@@ -88,7 +88,7 @@ def test_read_score_by_parse(text, parse, score):
     assert read_score(text, parse) == score
 
 
-@pytest.mark.parametrize("mode", ["fail", "garbage", "noscore"])
+@pytest.mark.parametrize("mode", ["fail", "garbage", "noscore", "hangup"])
 def test_an_error_status_or_unreadable_reply_gives_the_failure_reward(judge_server, mode, caplog):
     judge = _judge(judge_server, mode, failure_reward=-1.0)
     with caplog.at_level(logging.WARNING, logger="grimoire.rollout.rewards.judge"):
@@ -289,10 +289,19 @@ def test_a_raising_reward_still_raises_when_overlapped(tiny_dir, tmp_path):
 
 
 def test_overlap_inside_the_async_producer_matches_the_sync_step(judge_server, tiny_dir, tmp_path):
-    entry = _judge_entry(judge_server, True, "")
+    entry = _judge_entry(judge_server, True)
     _, sync = _grpo(tiny_dir, tmp_path / "sync", entry)
-    trainer, asynchronous = _grpo(tiny_dir, tmp_path / "async", entry, staleness=1)
+    # The thread sampler: the producer thread samples itself (no child process to start), with
+    # the stage's engine's copy, which shares this one's list of intervals.
+    engine = SlowSampler(max_new_tokens=6, async_sampler="thread")
+    start = len(judge_server.requests)
+    trainer, asynchronous = _grpo(tiny_dir, tmp_path / "async", entry, engine, staleness=1)
     assert trainer.rollouts.overlap
+    arrivals = [r["time"] for r in judge_server.requests[start:]]
+    # The producer's 2 calls a step, 2 steps trained (and a third it may read ahead).
+    assert len(arrivals) >= 32 and len(engine.intervals) >= 4
+    # The producer's scoring runs beside its next sampling call, as the sync stage's does.
+    assert sum(any(a < t < b for a, b in engine.intervals) for t in arrivals) >= 4
     # Step 0 is sampled by the starting weights in both runs: the same completions and scores.
     assert asynchronous[0]["rewards/llm_judge/mean"] == sync[0]["rewards/llm_judge/mean"]
     assert [m["rewards/llm_judge/failures"] for m in asynchronous] == [0.0, 0.0]

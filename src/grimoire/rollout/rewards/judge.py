@@ -55,7 +55,16 @@ PARSERS = {
 FILLED = ("prompt", "completion")
 #: What a failed request raised: the endpoint's problems (a timeout, a connection error, a reply
 #: that is not JSON or not shaped as a chat completion), never an error of the trainer's own.
-ENDPOINT_ERRORS = (OSError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError)
+ENDPOINT_ERRORS = (
+    OSError,
+    EOFError,  # asyncio.IncompleteReadError: the server closed mid-reply
+    asyncio.LimitOverrunError,  # headers past the stream's 64 KiB limit
+    asyncio.TimeoutError,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+)
 T = TypeVar("T")
 
 
@@ -91,16 +100,17 @@ def read_score(text: str, parse: str) -> float:
     return value
 
 
-def dechunk(data: bytes) -> bytes:
-    """An HTTP/1.1 ``Transfer-Encoding: chunked`` body's bytes (a ValueError when malformed)."""
-    out = bytearray()
-    while True:
-        size_line, _, data = data.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            return bytes(out)
-        out += data[:size]
-        data = data[size + 2 :]
+async def read_body(reader: asyncio.StreamReader, fields: Mapping[str, str]) -> bytes:
+    """A reply's body after its headers (``fields``, lower-cased): ``Content-Length`` bytes, the
+    chunks of ``Transfer-Encoding: chunked``, else all until the server closes."""
+    if fields.get("transfer-encoding") == "chunked":
+        out = bytearray()
+        while size := int((await reader.readline()).split(b";")[0].strip(), 16):
+            out += (await reader.readexactly(size + 2))[:-2]  # each chunk ends with CRLF
+        return bytes(out)
+    if "content-length" in fields:
+        return await reader.readexactly(int(fields["content-length"]))
+    return await reader.read()
 
 
 async def post_json(
@@ -115,19 +125,17 @@ async def post_json(
         lines += [f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in headers.items())]
         writer.write("\r\n".join(lines).encode() + b"\r\n\r\n" + body)
         await writer.drain()
-        raw = await reader.read()  # to the end: the server closes the connection
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        status_line, *header_lines = head.strip().split("\r\n")
+        parts = status_line.split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/"):
+            raise JudgeFailure(f"not an HTTP reply: {status_line[:80]!r}")
+        pairs = (h.partition(":") for h in header_lines)
+        payload = await read_body(
+            reader, {k.strip().lower(): v.strip().lower() for k, _, v in pairs}
+        )
     finally:
         writer.close()
-    head, _, payload = raw.partition(b"\r\n\r\n")
-    status_line, *header_lines = head.decode("latin-1").split("\r\n")
-    parts = status_line.split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/"):
-        raise JudgeFailure(f"not an HTTP reply: {raw[:80]!r}")
-    fields = {
-        k.strip().lower(): v.strip().lower() for k, _, v in (h.partition(":") for h in header_lines)
-    }
-    if fields.get("transfer-encoding") == "chunked":
-        payload = dechunk(payload)
     if not parts[1].startswith("2"):
         raise JudgeFailure(f"HTTP {parts[1]}: {payload[:120]!r}")
     return json.loads(payload)
@@ -287,8 +295,8 @@ __all__ = [
     "PARSERS",
     "JudgeFailure",
     "LLMJudge",
-    "dechunk",
     "post_json",
+    "read_body",
     "read_score",
     "run_coroutine",
     "template_fields",
