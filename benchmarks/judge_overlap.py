@@ -27,14 +27,12 @@ the script prints that bound, taking the sampling time from the row without over
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,13 +45,9 @@ except ModuleNotFoundError:  # run as a script
 sys.path.insert(0, str(bench.ROOT))  # the stand-in judge lives with the tests
 from tests.helpers.judge_server import mode_url
 
-import grimoire
-from grimoire import GrimoireTrainer
 from grimoire.losses.grpo import GRPOMethod
-from grimoire.rows.prompts import tokenize_grpo
 from grimoire.training.callbacks import TrainerCallback
 
-ASSETS = Path(grimoire.__file__).parent / "assets"
 PROMPT = "Task: {prompt}\nAnswer: {completion}\nRate the answer from 0 to 10."
 
 
@@ -68,13 +62,7 @@ class Steps(TrainerCallback):
 
 
 def run(args: argparse.Namespace, judge_root: str, overlap: bool) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     torch.manual_seed(0)
-    warm = ASSETS / "reverse_warm"
-    tok = AutoTokenizer.from_pretrained(warm)
-    lines = (ASSETS / "reverse_train.jsonl").read_text().splitlines()
-    rows = [tokenize_grpo(json.loads(line), tok, max_length=64) for line in lines]
     judge = {
         "base_url": mode_url(judge_root, f"delay/{args.delay}"),
         "model": "stand-in",
@@ -100,14 +88,7 @@ def run(args: argparse.Namespace, judge_root: str, overlap: bool) -> dict[str, A
             logging_steps=10**6,
             seed=0,
         )
-        trainer = GrimoireTrainer(
-            model=AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32),
-            tokenizer=tok,
-            config=config,
-            loss_fn=method,
-            train_dataset=rows,
-            callbacks=[steps],
-        )
+        trainer = bench.reverse_warm_trainer(method, config, [steps])
         assert trainer.rollouts.overlap is overlap
         try:
             trainer.train()

@@ -14,19 +14,14 @@ import time
 import pytest
 import torch
 from tests.helpers.judge_server import JudgeServer, judge_score
-from tests.helpers.train_utils import quiet_config
+from tests.rollout.test_async_rollouts import _run
 
-from grimoire import GrimoireTrainer
 from grimoire.errors import ConfigError
-from grimoire.losses.grpo import GRPOMethod
-from grimoire.model.tiny import reverse_rows
 from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rollout.rewards.background import BackgroundScoring
 from grimoire.rollout.rewards.calls import resolve_reward_funcs
 from grimoire.rollout.rewards.judge import LLMJudge, read_score
 from grimoire.rollout.rewards.scoring import RewardFunctionError, score_completions
-from grimoire.rows.prompts import tokenize_grpo
-from grimoire.training.callbacks import TrainerCallback
 
 TEMPLATE = "Question: {prompt}\nReference: {answer}\nAnswer: {completion}\nScore 0-10:"
 
@@ -192,47 +187,19 @@ class SlowSampler(HFGenerateEngine):
             self.intervals.append((start, time.perf_counter()))
 
 
-class Steps(TrainerCallback):
-    def __init__(self):
-        self.metrics: list[dict[str, float]] = []
-
-    def on_step_end(self, trainer, step, loss, metrics) -> None:
-        self.metrics.append({"loss": loss, **metrics})
-
-
 def _grpo(tiny_dir, tmp_path, reward, engine=None, staleness=0, steps=2):
-    """GRPO on the tiny model: 2 prompt micro-batches of 2 prompts per step (G=4)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(16, seed=3)]
-    config = quiet_config(
+    """GRPO on the tiny model (the async tests' run): 2 prompt micro-batches of 2 prompts per
+    step, G=4; the trainer and each step's metrics."""
+    trainer, log = _run(
+        tiny_dir,
         tmp_path,
-        max_steps=steps,
+        staleness,
+        steps=steps,
+        reward=reward,
+        engine=engine,
         batch_size=2,
         gradient_accumulation_steps=2,
-        learning_rate=1e-2,
-        disable_dropout=True,
-        seed=0,
     )
-    method = GRPOMethod(
-        [reward], num_generations=4, max_new_tokens=6, engine=engine, max_staleness=staleness
-    )
-    log = Steps()
-    trainer = GrimoireTrainer(
-        model=model,
-        tokenizer=tok,
-        config=config,
-        loss_fn=method,
-        train_dataset=rows,
-        callbacks=[log],
-    )
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
     return trainer, log.metrics
 
 
@@ -305,3 +272,25 @@ def test_overlap_inside_the_async_producer_matches_the_sync_step(judge_server, t
     # Step 0 is sampled by the starting weights in both runs: the same completions and scores.
     assert asynchronous[0]["rewards/llm_judge/mean"] == sync[0]["rewards/llm_judge/mean"]
     assert [m["rewards/llm_judge/failures"] for m in asynchronous] == [0.0, 0.0]
+
+
+def test_episodes_judged_in_the_background_get_the_same_rewards(judge_server, tiny_dir, tmp_path):
+    from tests.helpers.episodes import episode_trainer
+
+    from grimoire.collate.prompts import GRPOCollator
+
+    out = {}
+    for overlap in (False, True):
+        entry = _judge_entry(judge_server, overlap)
+        trainer, rows = episode_trainer(tiny_dir, tmp_path / str(overlap), [entry])
+        collate = GRPOCollator(pad_token_id=trainer.tokenizer.pad_token_id)
+        micro = [(collate(rows[:2]), 1.0), (collate(rows[2:4]), 1.0)]
+        torch.manual_seed(0)
+        batches, metrics, _ = trainer.rollouts.step(trainer.context, micro)
+        assert trainer.rollouts.overlap is overlap
+        out[overlap] = ([b["advantages"] for b, _ in batches], metrics)
+    (adv_a, plain), (adv_b, over) = out[False], out[True]
+    assert plain["rewards/llm_judge/mean"] == over["rewards/llm_judge/mean"]
+    assert plain["rewards/llm_judge/failures"] == over["rewards/llm_judge/failures"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(adv_a, adv_b))
+    assert any(a.abs().sum() > 0 for a in adv_a)  # the judge's scores differ within a group
