@@ -184,6 +184,29 @@ def training_config(output_dir: str, **kw: Any) -> Any:
     return TrainingConfig(output_dir=output_dir, **{**TRAINING_DEFAULTS, **kw})
 
 
+def reverse_warm_trainer(method: Any, config: Any, callbacks: list[Any]) -> Any:
+    """A trainer of ``method`` on the bundled warm-started tiny Llama (``grimoire/assets/
+    reverse_warm``, fp32) and the reverse task's training prompts (examples/grpo_toy.yaml's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import grimoire
+    from grimoire import GrimoireTrainer
+    from grimoire.rows.prompts import tokenize_grpo
+
+    assets = Path(grimoire.__file__).parent / "assets"
+    tok = AutoTokenizer.from_pretrained(assets / "reverse_warm")
+    lines = (assets / "reverse_train.jsonl").read_text().splitlines()
+    return GrimoireTrainer(
+        model=AutoModelForCausalLM.from_pretrained(assets / "reverse_warm", dtype=torch.float32),
+        tokenizer=tok,
+        config=config,
+        loss_fn=method,
+        train_dataset=[tokenize_grpo(json.loads(ln), tok, max_length=64) for ln in lines],
+        callbacks=callbacks,
+    )
+
+
 # --------------------------------------------------------------------------- timing
 
 
