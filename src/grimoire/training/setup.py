@@ -222,13 +222,8 @@ def build_budget(config: TrainingConfig, method: Method, packed: bool) -> TokenB
     under sequence parallelism a row holds ``sequence_parallel_size`` times it."""
     if not config.max_tokens_per_device:
         return None
-    return TokenBudget(
-        config.max_tokens_per_device,
-        method,
-        packed,
-        config.truncate_long_samples,
-        sequence_parallel=config.sequence_parallel_size,
-    )
+    budget, truncate = config.max_tokens_per_device, config.truncate_long_samples
+    return TokenBudget(budget, method, packed, truncate, config.sequence_parallel_size)
 
 
 def validate_data(
