@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -218,22 +217,12 @@ def run_cell(preset: dict[str, Any], result_dir: Path) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(preset_name: str, world: int, extra_env: dict[str, str]) -> list[dict[str, Any]]:
     """One launch of ``world`` processes; each process's numbers."""
     preset = PRESETS[preset_name]
     with tempfile.TemporaryDirectory() as tmp:
         script = [str(Path(__file__).resolve()), "--cell", preset_name, "--result-dir", tmp]
-        if world == 1:
-            cmd = [sys.executable, *script]
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-            cmd += ["--master-port", str(_free_port()), *script]
+        cmd = bench.launch_cmd(script, world)
         env = {**bench.child_env(), "OMP_NUM_THREADS": "1", **extra_env}
         env.pop("WORLD_SIZE", None)  # a launcher around this driver must not leak into world 1
         bench.run_or_exit(cmd, f"sequence_parallel_size={world}", env)
