@@ -134,6 +134,19 @@ def test_sequence_parallel_estimate_reads_the_run_config():
         plan_from_config(raw, world_size=3)
 
 
+def test_sequence_parallel_estimate_memory_command_says_so(capsys):
+    from grimoire.cli.main import main as grimoire_main
+
+    args = ["estimate-memory", "--model", "tiny:llama", "--world-size", "4"]
+    args += ["--set", "training.sequence_parallel_size=2", "--set", "training.padding_free=true"]
+    args += ["--set", "training.max_tokens_per_device=1000"]
+    assert grimoire_main(args) == 0
+    out = capsys.readouterr().out
+    assert "2000 tokens per micro-batch; each row split over 2 ranks" in out
+    assert "(sequence parallel: 1000 tokens per rank)" in out
+    assert "max_tokens_per_device 1000 per device x sequence_parallel_size 2" in out
+
+
 def test_sequence_parallel_estimate_within_15_percent_of_two_processes():
     """One short 2-process run of the benchmark's quick preset (a 2049-token row)."""
     from benchmarks import sequence_parallel_memory as bench
