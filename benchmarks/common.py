@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -243,6 +244,22 @@ def child_env(*, repo_first: bool = True) -> dict[str, str]:
     inherited = [*filter(None, [env.get("PYTHONPATH")])]
     env["PYTHONPATH"] = os.pathsep.join(repo + inherited if repo_first else inherited + repo)
     return env
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a launch's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(script: list[str], world: int) -> list[str]:
+    """``script`` (a path and its arguments) as one plain ``python`` process for ``world`` 1,
+    else under ``torch.distributed.run`` with ``world`` processes on a free port."""
+    if world == 1:
+        return [sys.executable, *script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    return cmd + ["--master-port", str(free_port()), *script]
 
 
 def run_or_exit(
