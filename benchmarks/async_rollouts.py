@@ -31,23 +31,22 @@ to ``sync x1``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-import grimoire
-from grimoire import GrimoireTrainer, TrainingConfig
+try:
+    from benchmarks import common as bench
+except ModuleNotFoundError:  # run as a script
+    import common as bench
+
+from grimoire import TrainingConfig
 from grimoire.losses.grpo import GRPOMethod
 from grimoire.rollout.async_rollouts import AsyncRolloutStage
-from grimoire.rows.prompts import tokenize_grpo
 from grimoire.training.callbacks import TrainerCallback
-
-ASSETS = Path(grimoire.__file__).parent / "assets"
 
 
 class Rewards(TrainerCallback):
@@ -65,14 +64,8 @@ class Rewards(TrainerCallback):
 def run(
     args: argparse.Namespace, staleness: int, threads: int, sampler: str = "process"
 ) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    warm = ASSETS / "reverse_warm"
-    tok = AutoTokenizer.from_pretrained(warm)
-    lines = (ASSETS / "reverse_train.jsonl").read_text().splitlines()
-    rows = [tokenize_grpo(json.loads(line), tok, max_length=64) for line in lines]
     method = GRPOMethod(
         ["char_match", "exact_match"],
         reward_weights=[1.0, 0.5],
@@ -101,14 +94,7 @@ def run(
             progress_bar=False,
             seed=0,
         )
-        trainer = GrimoireTrainer(
-            model=AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32),
-            tokenizer=tok,
-            config=config,
-            loss_fn=method,
-            train_dataset=rows,
-            callbacks=[rewards],
-        )
+        trainer = bench.reverse_warm_trainer(method, config, [rewards])
         stage = trainer.rollouts
         cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if isinstance(stage, AsyncRolloutStage):

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -184,6 +185,29 @@ def training_config(output_dir: str, **kw: Any) -> Any:
     return TrainingConfig(output_dir=output_dir, **{**TRAINING_DEFAULTS, **kw})
 
 
+def reverse_warm_trainer(method: Any, config: Any, callbacks: list[Any]) -> Any:
+    """A trainer of ``method`` on the bundled warm-started tiny Llama (``grimoire/assets/
+    reverse_warm``, fp32) and the reverse task's training prompts (examples/grpo_toy.yaml's)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import grimoire
+    from grimoire import GrimoireTrainer
+    from grimoire.rows.prompts import tokenize_grpo
+
+    assets = Path(grimoire.__file__).parent / "assets"
+    tok = AutoTokenizer.from_pretrained(assets / "reverse_warm")
+    lines = (assets / "reverse_train.jsonl").read_text().splitlines()
+    return GrimoireTrainer(
+        model=AutoModelForCausalLM.from_pretrained(assets / "reverse_warm", dtype=torch.float32),
+        tokenizer=tok,
+        config=config,
+        loss_fn=method,
+        train_dataset=[tokenize_grpo(json.loads(ln), tok, max_length=64) for ln in lines],
+        callbacks=callbacks,
+    )
+
+
 # --------------------------------------------------------------------------- timing
 
 
@@ -220,6 +244,22 @@ def child_env(*, repo_first: bool = True) -> dict[str, str]:
     inherited = [*filter(None, [env.get("PYTHONPATH")])]
     env["PYTHONPATH"] = os.pathsep.join(repo + inherited if repo_first else inherited + repo)
     return env
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a launch's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(script: list[str], world: int) -> list[str]:
+    """``script`` (a path and its arguments) as one plain ``python`` process for ``world`` 1,
+    else under ``torch.distributed.run`` with ``world`` processes on a free port."""
+    if world == 1:
+        return [sys.executable, *script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
+    return cmd + ["--master-port", str(free_port()), *script]
 
 
 def run_or_exit(

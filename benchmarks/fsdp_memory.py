@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -215,12 +214,6 @@ def run_logits(cell: str, preset: dict[str, Any], result_dir: Path) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     env = bench.child_env()
     env["OMP_NUM_THREADS"] = "1"
@@ -232,11 +225,7 @@ def _launch(kind: str, mode: str, world: int, quick: bool) -> list[dict[str, Any
     with tempfile.TemporaryDirectory() as tmp:
         script = [str(Path(__file__).resolve()), f"--{kind}", mode, "--result-dir", tmp]
         script += ["--quick"] if quick else []
-        if world == 1:
-            cmd = [sys.executable, *script]
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-            cmd += ["--master-port", str(_free_port()), *script]
+        cmd = bench.launch_cmd(script, world)
         t0 = time.perf_counter()
         bench.run_or_exit(cmd, f"{kind} {mode} x{world}", _env())
         results = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob("*.json"))]

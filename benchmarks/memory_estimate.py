@@ -25,7 +25,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -201,12 +200,6 @@ def measure(raw: dict[str, Any]) -> dict[str, Any]:
     return {"base": base, "peak": peak, "steps": steps, "rank": rank}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_case(name: str, preset_name: str) -> dict[str, Any]:
     """Estimate and measure case ``name`` (in a fresh process per launch)."""
     world = CASES[name][3]
@@ -215,11 +208,7 @@ def run_case(name: str, preset_name: str) -> dict[str, Any]:
         raw = write_case(name, PRESETS[preset_name], folder)
         (folder / "run.json").write_text(json.dumps(raw))
         script = [str(Path(__file__).resolve()), "--cell", str(folder)]
-        if world == 1:
-            cmd = [sys.executable, *script]
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world)]
-            cmd += ["--master-port", str(_free_port()), *script]
+        cmd = bench.launch_cmd(script, world)
         env = bench.child_env()
         env.setdefault("OMP_NUM_THREADS", "1")
         env.pop("WORLD_SIZE", None)

@@ -59,7 +59,7 @@ def _trainer(
     config = quiet_config(
         tmp_path,
         max_steps=steps,
-        batch_size=4,
+        batch_size=overrides.pop("batch_size", 4),
         learning_rate=1e-2,
         disable_dropout=True,
         seed=0,

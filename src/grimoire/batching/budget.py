@@ -17,6 +17,11 @@ padding included). The promise is kept in one place, here, in three steps:
 
 Phases with their own batching take the budget from here too: the rollout engine splits
 generation and scoring calls so each stays within it (:mod:`grimoire.rollout.engines.base`).
+
+Under sequence parallelism (``training.sequence_parallel_size = N``) the budget stays **per
+device**: a packed row is split over the ``N`` devices of its sequence group, each runs
+``ceil(L / N)`` of its ``L`` tokens, so a micro-batch's row may hold ``N x max_tokens_per_device``
+tokens (:attr:`TokenBudget.row_tokens`); that is what rows are costed, fitted and binned against.
 """
 
 from __future__ import annotations
@@ -138,15 +143,35 @@ class TokenBudget:
             ``budget_hint`` (defaults: :func:`default_budget_tokens`, :func:`truncate_sequences`).
         packed: whether micro-batches are packed rows (else padded tensors).
         truncate: ``TrainingConfig.truncate_long_samples``.
+        sequence_parallel: ``TrainingConfig.sequence_parallel_size``: devices one packed row is
+            split over (each holds ``1/N`` of it; the budget stays per device).
     """
 
     max_tokens: int
     method: Method
     packed: bool
     truncate: bool = False
+    sequence_parallel: int = 1
     #: ``(dataset, its sequence_lengths)`` already read: validation and planning both need them,
     #: and reading every ``*input_ids`` column of a large dataset is the costly part.
     _seen: list[tuple[Any, list[dict[str, int]]]] = field(default_factory=list, repr=False)
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens one micro-batch may hold: ``max_tokens`` on each of the ``sequence_parallel``
+        devices that share its row (a row of ``L <= N x B`` tokens puts ``ceil(L / N) <= B`` on
+        each)."""
+        return self.max_tokens * self.sequence_parallel
+
+    @property
+    def limit(self) -> str:
+        """The bound as the messages name it."""
+        if self.sequence_parallel == 1:
+            return f"max_tokens_per_device={self.max_tokens}"
+        return (
+            f"max_tokens_per_device={self.max_tokens} x sequence_parallel_size="
+            f"{self.sequence_parallel} = {self.row_tokens} per row"
+        )
 
     def cost(self, lengths: dict[str, int]) -> int:
         return method_budget_tokens(self.method, lengths, self.packed)
@@ -163,16 +188,16 @@ class TokenBudget:
 
     def fit(self, row: dict[str, Any]) -> dict[str, Any]:
         """The row as it enters a micro-batch: cut to fit when it must and may be."""
-        if not self.truncate or self.row_cost(row) <= self.max_tokens:
+        if not self.truncate or self.row_cost(row) <= self.row_tokens:
             return row
-        return self.method.fit_to_budget(row, self.max_tokens)
+        return self.method.fit_to_budget(row, self.row_tokens)
 
     def costs(self, dataset: Any) -> list[int]:
         """Every row's cost as it will be trained (after :meth:`fit`)."""
         out = [self.cost(lengths) for lengths in self._lengths(dataset)]
         if self.truncate:
             out = [
-                c if c <= self.max_tokens else self.row_cost(self.fit(dataset[i]))
+                c if c <= self.row_tokens else self.row_cost(self.fit(dataset[i]))
                 for i, c in enumerate(out)
             ]
         return out
@@ -187,12 +212,12 @@ class TokenBudget:
         hint = self.method.budget_hint
         for i, lengths in enumerate(self._lengths(dataset)):
             cost = self.cost(lengths)
-            if cost <= self.max_tokens:
+            if cost <= self.row_tokens:
                 continue
             if not self.truncate:
                 yield (
                     f"{split} row {i}: needs {cost} tokens in one forward pass "
-                    f"({_describe(lengths)}{hint}) > max_tokens_per_device={self.max_tokens}; "
+                    f"({_describe(lengths)}{hint}) > {self.limit}; "
                     "set training.truncate_long_samples=true to cut it to fit, or raise "
                     "training.max_tokens_per_device (or tokenize with a smaller max_length)"
                 )
@@ -200,14 +225,14 @@ class TokenBudget:
             fitted = self.fit(dataset[i])
             left = self.row_cost(fitted)
             empty = untrainable(fitted)
-            if left > self.max_tokens or empty:
+            if left > self.row_tokens or empty:
                 why = (
                     f"it still needs {left} tokens"
-                    if left > self.max_tokens
+                    if left > self.row_tokens
                     else f"{' and '.join(empty)} would have no trained token left"
                 )
                 yield (
-                    f"{split} row {i}: cut to max_tokens_per_device={self.max_tokens}, {why} "
+                    f"{split} row {i}: cut to {self.limit}, {why} "
                     f"({_describe(lengths)}{hint}); raise training.max_tokens_per_device or "
                     "shorten the row's prompt"
                 )

@@ -55,7 +55,7 @@ class StepLoader:
             world_size=world_size,
             rank=rank,
             lengths=budget.costs(dataset) if budget else None,
-            max_tokens_per_device=budget.max_tokens if budget else None,
+            max_tokens_per_device=budget.row_tokens if budget else None,
             padded=bool(budget and not budget.packed),
             **planner_kwargs,
         )

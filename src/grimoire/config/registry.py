@@ -82,6 +82,7 @@ REWARD_FUNCS: dict[str, str] = {
     "think_format": "grimoire.rollout.rewards.shaping:ThinkFormat",
     "overlong_penalty": "grimoire.rollout.rewards.shaping:OverlongPenalty",
     "reward_model": "grimoire.rollout.rewards.reward_model:RewardModelReward",
+    "llm_judge": "grimoire.rollout.rewards.judge:LLMJudge",
 }
 
 #: ``callbacks[i].type`` -> callback class (instantiated with ``callbacks[i].args``).

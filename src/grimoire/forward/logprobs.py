@@ -284,7 +284,7 @@ def _split_token_logps(
             f"{attention_impl(model)!r}: only that attention sees the other ranks' tokens"
         )
     input_ids, position_ids = kwargs["input_ids"], kwargs.get("position_ids")
-    if position_ids is None or input_ids.shape[0] != 1 or "attention_mask" in kwargs:
+    if position_ids is None or input_ids.shape[0] != 1 or kwargs.get("attention_mask") is not None:
         raise ValueError(
             "training.sequence_parallel_size > 1 splits one packed [1, L] row with its "
             "position_ids and no attention_mask; this forward got padded rows (set "

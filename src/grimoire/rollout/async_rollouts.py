@@ -63,6 +63,7 @@ from grimoire.contract.layout import to_device
 from grimoire.rollout.engines.hf import HFGenerateEngine
 from grimoire.rollout.engines.sampler_process import SamplerProcess, autocast_factory
 from grimoire.rollout.engines.vllm_server import VLLMServerEngine
+from grimoire.rollout.rewards.background import BackgroundScoring
 from grimoire.rollout.stage import RolloutStage, ScoredGroup
 
 logger = logging.getLogger(__name__)
@@ -329,24 +330,26 @@ class AsyncRolloutStage(RolloutStage):
         return published
 
     def _sample(self, micro: Micro) -> list[ScoredGroup] | None:
+        """The step's groups, sampled by the sampler's copy (scored in the background while
+        the next micro-batch samples when a reward function asks: ``overlap``)."""
         engine, g = self.sampler_engine, self.sampling.num_generations
         child = self.sampler_process
-        groups = []
-        for host, keep in micro:
-            if keep:
-                prompts = to_device(host, engine.device)
-                tokens = prompt_token_lists(prompts)
-                if self.agent is not None:  # episodes: the thread sampler (checked at set-up)
-                    groups.append(self.play(prompts, engine=engine))
-                    continue
-                if child is None:
-                    rollout = engine.generate(tokens, g, with_old_logps=True)
-                else:
-                    rollout = child.generate(tokens, g, stop=self._stop)
-                    if rollout is None:
-                        return None
-                groups.append(self.score(prompts, rollout))
-        return groups
+        with BackgroundScoring[ScoredGroup](self.overlap) as scoring:
+            for host, keep in micro:
+                if keep:
+                    prompts = to_device(host, engine.device)
+                    tokens = prompt_token_lists(prompts)
+                    if self.agent is not None:  # episodes: the thread sampler (checked at set-up)
+                        scoring.submit(self.play_later(prompts, engine=engine))
+                        continue
+                    if child is None:
+                        rollout = engine.generate(tokens, g, with_old_logps=True)
+                    else:
+                        rollout = child.generate(tokens, g, stop=self._stop)
+                        if rollout is None:
+                            return None
+                    scoring.submit(self.score_later(prompts, rollout))
+            return scoring.results()
 
     def shutdown(self) -> None:
         """Stop the producer and join it (and end the sampler process); rollouts not yet

@@ -42,14 +42,15 @@ from grimoire.contract.method import GeneratingMethod
 from grimoire.rollout.agents.agent import Agent, episode_rollout
 from grimoire.rollout.agents.episode_batches import (
     engine_generate_batch,
+    episode_scoring,
     final_answer,
     play_groups,
-    score_episodes,
 )
 from grimoire.rollout.agents.episodes import sum_metrics
 from grimoire.rollout.batches import pack_rollout_batch, placeholder_batch, training_batch
 from grimoire.rollout.engines.base import Rollout, RolloutEngine
 from grimoire.rollout.engines.sampler import SamplerConfig
+from grimoire.rollout.rewards.background import BackgroundScoring
 from grimoire.rollout.rewards.calls import NOT_COLUMNS, RewardFunction
 from grimoire.rollout.rewards.scoring import score_completions
 from grimoire.rollout.rewards.statistics import equal_reward_groups, reward_std
@@ -94,6 +95,8 @@ class ScoredGroup:
     ref_logps: Tensor | None = None
     #: Episode metrics summed over the group's episodes (tool outcomes, failures, turns).
     episode_metrics: dict[str, float] = field(default_factory=dict)
+    #: Counts the reward functions returned with their rewards (``rewards/<name>/failures``).
+    reward_metrics: dict[str, float] = field(default_factory=dict)
 
 
 #: ``build_batches(ctx, groups) -> (training micro-batches, metrics)``: one batch per group.
@@ -140,6 +143,10 @@ class RolloutStage:
             ``build_batches`` (:attr:`ScoredGroup.ref_logps`).
         agent: when given, each prompt's ``G`` samples are multi-turn episodes
             (:mod:`grimoire.rollout.agents.agent`) played with the engine, scored as whole episodes.
+
+    A reward function that declares ``overlap_sampling`` (an LLM judge) makes the stage score
+    each prompt micro-batch in the background while the next one samples
+    (:mod:`grimoire.rollout.rewards.background`; ``overlap``).
     """
 
     def __init__(
@@ -162,6 +169,8 @@ class RolloutStage:
         self.needs_old_logps = needs_old_logps
         self.reference_logps = reference_logps
         self.agent = agent
+        #: Score in the background while the next micro-batch samples (same results).
+        self.overlap = any(rf.overlap_sampling for rf in self.reward_funcs)
         self.tokenizer: Any = None
         self.sharded = False
         self.pad_token_id = 0
@@ -273,18 +282,20 @@ class RolloutStage:
         step statistics are all-reduces of their own.
         """
         self.engine.sync_weights()
-        groups = []
         g, old = self.sampling.num_generations, self.needs_old_logps
-        for prompts, keep in micro:
-            if keep and self.agent is not None:
-                groups.append(self.play(prompts))
-            elif keep:
-                rollout = self.engine.generate(prompt_token_lists(prompts), g, with_old_logps=old)
-                groups.append(self.score(prompts, rollout))
-        fillers = ctx.all_reduce_max(len(groups)) - len(groups) if self.sharded else 0
-        for _ in range(fillers):
-            self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
-        return groups, fillers
+        with BackgroundScoring[ScoredGroup](self.overlap) as scoring:
+            for prompts, keep in micro:
+                if keep and self.agent is not None:
+                    scoring.submit(self.play_later(prompts))
+                elif keep:
+                    tokens = prompt_token_lists(prompts)
+                    rollout = self.engine.generate(tokens, g, with_old_logps=old)
+                    scoring.submit(self.score_later(prompts, rollout))
+            real = sum(1 for _, keep in micro if keep)
+            fillers = ctx.all_reduce_max(real) - real if self.sharded else 0
+            for _ in range(fillers):
+                self.engine.generate([[self.pad_token_id]], g, with_old_logps=old)
+            return scoring.results(), fillers
 
     def play(
         self, prompts: dict[str, Any], greedy: bool = False, engine: RolloutEngine | None = None
@@ -293,6 +304,12 @@ class RolloutStage:
         episodes; old log-probs scored by the policy over each whole episode (the sampler's
         stay ``sampler_logps``). ``engine``: the one that plays and scores them (default: the
         stage's; the asynchronous stage passes its sampler's copy)."""
+        return self.play_later(prompts, greedy, engine)()
+
+    def play_later(
+        self, prompts: dict[str, Any], greedy: bool = False, engine: RolloutEngine | None = None
+    ) -> Callable[[], ScoredGroup]:
+        """:meth:`play`'s episodes played now; the returned call runs the reward functions."""
         agent, g = self.agent, 1 if greedy else self.sampling.num_generations
         engine = self.engine if engine is None else engine
         assert agent is not None
@@ -307,19 +324,31 @@ class RolloutStage:
         if self.needs_old_logps and not greedy:
             rollout.old_logps = engine.score(rollout.input_ids, rollout.attention_mask, rollout)
         repeated = [row for row in rows for _ in range(g)]
-        total, per_func = score_episodes(self.reward_funcs, episodes, repeated, self.tokenizer)
+        rewards = episode_scoring(self.reward_funcs, episodes, repeated, self.tokenizer)
         texts = [final_answer(e) for e in episodes]
-        return ScoredGroup(
-            prompts,
-            rollout,
-            total.to(device),
-            {k: v.to(device) for k, v in per_func.items()},
-            texts,
-            episode_metrics=sum_metrics(episodes),
-        )
+
+        def scored() -> ScoredGroup:
+            counts: dict[str, float] = {}
+            total, per_func = rewards(counts)
+            return ScoredGroup(
+                prompts,
+                rollout,
+                total.to(device),
+                {k: v.to(device) for k, v in per_func.items()},
+                texts,
+                episode_metrics=sum_metrics(episodes),
+                reward_metrics=counts,
+            )
+
+        return scored
 
     def score(self, prompts: dict[str, Any], rollout: Rollout) -> ScoredGroup:
         """Decode the completions and run the reward functions on them."""
+        return self.score_later(prompts, rollout)()
+
+    def score_later(self, prompts: dict[str, Any], rollout: Rollout) -> Callable[[], ScoredGroup]:
+        """The completions decoded now, by the calling thread (which owns the tokenizer); the
+        returned call runs the reward functions (:mod:`grimoire.rollout.rewards.background`)."""
         g = rollout.group_size
         ids = completion_token_lists(rollout)
         texts = list(self.tokenizer.batch_decode(ids, skip_special_tokens=True))
@@ -330,10 +359,15 @@ class RolloutStage:
         }
         repeated = [p for p in prompts["prompt"] for _ in range(g)]
         device = rollout.completion_ids.device
-        total, per_func = score_completions(
-            self.reward_funcs, repeated, texts, columns, device, completion_ids=ids
-        )
-        return ScoredGroup(prompts, rollout, total, per_func, texts)
+
+        def scored() -> ScoredGroup:
+            counts: dict[str, float] = {}
+            total, per_func = score_completions(
+                self.reward_funcs, repeated, texts, columns, device, ids, counts
+            )
+            return ScoredGroup(prompts, rollout, total, per_func, texts, reward_metrics=counts)
+
+        return scored
 
     def decode(self, rollout: Rollout) -> list[str]:
         """Completion texts (special tokens, e.g. EOS, skipped)."""
@@ -368,6 +402,9 @@ class RolloutStage:
             episodes[k] = sum(g.episode_metrics.get(k, 0.0) * g.rewards.numel() for g in groups)
             episodes[k] /= float(rewards.numel())
         out.update(episodes)
+        for group in groups:  # the reward functions' counts (an LLM judge's failures), summed
+            for k, v in group.reward_metrics.items():
+                out[k] = out.get(k, 0.0) + v
         for name in groups[0].per_func:
             r = torch.cat([g.per_func[name] for g in groups]).float()
             out[f"rewards/{name}/mean"] = float(r.mean())

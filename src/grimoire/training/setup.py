@@ -220,10 +220,12 @@ def frozen_preparer(config: TrainingConfig, packed: bool, accelerator: Accelerat
 
 
 def build_budget(config: TrainingConfig, method: Method, packed: bool) -> TokenBudget | None:
-    """The per-device token budget (``max_tokens_per_device``), or None for fixed-size batches."""
+    """The per-device token budget (``max_tokens_per_device``), or None for fixed-size batches;
+    under sequence parallelism a row holds ``sequence_parallel_size`` times it."""
     if not config.max_tokens_per_device:
         return None
-    return TokenBudget(config.max_tokens_per_device, method, packed, config.truncate_long_samples)
+    budget, truncate = config.max_tokens_per_device, config.truncate_long_samples
+    return TokenBudget(budget, method, packed, truncate, config.sequence_parallel_size)
 
 
 def validate_data(

@@ -181,21 +181,38 @@ def score_episodes(
     episodes: Sequence[Episode],
     rows: Sequence[Mapping[str, Any]],
     tokenizer,
+    metrics: dict[str, float] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Each episode's reward: its environment's rewards plus ``sum_k w_k * r_k`` of the reward
     functions; an episode whose environment failed keeps its ``failure_reward`` alone.
+    ``metrics``: the reward functions' call counts (:func:`score_completions`).
 
     Shapes: ``N`` episodes -> ``total [N]`` float32 and ``{name: r_k [N]}``.
     """
+    return episode_scoring(reward_funcs, episodes, rows, tokenizer)(metrics)
+
+
+def episode_scoring(
+    reward_funcs: Sequence[RewardFunction],
+    episodes: Sequence[Episode],
+    rows: Sequence[Mapping[str, Any]],
+    tokenizer,
+) -> Callable[[dict[str, float] | None], tuple[Tensor, dict[str, Tensor]]]:
+    """:func:`score_episodes` in two halves: the texts are decoded now, by the calling thread
+    (which owns the tokenizer); the returned call runs the reward functions, on any thread."""
     prompts, completions, columns = episode_reward_inputs(episodes, rows, tokenizer)
     # An episode's completion is everything after its prompt (tool results included).
     ids = [list(e.input_ids[e.prompt_length :]) for e in episodes]
-    total, per_func = score_completions(
-        reward_funcs, prompts, completions, columns, completion_ids=ids
-    )
     env = torch.tensor([e.reward for e in episodes], dtype=torch.float32)
     failed = torch.tensor([e.failure is not None for e in episodes])
-    return torch.where(failed, env, env + total), per_func
+
+    def score(metrics: dict[str, float] | None) -> tuple[Tensor, dict[str, Tensor]]:
+        total, per_func = score_completions(
+            reward_funcs, prompts, completions, columns, completion_ids=ids, metrics=metrics
+        )
+        return torch.where(failed, env, env + total), per_func
+
+    return score
 
 
 __all__ = [
@@ -203,6 +220,7 @@ __all__ = [
     "engine_generate",
     "engine_generate_batch",
     "episode_reward_inputs",
+    "episode_scoring",
     "final_answer",
     "pad_episodes",
     "play_groups",

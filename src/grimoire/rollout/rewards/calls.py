@@ -42,6 +42,16 @@ NOT_COLUMNS = ("prompt_input_ids", "prompt_attention_mask", "prompt", "prompt_me
 ENTRY_KEYS = ("type", "args")
 
 
+class RewardBatch(list):
+    """A reward function's rewards (a list of floats) with counts about the call that made them
+    (an LLM judge's ``failures``): each ``metrics`` entry is summed over a step's calls and logged
+    as ``rewards/<name>/<key>``. A plain list needs none of this."""
+
+    def __init__(self, values: Iterable[float], metrics: Mapping[str, float] | None = None):
+        super().__init__(values)
+        self.metrics = dict(metrics or {})
+
+
 @dataclass
 class RewardFunction:
     """A reward callable with the name it is logged under and its weight in the total."""
@@ -66,6 +76,13 @@ class RewardFunction:
         #: Options bound by a ``{type, args}`` entry: a column of the same name must not
         #: override them.
         self._bound = set(self.fn.keywords) if isinstance(self.fn, functools.partial) else set()
+
+    @property
+    def overlap_sampling(self) -> bool:
+        """Whether the callable declared itself slow and thread-safe (``overlap_sampling = True``,
+        as an LLM judge does): the stage then scores a micro-batch in the background while the
+        next samples (:mod:`grimoire.rollout.rewards.background`)."""
+        return bool(getattr(self.fn, "overlap_sampling", False))
 
     def keywords(
         self,
@@ -230,6 +247,7 @@ def resolve_reward_funcs(
 __all__ = [
     "CALL_KEYWORDS",
     "NOT_COLUMNS",
+    "RewardBatch",
     "RewardFn",
     "RewardFunction",
     "RewardSpec",

@@ -86,6 +86,7 @@ def score_completions(
     columns: Mapping[str, list[Any]],
     device: torch.device | str = "cpu",
     completion_ids: Sequence[Sequence[int]] | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Run every reward function and combine them: ``total = sum_k w_k * r_k``.
 
@@ -93,7 +94,9 @@ def score_completions(
     ``completion_ids`` keyword is not passed when None) and every ``columns`` list have length ``N`` ->
     ``total [N]`` float32 and ``{name: r_k [N]}``. A function that raises, returns a non-sequence,
     the wrong length, or a non-finite / non-numeric entry raises :class:`RewardFunctionError`
-    naming it (and the first bad entry), instead of a shape error deep in the loss.
+    naming it (and the first bad entry), instead of a shape error deep in the loss. ``metrics``,
+    when given, gets the counts a function returned with its rewards
+    (:class:`~grimoire.rollout.rewards.calls.RewardBatch`) added as ``rewards/<name>/<key>``.
     """
     n = len(completions)
     if len(prompts) != n:
@@ -110,6 +113,10 @@ def score_completions(
                 f"{sorted(rf.keywords(prompts, completions, columns, completion_ids))})"
             ) from exc
         per_func[rf.name] = _as_rewards(values, n, rf.name)
+        for key, count in getattr(values, "metrics", {}).items():
+            if metrics is not None:
+                name = f"rewards/{rf.name}/{key}"
+                metrics[name] = metrics.get(name, 0.0) + float(count)
         total += rf.weight * per_func[rf.name]
     return total.to(device), {k: v.to(device) for k, v in per_func.items()}
 

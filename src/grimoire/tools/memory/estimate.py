@@ -29,6 +29,11 @@ What the model assumes, so that its limits are visible:
 * **Activations**: :mod:`~grimoire.model.activations` (every position of a micro-batch of
   ``tokens`` positions has a target; packed rows, so grouped-query attention runs natively).
   With checkpointing each layer keeps its input, and backward recomputes one layer at a time.
+* **Sequence parallelism** (``sequence_parallel``: ``N``, Ulysses): each rank of a sequence
+  group runs ``ceil(tokens / N)`` of a row's positions through every layer and the head, so
+  activations and logits are those of the slice; weights, gradients, optimizer states and DDP's
+  buckets are replicated (full copies, as plain DDP). Inside attention a rank holds every
+  token for ``H / N`` heads: the same number of q/k/v values as its slice with every head.
 * **Reference model** (DPO, KTO, online methods with ``beta > 0``): a frozen copy of the policy,
   sharded like it, unless the reference is cached or is the LoRA base (adapters disabled: free).
 * **Rollout** (GRPO, RLOO, ...): the KV cache of one sampling call (keys and values of every
@@ -79,7 +84,8 @@ class Setup:
     ranks one copy of the weights is sharded over under FSDP2 (``None``: all, i.e. plain FSDP;
     fewer: HSDP); ``reference``: ``"none"``, ``"adapters"`` (the LoRA base), ``"cached"`` or
     ``"model"`` (a frozen copy in memory); ``device``: ``"cuda"`` or ``"cpu"`` (what the
-    kernels keep differs a little)."""
+    kernels keep differs a little); ``sequence_parallel``: ranks one packed row of ``tokens``
+    positions is split over (``training.sequence_parallel_size``)."""
 
     world_size: int = 1
     shard_group: int | None = None
@@ -100,6 +106,13 @@ class Setup:
     rollout: Rollout | None = None
     score_head: bool = False
     device: str = "cuda"
+    sequence_parallel: int = 1
+
+    @property
+    def rank_tokens(self) -> int:
+        """Positions one rank runs through the model in a forward pass: its slice of the row
+        (the row padded to a multiple of ``sequence_parallel`` first, as the split does)."""
+        return -(-self.tokens // self.sequence_parallel)
 
     @property
     def sharded(self) -> bool:
@@ -253,7 +266,7 @@ def estimate(shape: ModelShape, setup: Setup) -> Estimate:
     parts, step_temp = _state_parts(shape, setup, p)
     notes: list[str] = []
     start_grads, unsharded_grads = _gathered_parts(shape, setup, p, num, parts, notes)
-    t = setup.tokens
+    t = setup.rank_tokens
     one_layer = layer_bytes_per_token(shape, num, setup.lora) * t
     flow = gradient_flow_bytes_per_token(shape, num) * t
     acts = t * activation_bytes_per_token(

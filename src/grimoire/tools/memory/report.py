@@ -67,11 +67,18 @@ def describe_setup(setup: Setup) -> str:
     what = (f"LoRA r={lora.r} on {'/'.join(lora.targets)}" if lora else "full fine-tuning") + (
         f", {setup.quant_bits}-bit base" if setup.quant_bits else ""
     )
+    split = ""
+    if setup.sequence_parallel > 1:
+        split = (
+            f"; each row split over {setup.sequence_parallel} ranks (sequence parallel: "
+            f"{setup.rank_tokens} tokens per rank)"
+        )
     return (
         f"{how}; {what}; {setup.weight_dtype} weights, mixed_precision {setup.mixed_precision}; "
         f"{setup.optimizer}; checkpointing {'on' if setup.checkpointing else 'off'}; "
         f"{setup.tokens} tokens per micro-batch"
         + (f" x {setup.grad_accum} accumulation steps" if setup.grad_accum > 1 else "")
+        + split
     )
 
 

@@ -87,8 +87,15 @@ def _reference(raw: Mapping[str, Any], method: Method, config: TrainingConfig, l
 
 
 def _tokens(method: Method, config: TrainingConfig) -> tuple[int, str]:
-    """Positions in the largest forward pass of a micro-batch, and where that came from."""
+    """Positions in the largest forward pass of a micro-batch (the whole row, before a
+    sequence-parallel split), and where that came from."""
     if config.max_tokens_per_device:
+        n = config.sequence_parallel_size
+        if n > 1:  # the budget is per device: a row split over N devices holds N times it
+            return n * config.max_tokens_per_device, (
+                f"training.max_tokens_per_device {config.max_tokens_per_device} per device x "
+                f"sequence_parallel_size {n}"
+            )
         return config.max_tokens_per_device, "training.max_tokens_per_device"
     prefixes = sequence_prefixes(method.required_columns) or [""]
     per_row = method.budget_tokens(dict.fromkeys(prefixes, config.max_length), False)
@@ -160,6 +167,7 @@ def plan_from_config(
         reference=_reference(raw, method, config, lora is not None),
         rollout=_rollout(method, tokens, config),
         score_head=method.model_kind == "sequence_classification",
+        sequence_parallel=config.sequence_parallel_size,
     )
     problems = check_setup(setup)
     if problems:
@@ -180,6 +188,12 @@ def check_setup(setup: Setup) -> list[str]:
             p.append(
                 f"the shard group size ({group}) must divide the world size ({setup.world_size})"
             )
+    n = setup.sequence_parallel
+    if n > 1 and setup.world_size % n:
+        p.append(
+            f"training.sequence_parallel_size={n} does not divide --world-size "
+            f"{setup.world_size}: give the run's number of processes (a multiple of {n})"
+        )
     if setup.cpu_offload and not setup.sharded:
         p.append("training.fsdp_cpu_offload needs training.distributed: fsdp2")
     if setup.sharded and setup.mixed_precision == "fp16":
