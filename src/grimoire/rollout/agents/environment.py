@@ -62,6 +62,23 @@ class Environment(Protocol):
     def step(self, message: Message) -> Step | tuple[list[Message], float, bool]: ...
 
 
+def row_prompt(row: Mapping[str, Any], prompt_field: str = "prompt") -> list[Message] | None:
+    """A row's first messages: its ``messages``, else its ``prompt_field`` (a string is one user
+    turn, a list is messages); None when it has neither."""
+    first = row["messages"] if "messages" in row else row.get(prompt_field)
+    if first is None:
+        return None
+    return [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
+
+
+def append_to_last(messages: list[Message], text: str, sep: str = "") -> list[Message]:
+    """``messages`` with ``text`` added to the last message's content after ``sep`` (no ``sep``
+    next to an empty side); the last message is copied, not changed in place."""
+    last = dict(messages[-1])
+    last["content"] = sep.join(part for part in (last.get("content") or "", text) if part)
+    return [*messages[:-1], last]
+
+
 class ToolEnvironment:
     """Runs the tool calls of each assistant turn; the episode ends at a turn without calls.
 
@@ -97,8 +114,9 @@ class ToolEnvironment:
         return [t.schema for t in self.toolbox.values()]
 
     def reset(self, row: Mapping[str, Any]) -> list[Message]:
-        first = row["messages"] if "messages" in row else row[self.prompt_field]
-        messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
+        messages = row_prompt(row, self.prompt_field)
+        if messages is None:
+            raise KeyError(self.prompt_field)
         if self.system_prompt is not None:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages

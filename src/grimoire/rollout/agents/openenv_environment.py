@@ -44,7 +44,7 @@ from typing import Any, cast
 
 from grimoire.config.registry import resolve
 from grimoire.errors import ConfigError
-from grimoire.rollout.agents.environment import Message, Step
+from grimoire.rollout.agents.environment import Message, Step, append_to_last, row_prompt
 from grimoire.rollout.agents.toolbox import TIMEOUT, call_with_timeout
 
 logger = logging.getLogger(__name__)
@@ -105,17 +105,11 @@ def observation_text(observation: Mapping[str, Any], field: str | None) -> str:
 
 
 def _first_messages(row: Mapping[str, Any], text: str, system: str | None) -> list[Message]:
-    first = row.get("messages", row.get("prompt"))
-    if first is None:
+    prompt = row_prompt(row)
+    if prompt is None:
         messages = [{"role": "user", "content": text}]
-    elif isinstance(first, str):
-        messages = [{"role": "user", "content": first}]
     else:
-        messages = list(first)
-    if first is not None and text:
-        last = dict(messages[-1])
-        last["content"] = "\n\n".join(s for s in (last.get("content") or "", text) if s)
-        messages[-1] = last
+        messages = append_to_last(prompt, text, "\n\n") if text else prompt
     return messages if system is None else [{"role": "system", "content": system}, *messages]
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from grimoire.errors import ConfigError
-from grimoire.rollout.agents.environment import Message, Step, ToolEnvironment
+from grimoire.rollout.agents.environment import Message, Step, ToolEnvironment, append_to_last
 from grimoire.rollout.agents.toolbox import Tool, tool_schema
 
 #: The methods of a TRL environment that are not tools.
@@ -96,9 +96,7 @@ class TRLEnvironment(ToolEnvironment):
                 f"{type(self.instance).__name__}.reset returned a "
                 f"{type(observation).__name__}; TRL's reset returns a string or None"
             )
-        last = dict(messages[-1])
-        last["content"] = (last.get("content") or "") + observation
-        return [*messages[:-1], last]
+        return append_to_last(messages, observation)
 
     def step(self, message: Message) -> Step:
         step = super().step(message)
