@@ -9,8 +9,10 @@ model with no collective at all (the independent reference: it never sees a pack
 ``sequence_parallel_size: 2``,
 against the same runs in this process (``sequence_parallel_size: 1``); HF greedy sampling with
 the Ulysses model; and checkpoints resumed across ``N = 2`` and one process. The 4-process one
-repeats the row split for ``N = 4`` and trains SFT and GRPO on a 2 data x 2 sequence mesh. The
-validation tests need no launch.
+repeats the row split and the trainer's SFT, DPO and GRPO for ``N = 4`` (the model's 2
+key/value heads repeated), samples greedily from an FSDP2-sharded Ulysses policy, and trains
+GRPO (DDP and FSDP2) and SFT (FSDP2) on a 2 data x 2 sequence mesh. The validation tests need
+no launch.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from transformers import AutoModelForCausalLM
 from grimoire.config.training import TrainingConfig
 from grimoire.errors import ConfigError
 from grimoire.model.tiny import build_model
-from grimoire.model.ulysses_attention import unsupported_reason
+from grimoire.model.ulysses_attention import repeat_kv_for, unsupported_reason
 from grimoire.parallel.sequence import check_sequence_parallel
 
 SCRIPT = Path(worker.__file__)
@@ -113,10 +115,9 @@ def test_sequence_parallel_sft_gradients_equal_one_process(ranks):
 
 
 def test_sequence_parallel_sft_steps_train_the_same_weights(ranks):
-    # N = 4 splits the heads 4 ways: its model has 4 key/value heads.
-    kv = {} if len(ranks) == 2 else {"num_key_value_heads": 4}
+    # N = 4 splits the 4 heads 4 ways, each of the 2 key/value heads repeated twice.
     for r in ranks:
-        start = build_model("llama", seed=0, **kv).state_dict()
+        start = build_model("llama", seed=0).state_dict()
         moved = [n for n, p in r["params_ref"][0].items() if not torch.equal(p, start[n])]
         assert moved  # the 3 steps changed the weights, so equality below is not vacuous
         for name, param in r["params_sp"][0].items():
@@ -148,9 +149,17 @@ def test_sequence_parallel_size_must_divide_the_world():
 def test_ulysses_refuses_heads_not_divisible_and_unsplittable_attention():
     llama = build_model("llama")  # 4 attention heads, 2 key/value heads
     assert unsupported_reason(llama, 2) is None
-    assert "2 key/value heads" in (unsupported_reason(llama, 4) or "")
+    assert unsupported_reason(llama, 4) is None  # key/value heads repeated twice
     six = build_model("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=6)
-    assert "6 attention heads" in (unsupported_reason(six, 4) or "")
+    assert "6 attention heads, which 4 does not divide" in (unsupported_reason(six, 4) or "")
+    # How often each key/value head is repeated: the least r with N | H_kv * r.
+    assert [repeat_kv_for(kv, n) for kv, n in [(2, 2), (2, 4), (3, 2), (3, 9), (4, 2)]] == [
+        1,
+        2,
+        2,
+        3,
+        1,
+    ]
     gemma = build_model("gemma2")  # softcapping and sliding windows: not plain causal sdpa
     assert "not one grimoire can split" in (unsupported_reason(gemma, 2) or "")
 
@@ -173,45 +182,66 @@ def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tin
     one = one_process[family.removesuffix("_checkpointed")]  # checkpointing changes no number
     start = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()
     assert any(not torch.equal(one["params"][k], start[k]) for k in start)  # it trained
-    for rank in range(2):
-        split = torch.load(launched / f"{family}.rank{rank}.pt", weights_only=False)
-        # The split really ran: the policy's attention was the Ulysses one.
-        assert (split["attention"], one["attention"]) == (
-            "grimoire_ulysses",
-            "grimoire_packed_sdpa",
-        )
-        # Tokens counted once per sequence group (not 2x), the same losses, the same weights.
+    assert one["attention"] == "grimoire_packed_sdpa"
+    _assert_equal_to_one_process(launched, one, family, range(2))
+
+
+@pytest.mark.parametrize("family", ["sft", "dpo", "grpo"])
+def test_sequence_parallel_n4_trainer_equals_one_process(launched4, one_process, family):
+    # One sequence group of 4 (the model's 4 heads split 4 ways, its 2 key/value heads
+    # repeated): the same tokens, losses, weights and (GRPO) per-token reference and old
+    # log-probs as one process, on every rank.
+    _assert_equal_to_one_process(launched4, one_process[family], f"n4.{family}", range(4))
+
+
+def _assert_equal_to_one_process(
+    out: Path, one: dict, name: str, ranks: range, logps: bool = True
+) -> None:
+    """Every rank's run ``name`` against the one-process one: the policy's attention was the
+    Ulysses one (the split really ran); tokens counted once per sequence group (not N times),
+    the same losses and weights; with ``logps``, the groups' reference and (GRPO) old log-probs,
+    split forwards at temperature 0.7, are the one-process ones, per token."""
+    for rank in ranks:
+        split = torch.load(out / f"{name}.rank{rank}.pt", weights_only=False)
+        assert split["attention"] == "grimoire_ulysses"
         assert split["tokens"] == one["tokens"]
         assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
-        for name, param in one["params"].items():
-            torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
-        # GRPO, RLOO: the groups' reference and (GRPO) old log-probs, split forwards at
-        # temperature 0.7, are the one-process ones, per token.
-        for key in ("ref_logps", "old_logps"):
+        if split["mesh"] is None or rank == 0:  # FSDP2's gathered weights are on rank 0
+            for key, param in one["params"].items():
+                torch.testing.assert_close(split["params"][key], param, rtol=1e-4, atol=1e-6)
+        for key in ("ref_logps", "old_logps") if logps else ():
             assert len(split.get(key, [])) == len(one.get(key, []))
             for got, want in zip(split.get(key, []), one.get(key, []), strict=True):
                 assert bool((want != 0).any())
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["sft", "grpo", "sft_fsdp2"])
+@pytest.mark.parametrize("family", ["grpo", "sft_fsdp2", "grpo_fsdp2"])
 def test_sequence_parallel_on_a_2x2_mesh_equals_one_process(launched4, one_process, family):
     # 4 processes = 2 data x 2 sequence ranks, each data rank reading half the global batch:
     # the same tokens (each sequence group counted once), losses and weights as one process;
-    # GRPO's batch-scaled rewards take their std over the 2 data ranks' groups. sft_fsdp2:
+    # GRPO's batch-scaled rewards take their std over the 2 data ranks' groups. *_fsdp2:
     # FSDP2 (HSDP) replicates over each sequence group ({0, 1}, {2, 3}) and shards over the
-    # data ranks ({0, 2}, {1, 3}); its gathered weights are on rank 0.
+    # data ranks ({0, 2}, {1, 3}); GRPO's every rank samples (a sharded forward is a
+    # collective), and the groups use their rank 0's samples.
     one = one_process[family.removesuffix("_fsdp2")]
+    mesh = [[0, 2], [1, 3]] if family.endswith("_fsdp2") else None
     for rank in range(4):
         split = torch.load(launched4 / f"mesh2x2.{family}.rank{rank}.pt", weights_only=False)
-        assert split["attention"] == "grimoire_ulysses"
-        assert split["mesh"] == ([[0, 2], [1, 3]] if family == "sft_fsdp2" else None)
-        assert split["tokens"] == one["tokens"]
-        assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
-        if family == "sft_fsdp2" and rank > 0:
-            continue
-        for name, param in one["params"].items():
-            torch.testing.assert_close(split["params"][name], param, rtol=1e-4, atol=1e-6)
+        assert split["mesh"] == mesh
+    # (Each data rank scored its own half of the groups: no per-token comparison.)
+    _assert_equal_to_one_process(launched4, one, f"mesh2x2.{family}", range(4), logps=False)
+
+
+def test_sequence_parallel_fsdp2_policy_samples_as_the_plain_model(launched4):
+    # Greedy sampling from the Ulysses model sharded by FSDP2 over the data ranks: every rank
+    # samples in step (the second data rank makes 3 sampling calls, the first 2 and a filler),
+    # and each group's tokens are its rank 0's, the plain model's.
+    got = [torch.load(launched4 / f"greedy.fsdp2.rank{r}.pt", weights_only=False) for r in range(4)]
+    for rank, greedy in enumerate(got):
+        assert greedy["split"] == greedy["plain"]
+        assert len(greedy["split"]) == (3 if rank < 2 else 5)
+        assert all(len(row) >= 1 for row in greedy["split"])
 
 
 def test_sequence_parallel_resume_on_another_size_equals_the_uninterrupted_run(
@@ -270,6 +300,3 @@ def test_sequence_parallel_refuses_generating_methods_and_padded_rows():
     with pytest.raises(ConfigError) as err:
         check_method(2, GRPOMethod(["exact_match"], max_staleness=1), packed=True)
     assert "loss.args.max_staleness=1" in str(err.value)
-    check_method(2, SFTLoss(), packed=True, sharded=True)
-    with pytest.raises(ConfigError, match=r"GRPOMethod samples on one rank per sequence group"):
-        check_method(2, GRPOMethod(["exact_match"]), packed=True, sharded=True)

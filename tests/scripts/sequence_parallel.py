@@ -83,12 +83,14 @@ def reference_logps(
 
 class RankedEngine(RolloutEngine):
     """Completion ``j`` of a prompt: a fixed function of the prompt, ``j`` and this process's
-    place in its sequence group of 2, 6 to 13 tokens. The one-process run is place 0; under
-    sequence parallelism only place 0 may sample for the group (a rank that sampled its own
-    would score other tokens)."""
+    place in its sequence group of ``group`` ranks, 6 to 13 tokens. The one-process run is
+    place 0; under sequence parallelism only place 0's samples may be used by the group (a rank
+    that used its own would score other tokens)."""
+
+    group = 1
 
     def _sample(self, prompts: list[list[int]], n: int, greedy: bool) -> list[list[int]]:
-        rank = dist.get_rank() % 2 if dist.is_initialized() else 0
+        rank = dist.get_rank() % self.group if dist.is_initialized() else 0
         out = []
         for p in prompts:
             for j in range(n):
@@ -101,7 +103,7 @@ def grpo_reward(prompts: list[str], completions: list[str], **_: object) -> list
     return [len(c) + (sum(map(ord, c)) % 13) / 13 for c in completions]
 
 
-def online_method(family: str) -> tuple[object, dict[str, list]]:
+def online_method(family: str, group: int) -> tuple[object, dict[str, list]]:
     """GRPO or RLOO with a reference (split reference forward), temperature 0.7 (the
     full-logits path) and step statistics over the data ranks (GRPO's batch-scaled rewards,
     RLOO's normalised advantages); GRPO updates twice per rollout (split old log-probs). The
@@ -111,6 +113,7 @@ def online_method(family: str) -> tuple[object, dict[str, list]]:
 
     common = dict(num_generations=4, max_new_tokens=13, temperature=0.7, ref_model="copy")
     engine = RankedEngine(max_new_tokens=13, temperature=0.7)
+    engine.group = group
     if family == "grpo":
         method = GRPOMethod(
             [grpo_reward],
@@ -160,8 +163,9 @@ def train(
     stop_after: int | None = None,
     resume: bool = False,
 ) -> tuple[dict, GrimoireTrainer]:
-    """3 SGD steps of ``family`` ("sft", "dpo", "grpo", "rloo", or "sft_checkpointed": SFT with
-    activation checkpointing, whose recompute repeats the attention's collectives) on packed
+    """3 SGD steps of ``family`` ("sft", "dpo", "grpo", "rloo"; "sft_checkpointed": SFT with
+    activation checkpointing, whose recompute repeats the attention's collectives; "sft_fsdp2",
+    "grpo_fsdp2": with ``distributed: fsdp2``) on packed
     rows through ``GrimoireTrainer`` (``stop_after``: that many, with a checkpoint there;
     ``resume``: from the latest checkpoint in ``OUT_DIR/<family>`` to step 3); the trained
     weights, the logged losses and the model's attention implementation, and the trainer (the
@@ -172,12 +176,13 @@ def train(
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     seen: dict[str, list] = {}
-    if family.startswith("sft"):
+    base = family.removesuffix("_fsdp2").removesuffix("_checkpointed")
+    if base == "sft":
         rows = [tokenize_sft(r, tok, max_length=64) for r in reverse_rows(24, seed=5, max_len=9)]
         loss_fn: object = SFTLoss()
-    elif family in ("grpo", "rloo"):
+    elif base in ("grpo", "rloo"):
         rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=6)]
-        loss_fn, seen = online_method(family)
+        loss_fn, seen = online_method(base, sequence_parallel_size)
     else:
         rows = [tokenize_preference(r, tok, max_length=64) for r in preference_rows(16, seed=4)]
         loss_fn = DPOLoss(ref_model=copy.deepcopy(model))
@@ -187,13 +192,13 @@ def train(
         save_steps=stop_after,
         resume_from_checkpoint="latest" if resume else None,
         # The same global batch whatever the data ranks: each reads its share.
-        batch_size=(2 if family in ("grpo", "rloo") else 4) // data_ranks,
+        batch_size=(2 if base in ("grpo", "rloo") else 4) // data_ranks,
         gradient_accumulation_steps=2,
         learning_rate=1e-2,
         optimizer="sgd",
         padding_free=True,
         gradient_checkpointing=family == "sft_checkpointed",
-        distributed="fsdp2" if family == "sft_fsdp2" else "ddp",
+        distributed="fsdp2" if family.endswith("_fsdp2") else "ddp",
         sequence_parallel_size=sequence_parallel_size,
     )
     steps = StepsRun()
@@ -218,28 +223,37 @@ def train(
 
 def main(out_dir: Path, tiny_dir: str) -> None:
     """2 processes: one sequence group of 2 (the row split, greedy sampling, the trainer's
-    :data:`FAMILIES`). 4 processes: one group of 4 (the row split, on a model with 4 key/value
-    heads), then the trainer's SFT and GRPO on a 2 data x 2 sequence mesh."""
+    :data:`FAMILIES`). 4 processes: one group of 4 (the row split, and the trainer's
+    :data:`FAMILIES4`; the model's 2 key/value heads are repeated to 4), then greedy sampling
+    from an FSDP2-sharded policy and the trainer's :data:`MESH_FAMILIES` on a 2 data x 2
+    sequence mesh."""
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world == 2:
         split_rows(out_dir, "", sequence_mesh(2)[1], build_model("llama", seed=0))
         torch.save(greedy_samples(tiny_dir, sequence_mesh(2)[1]), out_dir / f"greedy.rank{rank}.pt")
-        families, prefix = FAMILIES, ""
+        runs = [(f, 2, f) for f in FAMILIES]
         resume_across_sizes(tiny_dir, out_dir, Path(sys.argv[3]))
     else:
-        model = build_model("llama", seed=0, num_key_value_heads=4)
-        split_rows(out_dir, "n4.", sequence_mesh(world)[1], model)
-        families, prefix = ("sft", "grpo", "sft_fsdp2"), "mesh2x2."
-    for family in families:  # the trainer's own runs, on the same process group
-        trained, trainer = train(tiny_dir, out_dir, family, 2, data_ranks=world // 2)
-        torch.save(trained, out_dir / f"{prefix}{family}.rank{rank}.pt")
+        split_rows(out_dir, "n4.", sequence_mesh(world)[1], build_model("llama", seed=0))
+        runs = [(f, 4, f"n4.{f}") for f in FAMILIES4]
+        mesh = sequence_mesh(2)[1]
+        torch.save(
+            greedy_samples(tiny_dir, mesh, sharded=True), out_dir / f"greedy.fsdp2.rank{rank}.pt"
+        )
+        runs += [(f, 2, f"mesh2x2.{f}") for f in MESH_FAMILIES]
+    for family, size, name in runs:  # the trainer's own runs, on the same process group
+        trained, trainer = train(tiny_dir, out_dir / name, family, size, data_ranks=world // size)
+        torch.save(trained, out_dir / f"{name}.rank{rank}.pt")
     trainer.close()
 
 
 #: The trainer's runs the 2-process launch makes (``sft_checkpointed``: SFT with activation
 #: checkpointing).
 FAMILIES = ("sft", "dpo", "sft_checkpointed", "grpo", "rloo")
+#: The 4-process launch's: one sequence group of 4, then a 2 data x 2 sequence mesh.
+FAMILIES4 = ("sft", "dpo", "grpo")
+MESH_FAMILIES = ("grpo", "sft_fsdp2", "grpo_fsdp2")
 
 
 def resume_across_sizes(tiny_dir: str, out_dir: Path, one_run: Path) -> None:
@@ -310,28 +324,49 @@ def split_rows(out_dir: Path, prefix: str, sp, ref: torch.nn.Module) -> None:
     set_sequence_group(None)
 
 
-def greedy_samples(tiny_dir: str, sp) -> dict[str, list]:
+def greedy_samples(tiny_dir: str, sp, sharded: bool = False) -> dict[str, list]:
     """The HF engine's greedy samples from a model with the Ulysses attention while the sequence
     group is active (rank 0 of the group samples, unsplit, with its KV cache, and sends them),
     and from the plain model with no group; and the held-out callbacks' greedy texts (every
-    rank generates whole rows) both ways."""
+    rank generates whole rows) both ways. ``sharded``: the split model is FSDP2-sharded over
+    the data ranks as the trainer shards it (every rank samples, in step, ``synced_gpus``;
+    the data ranks sample different prompts, as they would, and the callbacks are skipped)."""
+    from functools import partial
+    from types import SimpleNamespace
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from grimoire.config.context import all_reduce_max
+    from grimoire.parallel.fsdp import shard_model
     from grimoire.rollout.engines.generation import greedy_generate_texts
 
     prompts = [[5, 9, 11, 3], [7, 2], [13, 8, 21]]
+    if sharded and dist.get_rank() >= sp.size:  # the second data rank: 3 sampling calls, not 2
+        prompts = [[4, 6], [17, 3, 9, 12, 30], [22], [9, 9], [31, 2, 5]]
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     out: dict[str, list] = {}
     for name in ("split", "plain"):
         model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+        agree = None
         if name == "split":
             enable_ulysses_attention(model, sp.size)
+        if name == "split" and sharded:
+            config = SimpleNamespace(
+                fsdp_cpu_offload=False,
+                mixed_precision="no",
+                fsdp_reshard_after_forward=True,
+                fsdp_shard_group_size=None,
+                sequence_parallel_size=sp.size,
+            )
+            shard_model(model, config)
+            agree = partial(all_reduce_max, SimpleNamespace(num_processes=4, device="cpu"))
         set_sequence_group(sp if name == "split" else None)
-        engine = HFGenerateEngine(max_new_tokens=6)
-        engine.bind(model, 0, None)
+        engine = HFGenerateEngine(max_new_tokens=6, generation_batch_size=2)
+        engine.bind(model, 0, None, agree=agree)
         rollout = engine.generate(prompts, 1, with_old_logps=False, greedy=True)
         out[name] = rollout.completion_ids.tolist()
-        out[f"{name}_texts"] = greedy_generate_texts(model, tok, ["abc", "hello"], 5)
+        if not sharded:
+            out[f"{name}_texts"] = greedy_generate_texts(model, tok, ["abc", "hello"], 5)
     set_sequence_group(None)
     return out
 

@@ -78,22 +78,29 @@ def unsplit() -> Iterator[None]:
 _T = TypeVar("_T")
 
 
-def from_leader(fn: Callable[[], _T]) -> _T:
-    """``fn()`` run by rank 0 of the active sequence group alone, unsplit, and its result
-    (picklable) sent to the group's other ranks, which do not run it; plain ``fn()`` without
-    a group. For sampling: the group's ranks must score the same completions, and two ranks
-    drawing with their own random streams would not give them."""
+def from_leader(fn: Callable[[], _T], everyone: bool = False) -> _T:
+    """``fn()`` run by rank 0 of the active sequence group, unsplit, and its result (picklable)
+    sent to the group's other ranks; plain ``fn()`` without a group. For sampling: the group's
+    ranks must score the same completions, and two ranks drawing with their own random streams
+    would not give them. The other ranks do not run ``fn`` unless ``everyone``: a sharded
+    policy (FSDP2) all-gathers its parameters inside every forward, over the data ranks, so
+    every rank must run as many forwards as its shard group's leaders do; theirs are
+    discarded."""
     sp = sequence_group()
     if sp is None:
         return fn()
     box: list[Any] = [None, None]  # (result, the leader's error)
     failure: BaseException | None = None
-    if sp.rank == 0:
+    if sp.rank == 0 or everyone:
         try:
             with unsplit():
-                box[0] = fn()
+                result = fn()
+            if sp.rank == 0:
+                box[0] = result
         except Exception as err:  # the other ranks wait in the broadcast: tell them, then raise
-            failure, box[1] = err, f"{type(err).__name__}: {err}"
+            failure = err
+            if sp.rank == 0:
+                box[1] = f"{type(err).__name__}: {err}"
     dist.broadcast_object_list(box, group=sp.group, group_src=0)
     if failure is not None:
         raise failure

@@ -24,13 +24,19 @@ The all-to-alls are torch's functional collectives (``all_to_all_single_autograd
 backward is the inverse all-to-all: gloo (CPU) and NCCL both implement it. Communication per
 layer: 4 all-to-alls of ``1/N`` of a slice's q/k/v/output each, independent of ``N`` per
 process. Query head ``h`` uses key/value head ``h // (H / H_kv)``; cutting both head axes into
-``N`` contiguous chunks keeps each query head with its key/value head on the same rank, which is
-why ``H_kv`` must be divisible by ``N`` as well (:func:`unsupported_reason`; a model with fewer
-key/value heads than ``N`` is refused rather than its key/value heads repeated).
+``N`` contiguous chunks keeps each query head with its key/value head on the same rank when
+``N`` divides ``H_kv``. When it does not (grouped-query attention with fewer key/value heads
+than ``N``, or 3 of them over 2 processes), each key/value head is repeated ``r = N / gcd(H_kv,
+N)`` times before the exchange (:func:`repeat_kv_for`), as DeepSpeed-Ulysses does: ``H_kv * r``
+heads, a multiple of ``N`` that divides ``H``, and query head ``h`` still meets its own
+(``h // (H / (H_kv r)) // r = h // (H / H_kv)``); the repeat's backward sums the copies'
+gradients. The cost is ``r`` times the key/value all-to-all volume. Only ``H`` must be
+divisible by ``N`` (:func:`unsupported_reason`).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any
 
@@ -135,6 +141,9 @@ def ulysses_attention_forward(
             "attention function"
         )
     positions = row_positions(local_positions, sp)
+    repeat = repeat_kv_for(key.shape[1], sp.size)
+    if repeat > 1:  # [B, H_kv, L/N, D] -> [B, H_kv * r, L/N, D], each head r times in a row
+        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     q, k, v = (seq_to_heads(t, sp) for t in (query, key, value))
     out, _ = packed_attention.packed_sdpa_attention_forward(
         module,
@@ -151,6 +160,12 @@ def ulysses_attention_forward(
     return heads_to_seq(out, sp), None
 
 
+def repeat_kv_for(kv_heads: int, size: int) -> int:
+    """How many times each of ``kv_heads`` key/value heads is repeated so that ``size`` ranks
+    can split them: the least ``r`` with ``kv_heads * r`` divisible by ``size``."""
+    return size // math.gcd(kv_heads, size)
+
+
 def register() -> None:
     """Register the attention function, and the packed mask function, under :data:`NAME`."""
     AttentionInterface.register(NAME, ulysses_attention_forward)
@@ -165,11 +180,10 @@ def unsupported_reason(model: torch.nn.Module, size: int) -> str | None:
     if reason is not None:
         return f"its attention is not one grimoire can split: {reason}"
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if heads % size or kv_heads % size:
+    if heads % size:
         return (
             f"Ulysses splits attention heads over the {size} processes: the model has {heads} "
-            f"attention heads and {kv_heads} key/value heads, both must be divisible by {size}"
+            f"attention heads, which {size} does not divide (set it to a divisor of {heads})"
         )
     return None
 
@@ -189,6 +203,7 @@ __all__ = [
     "enable_ulysses_attention",
     "heads_to_seq",
     "register",
+    "repeat_kv_for",
     "row_positions",
     "seq_to_heads",
     "ulysses_attention_forward",

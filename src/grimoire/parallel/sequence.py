@@ -42,7 +42,7 @@ def check_sequence_parallel(size: int, world_size: int) -> None:
         )
 
 
-def check_method(size: int, method: Method, packed: bool, sharded: bool = False) -> None:
+def check_method(size: int, method: Method, packed: bool) -> None:
     """Refuse, before the model is prepared, what is not split: the online methods but GRPO and
     RLOO with synchronous single-turn HF rollouts (:func:`_generating_problems`), reward
     models, and padded micro-batches."""
@@ -51,12 +51,6 @@ def check_method(size: int, method: Method, packed: bool, sharded: bool = False)
     problems = []
     if generating(method) is not None or method.needs_generation:
         problems += _generating_problems(size, method)
-        if sharded:  # only rank 0 of a group samples; a sharded policy's ranks all must
-            problems.append(
-                f"training.sequence_parallel_size={size}: {method.method_name} samples on one "
-                "rank per sequence group, which a sharded policy (distributed: fsdp2) cannot "
-                "do; use distributed: ddp"
-            )
     if method.model_kind != "causal_lm":
         problems.append(
             f"training.sequence_parallel_size={size}: {method.method_name} trains a "
@@ -102,13 +96,11 @@ def _generating_problems(size: int, method: Method) -> list[str]:
     return problems
 
 
-def start_sequence_parallel(
-    size: int, method: Method, packed: bool, sharded: bool = False
-) -> SequenceGroup | None:
+def start_sequence_parallel(size: int, method: Method, packed: bool) -> SequenceGroup | None:
     """:func:`check_method`, then build the mesh and make its sequence group the one every
     forward splits over (None, and nothing built, for ``size`` 1).
     :func:`grimoire.parallel.fsdp.release_process_group` ends it."""
-    check_method(size, method, packed, sharded)
+    check_method(size, method, packed)
     if size == 1:
         set_sequence_group(None)
         return None

@@ -192,8 +192,7 @@ def prepare_model(
 
 def sequence_parallel(config: TrainingConfig, method: Method, packed: bool) -> None:
     """Refuse what the sequence split does not serve, then build its mesh (size > 1 only)."""
-    sharded = config.distributed == "fsdp2"
-    start_sequence_parallel(config.sequence_parallel_size, method, packed, sharded)
+    start_sequence_parallel(config.sequence_parallel_size, method, packed)
 
 
 def _on_cuda(accelerator: Accelerator | None) -> bool:

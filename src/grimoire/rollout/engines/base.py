@@ -259,8 +259,10 @@ class RolloutEngine(ABC):
         device = self.device  # unbound: the error names bind()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate() needs a non-empty list of non-empty prompts")
-        # Under sequence parallelism one rank of the group samples (unsplit) for the group.
-        samples = from_leader(lambda: self._sample(prompts, n, greedy))
+        # Under sequence parallelism one rank of the group samples (unsplit) for the group; a
+        # sharded policy's other ranks sample too (their forwards are collectives), unused.
+        sharded = self.agree is not None
+        samples = from_leader(lambda: self._sample(prompts, n, greedy), everyone=sharded)
         if not isinstance(samples, Samples):
             samples = Samples(samples)
         rows = [self._cut_at_eos(c[: self.sampler.max_new_tokens]) for c in samples.ids]
