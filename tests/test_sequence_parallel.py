@@ -5,7 +5,7 @@ group of 2) scores packed rows of several documents, some crossing the slice bou
 the row split over the group, and the same rows one document at a time through the plain sdpa
 model with no collective at all (the independent reference: it never sees a packed row); then
 3 SGD steps of the SFT token-mean NLL both ways; then ``GrimoireTrainer`` itself, 3 steps of SFT
-(with and without activation checkpointing), DPO, GRPO and RLOO with
+(with and without activation checkpointing), DPO, KTO, GRPO and RLOO with
 ``sequence_parallel_size: 2``,
 against the same runs in this process (``sequence_parallel_size: 1``); HF greedy sampling with
 the Ulysses model; and checkpoints resumed across ``N = 2`` and one process. The 4-process one
@@ -169,15 +169,15 @@ def test_ulysses_refuses_heads_not_divisible_and_unsplittable_attention():
 
 @pytest.fixture(scope="module")
 def one_process(tiny_dir, tmp_path_factory) -> dict[str, dict]:
-    """The trainer's SFT and DPO runs in this process (sequence_parallel_size: 1)."""
+    """The trainer's runs in this process (sequence_parallel_size: 1)."""
     out, runs = tmp_path_factory.mktemp("one_process"), {}
-    for family in ("sft", "dpo", "grpo", "rloo"):
+    for family in ("sft", "dpo", "kto", "grpo", "rloo"):
         runs[family], trainer = worker.train(str(tiny_dir), out, family, 1)
         trainer.close()
     return runs
 
 
-@pytest.mark.parametrize("family", ["sft", "dpo", "sft_checkpointed", "grpo", "rloo"])
+@pytest.mark.parametrize("family", ["sft", "dpo", "kto", "sft_checkpointed", "grpo", "rloo"])
 def test_sequence_parallel_trainer_equals_one_process(launched, one_process, tiny_dir, family):
     one = one_process[family.removesuffix("_checkpointed")]  # checkpointing changes no number
     start = AutoModelForCausalLM.from_pretrained(tiny_dir).state_dict()

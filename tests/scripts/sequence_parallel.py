@@ -32,12 +32,12 @@ import torch.nn.functional as F
 
 from grimoire import GrimoireTrainer, TrainerCallback
 from grimoire.columns import IGNORE_INDEX
-from grimoire.data import tokenize_grpo, tokenize_preference, tokenize_sft
+from grimoire.data import tokenize_grpo, tokenize_kto, tokenize_preference, tokenize_sft
 from grimoire.forward.attention_hints import attention_impl
 from grimoire.forward.logprobs import compute_token_logps
 from grimoire.forward.sequence_split import set_sequence_group
-from grimoire.losses import DPOLoss, SFTLoss
-from grimoire.model.tiny import build_model, preference_rows, reverse_rows
+from grimoire.losses import DPOLoss, KTOLoss, SFTLoss
+from grimoire.model.tiny import build_model, kto_rows, preference_rows, reverse_rows
 from grimoire.model.ulysses_attention import enable_ulysses_attention
 from grimoire.parallel.fsdp import full_state_dict, is_sharded
 from grimoire.parallel.sequence import sequence_mesh, sum_sequence_grads
@@ -163,7 +163,7 @@ def train(
     stop_after: int | None = None,
     resume: bool = False,
 ) -> tuple[dict, GrimoireTrainer]:
-    """3 SGD steps of ``family`` ("sft", "dpo", "grpo", "rloo"; "sft_checkpointed": SFT with
+    """3 SGD steps of ``family`` ("sft", "dpo", "kto", "grpo", "rloo"; "sft_checkpointed": SFT with
     activation checkpointing, whose recompute repeats the attention's collectives; "sft_fsdp2",
     "grpo_fsdp2": with ``distributed: fsdp2``) on packed
     rows through ``GrimoireTrainer`` (``stop_after``: that many, with a checkpoint there;
@@ -183,6 +183,9 @@ def train(
     elif base in ("grpo", "rloo"):
         rows = [tokenize_grpo(r, tok, max_length=64) for r in reverse_rows(8, seed=6)]
         loss_fn, seen = online_method(base, sequence_parallel_size)
+    elif base == "kto":  # its KL reference point: mismatched pairs, summed over data ranks
+        rows = [tokenize_kto(r, tok, max_length=64) for r in kto_rows(16, seed=4)]
+        loss_fn = KTOLoss(ref_model=copy.deepcopy(model))
     else:
         rows = [tokenize_preference(r, tok, max_length=64) for r in preference_rows(16, seed=4)]
         loss_fn = DPOLoss(ref_model=copy.deepcopy(model))
@@ -250,7 +253,7 @@ def main(out_dir: Path, tiny_dir: str) -> None:
 
 #: The trainer's runs the 2-process launch makes (``sft_checkpointed``: SFT with activation
 #: checkpointing).
-FAMILIES = ("sft", "dpo", "sft_checkpointed", "grpo", "rloo")
+FAMILIES = ("sft", "dpo", "kto", "sft_checkpointed", "grpo", "rloo")
 #: The 4-process launch's: one sequence group of 4, then a 2 data x 2 sequence mesh.
 FAMILIES4 = ("sft", "dpo", "grpo")
 MESH_FAMILIES = ("grpo", "sft_fsdp2", "grpo_fsdp2")
