@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import yaml
 from tests.helpers.doc_methods import doc_class_blocks, docs_minimal_loss
 from tests.helpers.train_utils import params_of, quiet_config, train
-from tests.test_distributed import assert_two_processes_match_one
 from transformers import AutoModelForCausalLM
 
 from grimoire import GrimoireTrainer
@@ -107,8 +106,8 @@ def test_custom_loss_accumulation_equals_one_big_batch_and_the_token_mean(
         assert _max_diff(token_mean_step(tiny_dir, rows, split), reference) > 1e-3, split
 
 
-def test_custom_loss_on_two_processes_equals_one(tiny_dir, tmp_path):
-    assert_two_processes_match_one(tiny_dir, tmp_path, {"loss": "docs_minimal"})
+# The custom loss on 2 processes against 1: tests/test_distributed.py's "custom-loss" case
+# (the same launches as its other cases).
 
 
 def test_a_custom_loss_without_loss_weight_is_refused_before_training(

@@ -42,29 +42,41 @@ def _losses(folder: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {},
-        # Token budget: ranks get LPT-balanced, bin-packed micro-batches (a different split from
-        # the 1-process run; normalising by the global token count keeps the same objective).
-        {"max_tokens_per_device": 40},
-        # OSFT: each rank decomposes half of the matrices and broadcasts the factors.
-        {"osft": True, "osft_unfreeze_rank_ratio": 0.5},
-    ],
-    ids=["padded", "token-budget", "osft"],
-)
-def test_two_processes_match_one_process(tiny_dir, tmp_path, extra):
-    assert_two_processes_match_one(tiny_dir, tmp_path, extra)
+#: The settings 2 processes must train as 1 does, each run by the same two launches.
+CASES = {
+    "padded": {},
+    # Token budget: ranks get LPT-balanced, bin-packed micro-batches (a different split from
+    # the 1-process run; normalising by the global token count keeps the same objective).
+    "token-budget": {"max_tokens_per_device": 40},
+    # OSFT: each rank decomposes half of the matrices and broadcasts the factors.
+    "osft": {"osft": True, "osft_unfreeze_rank_ratio": 0.5},
+    # docs/custom-loss.md's MinimalLoss (tests/test_custom_loss_contract.py's method): its
+    # loss_weight makes the accumulated, all-reduced step the 1-process one.
+    "custom-loss": {"loss": "docs_minimal"},
+}
 
 
-def assert_two_processes_match_one(tiny_dir, tmp_path, extra: dict) -> None:
-    """``scripts/ddp_sft.py`` with ``extra``: 2 processes x 2 rows x 2 accumulation end where 1
-    process x 4 rows x 2 accumulation does, step by step in the logged loss."""
-    one, two = tmp_path / "one", tmp_path / "two"
+@pytest.fixture(scope="module")
+def launched(tiny_dir, tmp_path_factory) -> Path:
+    """Every case of :data:`CASES` in one 1-process run and one 2-process launch (one start
+    each rather than one per case)."""
+    out = tmp_path_factory.mktemp("ddp")
+    launch_one_and_two(tiny_dir, out, list(CASES.values()))
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_match_one_process(launched, case):
+    i = list(CASES).index(case)
+    assert_same_training(launched / "one" / f"case{i}", launched / "two" / f"case{i}")
+
+
+def launch_one_and_two(tiny_dir, out: Path, extra: dict | list[dict]) -> None:
+    """``scripts/ddp_sft.py`` on 1 process (4 rows x 2 accumulation) into ``out/one`` and on 2
+    (2 rows x 2 accumulation each) into ``out/two``."""
     args = [str(SCRIPT), str(tiny_dir)]
     subprocess.run(
-        [sys.executable, *args, str(one), "4", "2", json.dumps(extra)],
+        [sys.executable, *args, str(out / "one"), "4", "2", json.dumps(extra)],
         check=True,
         env=_env(),
         timeout=300,
@@ -75,7 +87,7 @@ def assert_two_processes_match_one(tiny_dir, tmp_path, extra: dict) -> None:
             "--main_process_port",
             str(free_port()),
             *args,
-            str(two),
+            str(out / "two"),
             "2",
             "2",
             json.dumps(extra),
@@ -84,6 +96,9 @@ def assert_two_processes_match_one(tiny_dir, tmp_path, extra: dict) -> None:
         env=_env(),
         timeout=300,
     )
+
+
+def assert_same_training(one: Path, two: Path) -> None:
     a = torch.load(one / "params.pt", weights_only=True)
     b = torch.load(two / "params.pt", weights_only=True)
     assert a.keys() == b.keys()

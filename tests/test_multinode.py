@@ -185,51 +185,32 @@ def _assert_one_group_across_launchers(folder: Path, launcher: str) -> None:
         assert len({r["TORCHELASTIC_RUN_ID"] for r in ranks}) == 1
 
 
+#: The settings each two-node launch trains (the token budget: rows LPT-balanced across the two
+#: nodes' ranks and bin-packed).
+CASES = {"padded": {}, "token-budget": {"max_tokens_per_device": 40}}
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_dir, tmp_path_factory):
-    """The same run on one launcher with 2 processes and, if asked, on 1 process; made once per
-    config. (1 vs 2 processes under the token budget is tests/test_distributed.py's job.)"""
-    cache: dict[tuple[str, int], Path] = {}
-
-    def get(extra: dict, nproc: int) -> Path:
-        key = json.dumps(extra, sort_keys=True)
-        if (key, nproc) not in cache:
-            out = tmp_path_factory.mktemp(f"multinode-ref-{nproc}")
-            if nproc == 1:
-                cmd = [sys.executable, str(SCRIPT), str(tiny_dir), str(out / "run"), "4", "2"]
-            else:
-                port, run_id = free_port(), f"grimoire-test-{uuid.uuid4().hex[:8]}"
-                launcher = _torchrun(1, 2, port, run_id, node_rank=0)
-                cmd = [*launcher, str(SCRIPT), str(tiny_dir), str(out / "run"), "2", "2"]
-            _run_together([([*cmd, key], _env())], out / "logs")
-            cache[key, nproc] = out / "run"
-        return cache[key, nproc]
-
-    return get
+def one_process(tiny_dir, tmp_path_factory) -> Path:
+    """Every case of :data:`CASES` on 1 process (4 rows x 2 accumulation), one start for all:
+    ``<out>/case<i>``. (1 vs 2 processes on one node is tests/test_distributed.py's job.)"""
+    out = tmp_path_factory.mktemp("multinode-one")
+    cmd = [sys.executable, str(SCRIPT), str(tiny_dir), str(out), "4", "2"]
+    _run_together([([*cmd, json.dumps(list(CASES.values()))], _env())], out / "logs")
+    return out
 
 
 @pytest.mark.parametrize(
-    ("launcher", "extra"),
-    [
-        ("torchrun", {}),
-        # Token budget: rows are LPT-balanced across the two nodes' ranks and bin-packed.
-        ("torchrun", {"max_tokens_per_device": 40}),
-        ("accelerate", {}),
-    ],
-    ids=["torchrun-c10d-padded", "torchrun-c10d-token-budget", "accelerate-static-padded"],
+    ("launcher", "case"),
+    [("torchrun", "token-budget"), ("accelerate", "padded")],
+    ids=["torchrun-c10d-token-budget", "accelerate-static-padded"],
 )
-def test_two_nodes_match_one_node(tiny_dir, tmp_path, reference, launcher, extra):
+def test_two_nodes_match_one_process(tiny_dir, tmp_path, one_process, launcher, case):
     nodes = tmp_path / "two-nodes"
     # per process: batch 2 x accumulation 2 x 2 processes = the 1-process run's 4 x 2
-    args = [str(SCRIPT), str(tiny_dir), str(nodes), "2", "2", json.dumps(extra, sort_keys=True)]
+    extra = json.dumps(CASES[case], sort_keys=True)
+    args = [str(SCRIPT), str(tiny_dir), str(nodes), "2", "2", extra]
     _two_nodes(launcher, args, tmp_path / "logs")
     _assert_one_group_across_launchers(nodes, launcher)
-
-    one_launcher = reference(extra, nproc=2)
-    ranks = [(r["RANK"], r["GROUP_RANK"], r["LOCAL_WORLD_SIZE"]) for r in _ranks(one_launcher)]
-    assert ranks == [("0", "0", "2"), ("1", "0", "2")]  # the same world, on one node
-    _assert_same_training(one_launcher, nodes)
-    if not extra:
-        one_process = reference(extra, nproc=1)
-        assert [r["num_processes"] for r in _ranks(one_process)] == [1]
-        _assert_same_training(one_process, nodes)
+    assert [r["num_processes"] for r in _ranks(one_process)] == [1]
+    _assert_same_training(one_process / f"case{list(CASES).index(case)}", nodes)
