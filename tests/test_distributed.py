@@ -71,6 +71,13 @@ def test_two_processes_match_one_process(launched, case):
     assert_same_training(launched / "one" / f"case{i}", launched / "two" / f"case{i}")
 
 
+def test_a_trainer_after_close_under_a_launcher_is_refused_with_a_message(launched):
+    for rank in (0, 1):
+        said = (launched / "two" / f"after_close.rank{rank}.txt").read_text()
+        assert said.startswith("the launcher started 2 processes, but an earlier trainer"), said
+        assert "call close() only on the last trainer of the script" in said
+
+
 def launch_one_and_two(tiny_dir, out: Path, extra: dict | list[dict]) -> None:
     """``scripts/ddp_sft.py`` on 1 process (4 rows x 2 accumulation) into ``out/one`` and on 2
     (2 rows x 2 accumulation each) into ``out/two``."""

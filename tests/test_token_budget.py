@@ -48,17 +48,23 @@ def _check(family: str, results: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def one_process(tiny_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("budget-1")
-    budget_probe.run(str(tiny_dir), str(out), FAMILIES)
+    budget_probe.run(str(tiny_dir), str(out), FAMILIES).close()
     return out
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
-def two_processes(request, tiny_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp(f"budget-2-{request.param}")
+@pytest.fixture(scope="module")
+def launched(tiny_dir, tmp_path_factory) -> Path:
+    """One 2-process launch: every family under DDP, then under FSDP2 (``<out>/<mode>/``)."""
+    out = tmp_path_factory.mktemp("budget-2")
     cmd = [*LAUNCH, "--main_process_port", str(free_port()), str(SCRIPT), str(tiny_dir)]
-    env = {**_env(), "PROBE_DISTRIBUTED": request.param}
+    env = {**_env(), "PROBE_DISTRIBUTED": "ddp,fsdp2"}
     subprocess.run([*cmd, str(out), ",".join(FAMILIES)], check=True, env=env, timeout=600)
     return out
+
+
+@pytest.fixture(params=["ddp", "fsdp2"])
+def two_processes(request, launched) -> Path:
+    return launched / request.param
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -7,7 +7,8 @@ records which samples of a pass received gradient, i.e. were trained (rank-sync 
 run with loss weight 0 and receive none). Nothing here reads the planner's own output.
 
 Usage: ``python budget_probe.py TINY_DIR OUT_DIR FAMILY[,FAMILY...]`` (also under a launcher);
-writes ``OUT_DIR/<family>.rank<r>.json``. Tests import :data:`FAMILIES` for the expectations.
+writes ``OUT_DIR/<family>.rank<r>.json`` (``OUT_DIR/<mode>/...`` for each of several
+``PROBE_DISTRIBUTED`` modes). Tests import :data:`FAMILIES` for the expectations.
 """
 
 from __future__ import annotations
@@ -236,7 +237,9 @@ def expected_units(family: str) -> dict[tuple[int, ...], int]:
     return {tuple(r["prompt_input_ids"]): per_prompt for r in prompt_rows()}
 
 
-def run(tiny_dir: str, out_dir: str, families: list[str]) -> None:
+def run(tiny_dir: str, out_dir: str, families: list[str], distributed: str = "ddp") -> Any:
+    """Every family in turn; returns the last trainer (the caller closes it: closing releases
+    the process group, which a later run in this process still needs)."""
     from tests.helpers.train_utils import quiet_config
     from transformers import AutoTokenizer
 
@@ -259,7 +262,7 @@ def run(tiny_dir: str, out_dir: str, families: list[str]) -> None:
             learning_rate=1e-4,
             disable_dropout=True,
             max_tokens_per_device=budget,
-            distributed=os.environ.get("PROBE_DISTRIBUTED", "ddp"),
+            distributed=distributed,
             **spec,
         )
         trainer = GrimoireTrainer(model, tokenizer, config, loss, rows)
@@ -267,9 +270,14 @@ def run(tiny_dir: str, out_dir: str, families: list[str]) -> None:
         rank = trainer.accelerator.process_index
         result = {"budget": budget, "passes": probe.dump(), "steps": trainer.global_step}
         (Path(out_dir) / f"{family}.rank{rank}.json").write_text(json.dumps(result))
-    if trainer is not None:
-        trainer.close()
+    return trainer
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2], sys.argv[3].split(","))
+    # PROBE_DISTRIBUTED: "ddp", "fsdp2" or both ("ddp,fsdp2": each into OUT_DIR/<mode>/, one
+    # launch for both).
+    modes = os.environ.get("PROBE_DISTRIBUTED", "ddp").split(",")
+    for mode in modes:
+        out = str(Path(sys.argv[2], mode)) if len(modes) > 1 else sys.argv[2]
+        trainer = run(sys.argv[1], out, sys.argv[3].split(","), mode)
+    trainer.close()

@@ -64,3 +64,13 @@ if isinstance(given, list):
 else:
     trainer = run(model_dir, out_dir, batch, accum, given)
 trainer.close()
+if isinstance(given, list) and trainer.accelerator.num_processes > 1:
+    # A trainer after close() under a launcher: refused with a message (it used to fail deep in
+    # DDP, or hang under FSDP2); OUT_DIR/after_close.rank<r>.txt.
+    rank = trainer.accelerator.process_index
+    try:
+        run(model_dir, str(Path(out_dir, "after_close")), batch, accum, {})
+        said = "trained"
+    except RuntimeError as err:
+        said = str(err)
+    Path(out_dir, f"after_close.rank{rank}.txt").write_text(said)

@@ -74,6 +74,14 @@ def check_world_size(num_processes: int) -> None:
             "with different settings. On a machine without a GPU create it as "
             "PartialState(cpu=True), or let GrimoireTrainer create it first."
         )
+    if launched > 1 and not torch.distributed.is_initialized():
+        # close() destroyed the group, and c10d cannot start another one from the launcher's
+        # store (it reads the old group's addresses): DDP failed later, FSDP2 hung.
+        raise RuntimeError(
+            f"the launcher started {launched} processes, but an earlier trainer in this process "
+            "released their process group (trainer.close()): under a launcher, call close() "
+            "only on the last trainer of the script"
+        )
 
 
 __all__ = [
