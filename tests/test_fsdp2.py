@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,13 +54,16 @@ def _same_params(a: Path, b: Path, rtol: float = 1e-5) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tiny_dir, tmp_path_factory) -> Path:
-    """Every family of a layout in one launch (each is a fresh trainer; the launches' imports
-    and process-group start-ups are most of the time): FAMILIES, and on FSDP2 and one process
-    the bf16 and Muon runs that only the tests at the end of this file read."""
+    """Every family on both layouts in one 2-process launch (each a fresh trainer; the launches'
+    imports and process-group start-ups are most of the time), then Muon's sharded step on the
+    same group (``muon.rank<r>.json``), and every family in one process: FAMILIES, and the bf16
+    and Muon runs the tests at the end of this file read. SFT also checkpoints at step 2 (on
+    FSDP2 and in one process), which the resume test resumes on the other world size."""
     root = tmp_path_factory.mktemp("fsdp")
-    _launch(tiny_dir, root / "fsdp2", [*FAMILIES, "sft_bf16", "muon"], "fsdp2", 2, 2)
-    _launch(tiny_dir, root / "ddp", FAMILIES, "ddp", 2, 2)
-    _one(tiny_dir, root / "one", ",".join([*FAMILIES, "muon"]))  # the same global batch: 8 rows
+    env = {"SAVE_SFT_AT": "2"}
+    families = [*FAMILIES, "sft_bf16", "muon"]
+    _launch(tiny_dir, root, families, "fsdp2,ddp", 2, 2, env={**env, "MUON_SHARDED": "1"})
+    _one(tiny_dir, root / "one", ",".join([*FAMILIES, "muon"]), env=env)  # 8 rows per step too
     return root
 
 
@@ -121,19 +125,21 @@ def test_fsdp2_export_equals_the_one_process_export(runs, family):
 
 
 def test_resume_on_another_world_size_equals_the_uninterrupted_run(runs, tiny_dir, tmp_path):
-    # 2 processes (FSDP2) stop at step 2 with a DCP checkpoint; 1 process resumes to step 3.
+    # 2 processes' (FSDP2) DCP checkpoint of step 2; 1 process resumes it to step 3.
     two_to_one = tmp_path / "2to1"
-    _launch(tiny_dir, two_to_one, ["sft"], "fsdp2", 2, 2, 2)
+    assert (runs / "fsdp2" / "sft" / "checkpoint-2" / "dcp").is_dir()
+    shutil.copytree(runs / "fsdp2/sft/checkpoint-2", two_to_one / "sft/checkpoint-2")
     _one(tiny_dir, two_to_one, "sft", "resume")
-    assert (two_to_one / "sft" / "checkpoint-2" / "dcp").is_dir()
     assert _result(two_to_one / "sft")["losses"] == pytest.approx(
         _result(runs / "one" / "sft")["losses"][2:], rel=1e-5
     )
     _same_params(two_to_one / "sft", runs / "one" / "sft")
-    # 1 process stops at step 2; 2 FSDP2 processes resume to step 3.
+    # 1 process's checkpoint of step 2; 2 FSDP2 processes resume it to step 3.
     one_to_two = tmp_path / "1to2"
-    _one(tiny_dir, one_to_two, "sft", 2)
+    shutil.copytree(runs / "one/sft/checkpoint-2", one_to_two / "sft/checkpoint-2")
     _launch(tiny_dir, one_to_two, ["sft"], "fsdp2", 2, 2, "resume")
+    assert _result(one_to_two / "sft")["steps"] == 3
+    assert len(_result(one_to_two / "sft")["losses"]) == 1  # step 3 only: it did resume
     _same_params(one_to_two / "sft", runs / "one" / "sft")
 
 
@@ -172,16 +178,12 @@ def test_fsdp2_bf16_gathers_bf16_weights_and_keeps_fp32_shards(runs):
         assert all(math.isfinite(x) for x in result["losses"]) and len(result["losses"]) == 3
 
 
-def test_fsdp2_muon_step_equals_the_whole_matrix_step(tiny_dir, tmp_path):
+def test_fsdp2_muon_step_equals_the_whole_matrix_step(runs):
     """Muon on FSDP2 shards: each matrix is gathered for Newton-Schulz and each process applies
     its slice, so from the same gradients the sharded weights equal torch.optim.Muon's on whole
     matrices (tests/scripts/muon_sharded.py; torch's step on the shards differs by ~1e-3)."""
-    script = Path(fsdp_parity.__file__).with_name("muon_sharded.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), str(script), str(tiny_dir), str(tmp_path)]
-    subprocess.run(cmd, check=True, env=_env(), timeout=600)
     for rank in (0, 1):
-        record = json.loads((tmp_path / f"muon.rank{rank}.json").read_text())
+        record = json.loads((runs / f"muon.rank{rank}.json").read_text())
         muon = {name: p for name, p in record.items() if p["muon"]}
         assert len(muon) == 14  # 7 projections x 2 layers; embeddings and norms on AdamW
         for name, p in record.items():

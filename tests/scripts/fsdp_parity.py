@@ -7,6 +7,10 @@ weights, gathered); the ``EXPORTED`` families also write ``OUT_DIR/export`` (``s
 ``from_pretrained`` export; ``sft_untied``: SFT of the tiny Llama with untied embeddings).
 ``RESUME_STEPS``: stop after that many steps with a checkpoint (the resume
 test then runs again with ``resume_from_checkpoint``). ``PARITY_CONFIG``: JSON config overrides.
+``DISTRIBUTED`` may list several layouts (``fsdp2,ddp``): each runs every family, one launch for
+all, into ``OUT_DIR/<layout>/<family>``. ``SAVE_SFT_AT=S``: the ``sft`` family also writes a
+checkpoint at step ``S`` and goes on (the resume tests start from it). ``MUON_SHARDED=1``: after
+the families, :func:`tests.scripts.muon_sharded.main` on the same process group.
 
 ``FUSED_CHUNK=N`` builds the loss with ``fused_chunk_size=N``; ``VOCAB=V`` records, with a
 TorchDispatchMode around training, the most rows of any float tensor whose last dim is ``V``
@@ -158,7 +162,9 @@ def main(
         warmup_ratio=0.0,
         distributed=distributed,
         max_tokens_per_device=96,
-        save_steps=stop_after,
+        save_steps=stop_after or (int(os.environ.get("SAVE_SFT_AT", 0)) or None)
+        if family == "sft"
+        else stop_after,
         disable_dropout=True,
         save_total_limit=None,
         checkpoint_signals=["SIGTERM", "SIGUSR1"],
@@ -234,16 +240,23 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     stop = int(args[6]) if len(args) > 6 and args[6] != "resume" else None
     trainer = None
-    for fam in args[2].split(","):  # several families in one launch: one process-group start-up
-        trainer = main(
-            args[0],
-            str(Path(args[1]) / fam),
-            fam,
-            args[3],
-            int(args[4]),
-            int(args[5]),
-            stop,
-            resume=len(args) > 6 and args[6] == "resume",
-        )
+    layouts = args[3].split(",")
+    for layout in layouts:
+        root = Path(args[1], layout) if len(layouts) > 1 else Path(args[1])
+        for fam in args[2].split(","):  # several families in one launch: one group start-up
+            trainer = main(
+                args[0],
+                str(root / fam),
+                fam,
+                layout,
+                int(args[4]),
+                int(args[5]),
+                stop,
+                resume=len(args) > 6 and args[6] == "resume",
+            )
+    if os.environ.get("MUON_SHARDED"):
+        from tests.scripts import muon_sharded
+
+        muon_sharded.main(args[0], args[1])
     if trainer is not None:
         trainer.close()

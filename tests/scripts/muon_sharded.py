@@ -1,6 +1,7 @@
 """Muon's step on FSDP2 shards against the same step on whole matrices, fed identical gradients.
 
-Usage (2 processes): ``muon_sharded.py TINY_DIR OUT_DIR``. Two copies of the tiny Llama: one
+Usage (2 processes): ``muon_sharded.py TINY_DIR OUT_DIR`` (or :func:`main` from a launched
+script whose process group is up: tests/scripts/fsdp_parity.py with ``MUON_SHARDED=1``). Two copies of the tiny Llama: one
 sharded by grimoire's ``shard_model`` (FSDP2), one left whole on every process, each with
 ``build_optimizer(optimizer="muon")``. Each step sets the same seeded full gradient on both
 (the sharded copy gets this process's slice), steps both optimizers, and records, per Muon
@@ -33,7 +34,9 @@ def main(tiny_dir: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    started = not dist.is_initialized()  # run alone, or after fsdp_parity.py's trainers
+    if started:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     config = TrainingConfig(
         output_dir=out,
@@ -72,7 +75,8 @@ def main(tiny_dir: str, out: str) -> None:
     }
     Path(out, f"muon.rank{rank}.json").write_text(json.dumps(record))
     assert all(isinstance(p, DTensor) for p in sharded.parameters())
-    dist.destroy_process_group()
+    if started:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
