@@ -11,6 +11,8 @@ test then runs again with ``resume_from_checkpoint``). ``PARITY_CONFIG``: JSON c
 all, into ``OUT_DIR/<layout>/<family>``. ``SAVE_SFT_AT=S``: the ``sft`` family also writes a
 checkpoint at step ``S`` and goes on (the resume tests start from it). ``MUON_SHARDED=1``: after
 the families, :func:`tests.scripts.muon_sharded.main` on the same process group.
+``THEN_RESUME=DIR[,DIR...]``: then, on the same group and layout, resume each ``DIR/sft``'s
+latest checkpoint to step 3 (checkpoints written on other world sizes or layouts).
 
 ``FUSED_CHUNK=N`` builds the loss with ``fused_chunk_size=N``; ``VOCAB=V`` records, with a
 TorchDispatchMode around training, the most rows of any float tensor whose last dim is ``V``
@@ -171,7 +173,7 @@ def main(
         resume_from_checkpoint="latest" if resume else None,
         **extra,
     )
-    # PARITY_CONFIG: JSON overrides of the config (tests/test_hsdp.py: the shard group size).
+    # PARITY_CONFIG: JSON overrides of the config (tests/test_fsdp2.py HSDP: the shard group size).
     config = TrainingConfig(
         **{**config.to_dict(), **json.loads(os.environ.get("PARITY_CONFIG", "{}"))}
     )
@@ -240,7 +242,7 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     stop = int(args[6]) if len(args) > 6 and args[6] != "resume" else None
     trainer = None
-    layouts = args[3].split(",")
+    layouts, batching = args[3].split(","), (int(args[4]), int(args[5]))
     for layout in layouts:
         root = Path(args[1], layout) if len(layouts) > 1 else Path(args[1])
         for fam in args[2].split(","):  # several families in one launch: one group start-up
@@ -249,11 +251,14 @@ if __name__ == "__main__":
                 str(root / fam),
                 fam,
                 layout,
-                int(args[4]),
-                int(args[5]),
+                *batching,
                 stop,
                 resume=len(args) > 6 and args[6] == "resume",
             )
+    for folder in filter(None, os.environ.get("THEN_RESUME", "").split(",")):
+        trainer = main(
+            args[0], str(Path(folder, "sft")), "sft", layouts[-1], *batching, resume=True
+        )
     if os.environ.get("MUON_SHARDED"):
         from tests.scripts import muon_sharded
 
