@@ -16,6 +16,8 @@ without the fault (6 steps, checkpoints every 2, a constant learning rate).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -78,10 +80,19 @@ def _resume(tmp_path, config):
 
 
 def uninterrupted_weights(tmp_path_factory) -> dict:
-    """The final weights of the run without a fault."""
-    tmp = tmp_path_factory.mktemp("clean")
-    _train(tmp, _config(tmp, "clean"))
-    return load_file(tmp / "clean" / "final" / "model.safetensors")
+    """The final weights of the run without a fault. This file and tests/test_faults_signals.py
+    read the same run: under pytest-xdist the first worker to need it trains it, holding a
+    lock in the run's common temporary folder, and the other reads it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    tmp = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "faults-clean"
+    final = tmp / "clean" / "final" / "model.safetensors"
+    with FileLock(str(tmp) + ".lock"):
+        if not final.is_file():
+            tmp.mkdir(exist_ok=True)
+            _train(tmp, _config(tmp, "clean"))
+    return load_file(final)
 
 
 @pytest.fixture(scope="module")
@@ -138,11 +149,20 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(bytes(data))
 
 
+@pytest.fixture(scope="module")
+def stopped_at_4(tmp_path_factory) -> Path:
+    """A run stopped after step 4 with checkpoints 2 and 4 (each test damages its own copy)."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    _train(tmp, _config(tmp, "run", [("StopAt", {"step": 4})]))
+    return tmp / "run"
+
+
 @pytest.mark.parametrize("how", ["truncated", "bit-flipped"])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, uninterrupted, how):
-    config = _config(tmp_path, "run", [("StopAt", {"step": 4})])
-    _train(tmp_path, config)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path, uninterrupted, stopped_at_4, how
+):
     out = tmp_path / "run"
+    shutil.copytree(stopped_at_4, out)
     shard = out / "checkpoint-4" / "dcp" / "__0_0.distcp"
     _damage(shard, how)
     clean = _config(tmp_path, "run")
