@@ -246,6 +246,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="small model, 1 and 2 processes")
     p.add_argument("--worlds", help="comma list of process counts (default 1,2,4; quick 1,2)")
     p.add_argument("--no-logits", action="store_true", help="skip part 2 (the log-prob path)")
+    p.add_argument(
+        "--logits-cells",
+        default=",".join(LOGIT_CELLS),
+        help=f"part 2's cells, comma list (default all: {','.join(LOGIT_CELLS)})",
+    )
     p.add_argument("--cell", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--logits-cell", choices=list(LOGIT_CELLS), help=argparse.SUPPRESS)
     p.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
@@ -297,7 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_logits:
         tokens, vocab = ROWS_PER_PACK * preset["row_len"], preset["logits_vocab"]
         cells = {}
-        for cell in LOGIT_CELLS:
+        for cell in args.logits_cells.split(","):
+            if cell not in LOGIT_CELLS:
+                sys.exit(f"--logits-cells: {cell!r} is not one of {', '.join(LOGIT_CELLS)}")
             ranks = _launch("logits-cell", cell, 2, args.quick)
             if len(ranks) != 2 or any(r["steps"] != 1 for r in ranks):
                 sys.exit(f"{cell}: expected 2 ranks with 1 step, got {ranks}")
@@ -326,18 +333,24 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {max(r['peak_mb'] for r in ranks):.0f} "
                 f"| +{max(r['delta_mb'] for r in ranks):.0f} |"
             )
-        fused, full = (max(r["delta_mb"] for r in cells[c]) for c in ("fsdp2-fused", "fsdp2-full"))
-        print()
-        print(
-            f"FSDP2 fused vs the old full-logits fallback: peak above start {fused:.0f} vs "
-            f"{full:.0f} MiB per rank ({fused / max(full, 1e-9):.2f}x); total peak RSS "
-            f"{max(r['peak_mb'] for r in cells['fsdp2-fused']):.0f} vs "
-            f"{max(r['peak_mb'] for r in cells['fsdp2-full']):.0f} MiB."
-        )
-        for r in cells["fsdp2-fused"]:
-            if r["reason"]:
-                print(f"# fsdp2 rank {r['rank']} log line: {r['reason']}")
+        if not {"fsdp2-fused", "fsdp2-full"} - set(cells):  # (--logits-cells may leave one out)
+            _compare_fused(cells)
     print(f"# wall time: {time.perf_counter() - t_start:.0f} s", flush=True)
+
+
+def _compare_fused(cells: dict[str, list[dict[str, Any]]]) -> None:
+    """Part 2's closing line: FSDP2's fused path against its old full-logits fallback."""
+    fused, full = (max(r["delta_mb"] for r in cells[c]) for c in ("fsdp2-fused", "fsdp2-full"))
+    print()
+    print(
+        f"FSDP2 fused vs the old full-logits fallback: peak above start {fused:.0f} vs "
+        f"{full:.0f} MiB per rank ({fused / max(full, 1e-9):.2f}x); total peak RSS "
+        f"{max(r['peak_mb'] for r in cells['fsdp2-fused']):.0f} vs "
+        f"{max(r['peak_mb'] for r in cells['fsdp2-full']):.0f} MiB."
+    )
+    for r in cells["fsdp2-fused"]:
+        if r["reason"]:
+            print(f"# fsdp2 rank {r['rank']} log line: {r['reason']}")
 
 
 if __name__ == "__main__":
