@@ -5,11 +5,12 @@ Usage: ``deepspeed_parity.py TINY_DIR OUT_DIR FAMILIES [resume]``, launched on 2
 ``FAMILIES``: comma-separated ``sft`` / ``dpo`` (DPO with a frozen reference model).
 
 Each run checkpoints at step 2 and goes on to step 3, writing into ``OUT_DIR/FAMILY/``:
-``result.rank<r>.json`` (losses and grad norms per step, the final evaluation, the wrapper types, how much of each
-weight this process holds), and from rank 0 ``params.pt`` (the full trained weights, read back
-from the trainer's own ``save_model`` export in ``export/``). ``resume``: a fresh run resumes
-from ``OUT_DIR/FAMILY/checkpoint-2`` to step 3 and writes the same files into
-``OUT_DIR/FAMILY/resumed/``.
+``result.rank<r>.json`` (losses and grad norms per step, the steps they were logged at, the
+final evaluation, the wrapper types, how much of each weight this process holds), and from rank
+0 ``params.pt`` (the full trained weights, read back from the trainer's own ``save_model``
+export in ``export/``). ``resume``: after each run, a fresh trainer in the same launch (a model
+loaded from TINY_DIR, a new engine) resumes from ``OUT_DIR/FAMILY/checkpoint-2`` to step 3 and
+writes the same files into ``OUT_DIR/FAMILY/resumed/``.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ TOTAL, SAVE_AT = 3, 2
 
 class Record(TrainerCallback):
     def __init__(self) -> None:
+        self.steps: list[int] = []
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self.eval: dict[str, float] = {}
 
     def on_step_end(self, trainer, step, loss, metrics):
+        self.steps.append(step)
         self.losses.append(loss)
         self.grad_norms.append(trainer._last_grad_norm)
 
@@ -104,6 +107,7 @@ def train(tiny_dir: str, out: Path, model: Any, loss: Any, rows: list, resume: b
     folder = Path(config.output_dir)
     ref = getattr(getattr(loss, "reference", None), "ref_model", None)
     result = {
+        "logged_steps": record.steps,
         "losses": record.losses,
         "grad_norms": record.grad_norms,
         "eval": record.eval,
@@ -127,16 +131,18 @@ if __name__ == "__main__":
     tiny, root, families = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(",")
     resume = sys.argv[4:] == ["resume"]
     torch.set_num_threads(1)
-    # Every model is loaded before the first trainer exists, as in a one-run script: once an
-    # Accelerator holds a ZeRO-3 config, transformers' from_pretrained builds models already
-    # partitioned (accelerate registers the config with transformers).
-    runs = {family: load(tiny, family) for family in families}
+    # Every model is loaded before the first trainer exists, the resumed runs' too, as in a
+    # one-run script: once an Accelerator holds a ZeRO-3 config, transformers' from_pretrained
+    # builds models already partitioned (accelerate registers the config with transformers).
+    # Each family's resumed run comes right after the run whose checkpoint it reads.
+    kinds = (False, True) if resume else (False,)
+    runs = [(family, resumed) for family in families for resumed in kinds]
+    loaded = [load(tiny, family) for family, _ in runs]
     trainer = None
-    for family, (model, loss, rows) in runs.items():
-        trainer = train(tiny, root / family, model, loss, rows, resume)
-    # The resumed runs end without close(): the process group is then released by the trainer's
-    # atexit hook (parallel/deepspeed.py), without which ZeRO-3 could abort at interpreter exit.
-    if trainer is not None and not resume:
+    for (family, resumed), (model, loss, rows) in zip(runs, loaded, strict=True):
+        trainer = train(tiny, root / family, model, loss, rows, resumed)
+    # close() only after the last trainer: a trainer built after it is refused under a launcher.
+    if trainer is not None:
         trainer.close()
     # Every result and export is on disk. Under load, ZeRO-3 still sometimes aborts during
     # interpreter finalisation ("terminate called without an active exception": gloo's threads
