@@ -300,7 +300,12 @@ def test_refuses_to_train_alone_under_a_multi_process_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"PartialState\(cpu=True\)"):
         check_world_size(1)
-    check_world_size(2)  # a real 2-process group passes
+    # 2 processes, but no process group: an earlier trainer's close() released it (a real
+    # 2-process launch builds a trainer after close() in tests/test_distributed.py).
+    with pytest.raises(RuntimeError, match=r"call close\(\) only on the last trainer"):
+        check_world_size(2)
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)
+    check_world_size(2)  # a 2-process group passes
     monkeypatch.setenv("WORLD_SIZE", "1")
     check_world_size(1)
 

@@ -60,7 +60,8 @@ def reset_accelerate_state() -> None:
 
 
 def check_world_size(num_processes: int) -> None:
-    """Refuse to train alone when the launcher started several processes.
+    """Refuse to train alone when the launcher started several processes, or without the
+    process group an earlier trainer's ``close()`` released.
 
     accelerate's process state is a per-process singleton: if something built it before the
     trainer (e.g. ``PartialState()`` with its default ``cpu=False`` on a CPU-only machine), every
@@ -75,8 +76,9 @@ def check_world_size(num_processes: int) -> None:
             "PartialState(cpu=True), or let GrimoireTrainer create it first."
         )
     if launched > 1 and not torch.distributed.is_initialized():
-        # close() destroyed the group, and c10d cannot start another one from the launcher's
-        # store (it reads the old group's addresses): DDP failed later, FSDP2 hung.
+        # An earlier trainer's close() destroyed the group, and c10d cannot start another one
+        # from the launcher's store (it reads the old group's addresses): DDP failed later and
+        # FSDP2 hung.
         raise RuntimeError(
             f"the launcher started {launched} processes, but an earlier trainer in this process "
             "released their process group (trainer.close()): under a launcher, call close() "
