@@ -76,7 +76,8 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """:data:`LONGEST_FIRST`'s files first, longest first; the rest in collection order."""
-    rank = {name: i for i, name in enumerate(sorted(LONGEST_FIRST, key=LONGEST_FIRST.get)[::-1])}
+    longest = sorted(LONGEST_FIRST, key=LONGEST_FIRST.__getitem__, reverse=True)
+    rank = {name: i for i, name in enumerate(longest)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 

@@ -151,6 +151,8 @@ def main(
         "learning_rate": 0.2,
         **extra,
     }
+    # SAVE_SFT_AT: SFT also checkpoints at that step and goes on (the resume tests' start).
+    save_at = int(os.environ.get("SAVE_SFT_AT", 0)) if family == "sft" else 0
     config = TrainingConfig(
         output_dir=out,
         max_steps=stop_after or TOTAL,
@@ -164,9 +166,7 @@ def main(
         warmup_ratio=0.0,
         distributed=distributed,
         max_tokens_per_device=96,
-        save_steps=stop_after or (int(os.environ.get("SAVE_SFT_AT", 0)) or None)
-        if family == "sft"
-        else stop_after,
+        save_steps=stop_after or save_at or None,
         disable_dropout=True,
         save_total_limit=None,
         checkpoint_signals=["SIGTERM", "SIGUSR1"],

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from grimoire import GrimoireTrainer, TrainerCallback
+from grimoire import GrimoireTrainer, TrainerCallback, TrainingConfig
 from grimoire.columns import IGNORE_INDEX
 from grimoire.data import tokenize_grpo, tokenize_kto, tokenize_preference, tokenize_sft
 from grimoire.forward.attention_hints import attention_impl
@@ -353,16 +353,14 @@ def greedy_samples(tiny_dir: str, sp, sharded: bool = False) -> dict[str, list]:
         agree = None
         if name == "split":
             enable_ulysses_attention(model, sp.size)
-        if name == "split" and sharded:
-            config = SimpleNamespace(
-                fsdp_cpu_offload=False,
-                mixed_precision="no",
-                fsdp_reshard_after_forward=True,
-                fsdp_shard_group_size=None,
-                sequence_parallel_size=sp.size,
+        if name == "split" and sharded:  # as the trainer shards it: over the data ranks
+            config = TrainingConfig(
+                distributed="fsdp2", mixed_precision="no", sequence_parallel_size=sp.size
             )
             shard_model(model, config)
-            agree = partial(all_reduce_max, SimpleNamespace(num_processes=4, device="cpu"))
+            agree = partial(
+                all_reduce_max, SimpleNamespace(num_processes=dist.get_world_size(), device="cpu")
+            )
         set_sequence_group(sp if name == "split" else None)
         engine = HFGenerateEngine(max_new_tokens=6, generation_batch_size=2)
         engine.bind(model, 0, None, agree=agree)
